@@ -1,0 +1,231 @@
+"""Target adapter: one Hugging Face causal LM driven for tree speculative decoding.
+
+The adapter owns what the decoding loop needs from the target and nothing else:
+
+- a ragged KV cache (`TargetState`): sequence b's committed tokens occupy cache slots
+  [0, lengths[b]) contiguously (slot index == absolute position); slots past that are stale
+  and always masked out, so sequences of different lengths share one cache tensor;
+- forwards over a block of new rows (a prompt, or a flattened draft tree) with an explicit
+  attention mask: full view of the committed prefix, an arbitrary relation inside the block
+  (causal for prompts, ancestor-only for trees), and per layer type the sliding window;
+- hidden-state taps at the inputs of three decoder layers (forward pre-hooks, so no other
+  layer's hidden states are kept), fused low/mid/high for the draft head;
+- compaction after verification: the accepted rows' keys/values move to the slots right
+  after each sequence's prefix, everything else is dropped.
+
+Masks are handed to transformers ready-made: a 4D boolean tensor, or for models with
+sliding-window layers (Gemma3, Qwen3 with sliding layers) a dict keyed by layer type, which
+the model uses as is instead of building its own. Every layer keeps a full-length cache
+(`DynamicCache()` without a config): sliding windows are applied through the masks, so all
+layers share one slot layout and compaction is the same gather for every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """DART/EAGLE-3 taps: inputs of layers 2, L//2 and L-3 (clamped for very shallow models)."""
+    last = num_layers - 1
+    return (min(2, last), min(num_layers // 2, last), max(0, min(num_layers - 3, last)))
+
+
+@dataclass
+class TargetState:
+    """KV cache plus per-sequence committed lengths for a batch of sequences."""
+
+    cache: DynamicCache
+    lengths: torch.Tensor  # [B] int64 on the device: committed tokens held in the cache
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def cache_len(self) -> int:
+        """Number of slots in the cache tensors (>= every sequence's length)."""
+        return self.cache.get_seq_length() if len(self.cache.layers) else 0
+
+    def select(self, batch_indices: torch.Tensor) -> None:
+        """Keep only the given sequences (finished ones leave the batch)."""
+        if len(self.cache.layers):
+            self.cache.batch_select_indices(batch_indices)
+        self.lengths = self.lengths[batch_indices]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, R, V] float32 for the requested rows
+    taps: torch.Tensor  # [B, S, 3 * hidden] fused hidden states of every new row
+
+
+class TargetAdapter:
+    """Drives `model` for prefill, tree verification and KV compaction (see module doc)."""
+
+    def __init__(self, model: PreTrainedModel, tap_layers: Sequence[int] | None = None):
+        self.model = model
+        self.config = model.config.get_text_config(decoder=True)
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no decoder layer list (model.model.layers)")
+        self.num_layers = len(layers)
+        self.tap_layers = tuple(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers)
+        if len(self.tap_layers) != 3 or not all(0 <= i < self.num_layers for i in self.tap_layers):
+            raise ValueError(f"tap_layers must be 3 layer indices in [0, {self.num_layers}), got {self.tap_layers}")
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.layer_types = list(getattr(self.config, "layer_types", None) or [FULL_ATTENTION] * self.num_layers)
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        self.uses_mask_dict = SLIDING_ATTENTION in self.layer_types
+        self._captured: dict[int, torch.Tensor] = {}
+        for index in sorted(set(self.tap_layers)):
+            layers[index].register_forward_pre_hook(self._make_tap_hook(index), with_kwargs=True)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def _make_tap_hook(self, index: int):
+        def hook(_module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._captured[index] = hidden
+
+        return hook
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's own (frozen) token embeddings, as the draft head consumes them."""
+        return self.model.get_input_embeddings()(token_ids)
+
+    def new_state(self, batch_size: int) -> TargetState:
+        return TargetState(DynamicCache(), torch.zeros(batch_size, dtype=torch.long, device=self.device))
+
+    # ------------------------------------------------------------------ masks
+
+    def _attention_masks(self, state: TargetState, positions: torch.Tensor, block: torch.Tensor):
+        """Masks for new rows at `positions` [B, S] whose relation inside the block is `block` [B, S, S].
+
+        Cache slot j holds absolute position j, visible to sequence b iff j < lengths[b].
+        """
+        batch, rows = positions.shape
+        cached = state.cache_len()
+        slot = torch.arange(cached, device=positions.device)
+        prefix = slot[None, None, :] < state.lengths[:, None, None]  # [B, 1, T]
+        prefix = prefix.expand(batch, rows, cached)
+        full = torch.cat([prefix, block], dim=-1)  # [B, S, T + S]
+        if not self.uses_mask_dict:
+            return full[:, None]
+        key_pos = torch.cat([slot[None].expand(batch, cached), positions], dim=-1)  # [B, T + S]
+        in_window = (positions[:, :, None] - key_pos[:, None, :]) < int(self.sliding_window)
+        return {FULL_ATTENTION: full[:, None], SLIDING_ATTENTION: (full & in_window)[:, None]}
+
+    # ---------------------------------------------------------------- forward
+
+    @torch.no_grad()
+    def forward(
+        self,
+        state: TargetState,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """Run new rows through the target and append their K/V after the current cache slots.
+
+        input_ids/positions: [B, S]; block: [B, S, S] bool (row may attend to column);
+        logit_rows: [B, R] row indices whose logits are needed (None = all rows).
+        The appended slots are not committed: call `commit` to keep the accepted ones.
+        """
+        masks = self._attention_masks(state, positions, block)
+        self._captured.clear()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=masks,
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+            logits_to_keep=logit_rows if logit_rows is not None else 0,
+        )
+        taps = torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
+        self._captured.clear()
+        logits = out.logits.float()
+        return ForwardOutput(logits=logits, taps=taps)
+
+    def prefill(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
+        """Forward whole prompts (right-padded into one block); logits only at each last token.
+
+        Afterwards sequence b holds len(prompts[b]) committed tokens.
+        """
+        device = self.device
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        width = int(lengths.max())
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for b, prompt in enumerate(prompts):
+            input_ids[b, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        col = torch.arange(width, device=device)
+        valid = col[None, :] < lengths[:, None]
+        causal = col[None, :, None] >= col[None, None, :]
+        # Padding rows attend to themselves only, so no softmax runs over an empty row.
+        block = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
+        positions = state.lengths[:, None] + col[None, :]
+        out = self.forward(state, input_ids, positions, block, logit_rows=(lengths - 1)[:, None])
+        state.lengths = state.lengths + lengths
+        self._crop(state, int(state.lengths.max()))
+        return out
+
+    def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
+               ancestor: torch.Tensor) -> ForwardOutput:
+        """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
+
+        Positions are committed length + depth; attention is ancestor-only inside the tree.
+        Returns logits at every row (row i predicts the token after row i's path).
+        """
+        positions = state.lengths[:, None] + depths
+        return self.forward(state, tokens, positions, ancestor)
+
+    # ------------------------------------------------------------- compaction
+
+    @torch.no_grad()
+    def commit(self, state: TargetState, block_start: int, accepted_rows: Sequence[Sequence[int]]) -> None:
+        """Keep the K/V of `accepted_rows[b]` (row indices within the last block, in path order).
+
+        They move to slots lengths[b], lengths[b] + 1, ...; the rest of the block is dropped.
+        Destination slots never exceed source slots, and the gather reads before it writes.
+        """
+        device = state.lengths.device
+        batch_idx, src, dst = [], [], []
+        for b, rows in enumerate(accepted_rows):
+            base = int(state.lengths[b])
+            for k, row in enumerate(rows):
+                batch_idx.append(b)
+                src.append(block_start + int(row))
+                dst.append(base + k)
+        new_lengths = state.lengths + torch.tensor([len(r) for r in accepted_rows], device=device)
+        if src:
+            b_t = torch.tensor(batch_idx, device=device)
+            src_t = torch.tensor(src, device=device)
+            dst_t = torch.tensor(dst, device=device)
+            for layer in state.cache.layers:
+                layer.keys[b_t, :, dst_t] = layer.keys[b_t, :, src_t]
+                layer.values[b_t, :, dst_t] = layer.values[b_t, :, src_t]
+        state.lengths = new_lengths
+        self._crop(state, int(new_lengths.max()) if len(new_lengths) else 0)
+
+    @staticmethod
+    def _crop(state: TargetState, keep: int) -> None:
+        for layer in state.cache.layers:
+            if layer.keys is not None and layer.keys.shape[-2] > keep:
+                layer.keys = layer.keys[:, :, :keep]
+                layer.values = layer.values[:, :, :keep]
