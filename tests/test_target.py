@@ -1,0 +1,142 @@
+"""The target adapter against plain transformers: generate, full recomputation, compaction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dart_worker.target import TargetAdapter, default_tap_layers
+from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
+
+
+def random_tree(num_nodes: int, seed: int) -> tuple[list[int], list[int]]:
+    """Random parents (topological: parent index < own index) and tokens, siblings distinct."""
+    gen = torch.Generator().manual_seed(seed)
+    parents, tokens, used = [], [], {}
+    for i in range(num_nodes):
+        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+        while True:
+            token = int(torch.randint(3, TINY_VOCAB, (1,), generator=gen))
+            if token not in used.setdefault(parent, set()):
+                break
+        used[parent].add(token)
+        parents.append(parent)
+        tokens.append(token)
+    return parents, tokens
+
+
+def tree_tensors(root: int, parents: list[int], tokens: list[int]):
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p + 1] + 1)
+    size = len(parents) + 1
+    ancestor = torch.eye(size, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        ancestor[i + 1] |= ancestor[p + 1]
+    return torch.tensor([[root, *tokens]]), torch.tensor([depth]), ancestor[None]
+
+
+def path_to(node: int, parents: list[int], tokens: list[int]) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autoregressive_loop_matches_transformers_generate(family):
+    model = tiny_model(family)
+    adapter = TargetAdapter(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (7, 30, 12)]
+    state = adapter.new_state(len(prompts))
+    out = adapter.prefill(state, prompts)
+    generated = [[int(t)] for t in out.logits[:, 0].argmax(-1)]
+    for _ in range(30):  # longer than the sliding window (16) of the tiny Gemma3
+        roots = torch.tensor([g[-1] for g in generated])[:, None]
+        start = state.cache_len()
+        zeros = torch.zeros_like(roots)
+        out = adapter.verify(state, roots, zeros, torch.ones(len(prompts), 1, 1, dtype=torch.bool))
+        adapter.commit(state, start, [[0]] * len(prompts))
+        for g, logits in zip(generated, out.logits[:, 0]):
+            g.append(int(logits.argmax()))
+    for prompt, ours in zip(prompts, generated):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False)
+        assert ours == reference[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_verify_logits_equal_full_recomputation(family):
+    model = tiny_model(family)
+    adapter = TargetAdapter(model)
+    prompt = torch.randint(3, TINY_VOCAB, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    parents, tokens = random_tree(24, seed=2)
+    root = 5
+    state = adapter.new_state(1)
+    adapter.prefill(state, [prompt])
+    ids, depth, ancestor = tree_tensors(root, parents, tokens)
+    out = adapter.verify(state, ids, depth, ancestor)
+    for row in range(len(tokens) + 1):
+        path = [root, *path_to(row - 1, parents, tokens)] if row else [root]
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + path])).logits[0, -1]
+        torch.testing.assert_close(out.logits[0, row], full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_commit_equals_recomputing_the_cache(family):
+    model = tiny_model(family)
+    adapter = TargetAdapter(model)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (19, 9)]
+    state = adapter.new_state(2)
+    adapter.prefill(state, prompts)
+    trees = [random_tree(12, seed=4), random_tree(7, seed=5)]
+    width = 1 + max(len(p) for p, _ in trees)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    depth = torch.zeros(2, width, dtype=torch.long)
+    ancestor = torch.eye(width, dtype=torch.bool).repeat(2, 1, 1)
+    for b, (parents, tokens) in enumerate(trees):
+        i, d, a = tree_tensors(7 + b, parents, tokens)
+        n = i.shape[1]
+        ids[b, :n], depth[b, :n], ancestor[b, :n, :n] = i[0], d[0], a[0]
+    start = state.cache_len()
+    adapter.verify(state, ids, depth, ancestor)
+    # Accept the path to the deepest node of each tree (root row 0 included).
+    accepted_rows, committed = [], []
+    for b, (parents, tokens) in enumerate(trees):
+        node = max(range(len(parents)), key=lambda i: (len(path_to(i, parents, tokens)), -i))
+        rows, walk = [], node
+        while walk >= 0:
+            rows.append(walk + 1)
+            walk = parents[walk]
+        accepted_rows.append([0, *rows[::-1]])
+        committed.append(prompts[b] + [7 + b, *path_to(node, parents, tokens)])
+    adapter.commit(state, start, accepted_rows)
+    assert state.lengths.tolist() == [len(c) for c in committed]
+
+    fresh = adapter.new_state(2)
+    adapter.prefill(fresh, committed)
+    for ours, ref in zip(state.cache.layers, fresh.cache.layers):
+        for b, n in enumerate(state.lengths.tolist()):
+            torch.testing.assert_close(ours.keys[b, :, :n], ref.keys[b, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.values[b, :, :n], ref.values[b, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_taps_are_the_inputs_of_the_chosen_layers():
+    model = tiny_model("llama", num_layers=8)
+    adapter = TargetAdapter(model)
+    assert adapter.tap_layers == default_tap_layers(8) == (2, 4, 5)
+    prompt = list(range(3, 20))
+    state = adapter.new_state(1)
+    out = adapter.prefill(state, [prompt])
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[2], hidden[4], hidden[5]], dim=-1)
+    torch.testing.assert_close(out.taps, expected)
+
+
+def test_bad_tap_layers_are_rejected():
+    with pytest.raises(ValueError, match="tap_layers"):
+        TargetAdapter(tiny_model("llama"), tap_layers=(0, 1, 99))
