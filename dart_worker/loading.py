@@ -1,0 +1,336 @@
+"""Loading the target LLM (and its tokenizer) from whatever the user points at.
+
+A target spec is one of:
+  "default"            the embedded default (Gemma-3-270M, see default_target.py)
+  a local directory    a Hugging Face model directory (config.json + weights + tokenizer)
+  a path ending .gguf  a GGUF file, dequantised through transformers (slow: ~1 min for 270M;
+                       prefer converting once to a directory, as the default target does)
+  a hub id "org/name"  only where the Hugging Face Hub is reachable; offline, only if it is
+                       already in the local HF cache
+
+Whatever the source, the result is checked before the engine sees it: a causal LM whose
+decoder layers sit at `model.model.layers` (the engine taps hidden states per layer and
+verifies draft trees with explicit 4D masks, hence attention implementation "sdpa"), in
+eval mode with gradients off, on the requested device and dtype, with a tokenizer whose
+vocabulary fits the model's embedding. Problems are reported as errors that name the spec
+and what was found, before minutes are spent on a broken run.
+
+`model_fingerprint` identifies the exact weights/config/tokenizer files behind a spec, so
+outputs and artifacts (draft heads, tries) can be stamped and checked against each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from dart_worker.cache_dir import cache_root, write_text_atomically
+from dart_worker.device import resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPEC = "default"
+ATTN_IMPLEMENTATION = "sdpa"
+# Written by default_target.py into a converted directory; describes the conversion, not the
+# model, so it is left out of the fingerprint (two conversions of the same GGUF agree).
+CONVERSION_STAMP_NAME = "dart_conversion.json"
+FINGERPRINT_CACHE_NAME = ".dart_fingerprint.json"
+_FINGERPRINT_CACHE_VERSION = 1
+# Files that define what the model computes: weights, configs, tokenizer, remote code.
+_FINGERPRINT_SUFFIXES = {".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken", ".py"}
+_FINGERPRINT_SKIP_PREFIXES = ("license", "notice", "readme", "use_policy")
+
+SourceKind = Literal["dir", "gguf", "hub"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a target spec points: a local model directory, a GGUF file, or a hub repository id."""
+
+    kind: SourceKind
+    location: str
+    spec: str
+
+
+def _truthy_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_offline() -> bool:
+    """True when the user asked for offline mode (huggingface_hub reads these only at import)."""
+    from huggingface_hub import constants
+
+    return _truthy_env("HF_HUB_OFFLINE") or _truthy_env("TRANSFORMERS_OFFLINE") or bool(constants.HF_HUB_OFFLINE)
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if spec.startswith(("~", ".")) or "\\" in spec:
+        return False
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def resolve_source(spec: str | os.PathLike) -> ModelSource:
+    """Classify a target spec without loading anything (existing local paths win over hub ids)."""
+    spec_str = os.fspath(spec).strip()
+    if not spec_str:
+        raise ValueError("empty target spec; expected 'default', a model directory, a .gguf file or a hub id")
+    if spec_str == DEFAULT_SPEC:
+        from dart_worker.default_target import default_target_dir
+
+        return ModelSource("dir", str(default_target_dir()), spec_str)
+    path = Path(spec_str).expanduser()
+    if spec_str.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file {spec_str!r} does not exist (resolved to {path.resolve()})")
+        return ModelSource("gguf", str(path.resolve()), spec_str)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            entries = sorted(p.name for p in path.iterdir())[:10]
+            raise ValueError(f"target directory {spec_str!r} is not a Hugging Face model directory: it has "
+                             f"no config.json (found {entries or 'nothing'})")
+        return ModelSource("dir", str(path.resolve()), spec_str)
+    if path.exists():
+        raise ValueError(f"target {spec_str!r} is a file but not a .gguf file; expected 'default', a model "
+                         "directory, a .gguf file or a hub id")
+    if _looks_like_hub_id(spec_str):
+        return ModelSource("hub", spec_str, spec_str)
+    raise FileNotFoundError(f"target path {spec_str!r} does not exist (resolved to {path.resolve()})")
+
+
+def _hub_error(spec: str, err: Exception | None) -> OSError:
+    why = "offline mode is on (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE) and it is not in the local HF cache" \
+        if hub_offline() else f"the Hugging Face Hub could not provide it ({type(err).__name__}: {err})"
+    return OSError(f"target {spec!r} is not a local path, so it was taken as a hub id, but {why}. "
+                   "Pass a local model directory or a .gguf file instead (or 'default').")
+
+
+def _check_causal_lm_config(config, source: ModelSource, trust_remote_code: bool) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    remote_causal = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote_causal:
+        raise ValueError(f"target {source.spec!r} has model_type {model_type!r} ({type(config).__name__}), "
+                         "which is not a causal language model (transformers' AutoModelForCausalLM has no "
+                         "class for it)")
+
+
+def validate_target(model: nn.Module, tokenizer: PreTrainedTokenizerBase, spec: str = "<model>") -> None:
+    """Raise if `model`/`tokenizer` is not something the engine can drive (see module docstring)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(
+            f"target {spec!r} ({type(model).__name__}) has no decoder layer list at model.model.layers; "
+            "the engine needs a text-only decoder (multimodal checkpoints: load their text model)")
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn != ATTN_IMPLEMENTATION:
+        raise ValueError(f"target {spec!r} uses attention implementation {attn!r}, the engine needs "
+                         f"{ATTN_IMPLEMENTATION!r} (it passes explicit 4D tree masks)")
+    embedding_rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embedding_rows:
+        raise ValueError(f"target {spec!r}: tokenizer has {len(tokenizer)} tokens but the model's embedding "
+                         f"has only {embedding_rows} rows; tokenizer and weights do not belong together")
+
+
+def target_family(model: PreTrainedModel) -> str:
+    """The model family as transformers names it (config.model_type), e.g. 'gemma3_text', 'llama'."""
+    return str(model.config.model_type)
+
+
+def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype,
+            source: ModelSource, started: float) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    validate_target(model, tokenizer, source.spec)
+    log.info("loaded target %s (%s, %s): %d layers, hidden %d, vocab %d, %s on %s in %.1f s",
+             source.spec, target_family(model), source.location, len(model.model.layers),
+             model.config.hidden_size, model.get_input_embeddings().num_embeddings,
+             str(dtype).removeprefix("torch."), device, time.monotonic() - started)
+    return model, tokenizer
+
+
+def load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32,
+              attn_implementation: str = ATTN_IMPLEMENTATION) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Tokenizer + dequantised model from a GGUF file, on CPU in `dtype`.
+
+    transformers keeps GGUF weights in their packed blocks by default; dequantize=True gives
+    plain nn.Linear weights the engine (and save_pretrained) can work with.
+    """
+    from transformers import GgufConfig
+
+    gguf_path = Path(gguf_path)
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    log.info("tokenizer read from %s in %.1f s", gguf_path.name, time.monotonic() - started)
+    started = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation=attn_implementation,
+        quantization_config=GgufConfig(dequantize=True))
+    # Dequantised weights are plain tensors: drop any trace of the GGUF quantizer so that a
+    # saved copy loads as an ordinary model.
+    for attr in ("quantization_config",):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    model.hf_quantizer = None
+    log.info("model weights read and dequantised from %s in %.1f s", gguf_path.name, time.monotonic() - started)
+    return model, tokenizer
+
+
+def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype = "auto",
+                device: str | torch.device = "auto", trust_remote_code: bool = False,
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) for a target spec (see module docstring), ready for the engine.
+
+    `device`/`dtype` accept what device.resolve_device / resolve_dtype accept ("auto", "cpu",
+    "cuda:1", "bf16", torch objects). `trust_remote_code` is passed to transformers for
+    models that ship their own modelling code; keep it off unless you trust the source.
+    """
+    started = time.monotonic()
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    source = resolve_source(spec)
+
+    if source.kind == "gguf":
+        model, tokenizer = load_gguf(source.location, dtype=dtype)
+        return _finish(model, tokenizer, device, dtype, source, started)
+
+    local_only = source.kind == "hub" and hub_offline()
+    common = dict(trust_remote_code=trust_remote_code, local_files_only=local_only)
+    try:
+        config = AutoConfig.from_pretrained(source.location, **common)
+    except (OSError, ValueError, KeyError) as err:
+        if source.kind == "hub":
+            raise _hub_error(source.spec, err) from err
+        raise ValueError(f"target {source.spec!r}: cannot read config.json in {source.location}: {err}") from err
+    _check_causal_lm_config(config, source, trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"target {source.spec!r}: cannot load its tokenizer from {source.location}: {err}") from err
+    # Weights go straight to an accelerator instead of through host memory first.
+    device_map = {"": device} if device.type != "cpu" else None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            device_map=device_map, **common)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"target {source.spec!r}: cannot load its weights from {source.location}: {err}") from err
+    return _finish(model, tokenizer, device, dtype, source, started)
+
+
+# --- fingerprints --------------------------------------------------------------------------
+
+def _sha256_file(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _counts_for_fingerprint(path: Path) -> bool:
+    name = path.name
+    if name.startswith(".") or name == CONVERSION_STAMP_NAME:
+        return False
+    if name.lower().startswith(_FINGERPRINT_SKIP_PREFIXES):
+        return False
+    return path.suffix.lower() in _FINGERPRINT_SUFFIXES and path.is_file()
+
+
+def _fingerprint_cache_paths(directory: Path) -> list[Path]:
+    """Next to the files when writable; else a per-directory file under the project cache."""
+    fallback = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:24] + ".json"
+    return [directory / FINGERPRINT_CACHE_NAME, cache_root() / "fingerprints" / fallback]
+
+
+def _read_hash_cache(paths: list[Path]) -> dict:
+    for path in paths:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("version") == _FINGERPRINT_CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    return {}
+
+
+def _write_hash_cache(paths: list[Path], files: dict) -> None:
+    text = json.dumps({"version": _FINGERPRINT_CACHE_VERSION, "files": files}, indent=1, sort_keys=True)
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, text)
+            return
+        except OSError:
+            continue
+    log.debug("could not cache file hashes for %s anywhere", paths[0].parent)
+
+
+def _files_fingerprint(files: list[Path], cache_paths: list[Path]) -> str:
+    """sha256 over (name, size, sha256) of each file; per-file hashes are reused while the
+    file's size, mtime and inode are unchanged, so repeated calls cost a few stat()s."""
+    cached = _read_hash_cache(cache_paths)
+    fresh: dict[str, dict] = {}
+    combined = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        stat = path.stat()
+        key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+        entry = cached.get(path.name)
+        if not (entry and all(entry.get(k) == v for k, v in key.items()) and "sha256" in entry):
+            entry = {**key, "sha256": _sha256_file(path)}
+        fresh[path.name] = entry
+        combined.update(f"{path.name}\t{entry['size']}\t{entry['sha256']}\n".encode())
+    if fresh != cached:
+        _write_hash_cache(cache_paths, fresh)
+    return combined.hexdigest()
+
+
+def model_fingerprint(spec_or_dir: str | os.PathLike) -> str:
+    """A sha256 hex digest identifying the model behind a spec (directory, .gguf, 'default', hub id).
+
+    For a directory it covers config, generation config, weights, tokenizer files and any
+    remote code (not READMEs, licences or our own stamps), so it changes exactly when the
+    model's behaviour can. Cheap to call repeatedly: file hashes are cached next to the files.
+    """
+    source = resolve_source(spec_or_dir)
+    if source.kind == "gguf":
+        path = Path(source.location)
+        cache_name = hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".json"
+        return _files_fingerprint([path], [path.parent / f".{path.name}.dart_fingerprint.json",
+                                           cache_root() / "fingerprints" / cache_name])
+    if source.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        try:
+            directory = Path(snapshot_download(source.location, local_files_only=True))
+        except Exception as err:  # huggingface_hub raises several unrelated types here
+            raise _hub_error(source.spec, err) from err
+    else:
+        directory = Path(source.location)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"cannot fingerprint {source.spec!r}: {directory} has no config.json")
+    files = [p for p in directory.iterdir() if _counts_for_fingerprint(p)]
+    return _files_fingerprint(files, _fingerprint_cache_paths(directory))
