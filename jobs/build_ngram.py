@@ -1,0 +1,390 @@
+"""Build an N-gram trie from a corpus: `python -m jobs.build_ngram [key=value ...]`.
+
+    python -m jobs.build_ngram output=/data/sharegpt-3gram.trie            # default corpus + tokenizer
+    python -m jobs.build_ngram input='s3://bucket/chats/*.jsonl' tokenizer=/models/llama output=s3://bucket/llama.trie
+    python -m jobs.build_ngram --config configs/build_ngram_sharegpt.yaml order=4 min_count=2
+
+Reads conversations from any fsspec URL (or the packaged ShareGPT train split), tokenizes them
+in batches with the target's Hugging Face tokenizer (the Rust backend spreads a batch over every
+core), and streams one document per conversation into the native TrieBuilder, whose memory is
+bounded by `memory_budget_mb` (beyond it, sorted runs spill to `tmp_dir` and are merged).
+Writes the trie file and `<output>.json`, a sidecar recording what was built from what: source,
+split, tokenizer name and fingerprint, order, min_count, counts per level, skipped records by
+reason, timings and the trie file's sha256. A remote `output` (s3://...) is built locally in
+`tmp_dir` and uploaded at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from dart_worker.corpus import (
+    DEFAULT_CORPUS,
+    DEFAULT_DEV_FRACTION,
+    SPLIT_SALT,
+    CorpusReport,
+    default_tokenizer,
+    iter_conversations,
+    tokenize_conversations,
+)
+from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+
+SIDECAR_FORMAT = "dart-batch/ngram-sidecar/v1"
+
+
+@dataclass
+class BuildNgramConfig:
+    input: str = DEFAULT_CORPUS  # corpus URL / path / glob / directory, or "default" (ShareGPT package)
+    output: str | None = None  # trie path or URL; the sidecar is <output>.json
+    tokenizer: str = "default"  # a local HF tokenizer dir, a .gguf file, or "default" (Gemma-3-270M)
+    split: str = "train"  # train | dev | all
+    dev_fraction: float = DEFAULT_DEV_FRACTION
+    format: str = "auto"  # auto | jsonl | json | parquet
+    text_field: str = "text"
+    id_field: str = "id"
+    limit: int | None = None  # at most this many conversations (quick runs)
+    order: int = 3
+    min_count: int = 1  # N-grams seen fewer times are dropped (with their extensions)
+    eos_between_turns: bool = True
+    memory_budget_mb: int = 1024  # RAM for counting before sorted runs spill to tmp_dir
+    tmp_dir: str | None = None  # spilled runs; default: next to a local output, else the system tmp
+    batch_turns: int = 4096  # turns tokenized per batch
+    progress: bool = True
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for remote input/output (fsspec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces reused by the benchmark and the embedded default
+
+
+def load_tokenizer(spec: str) -> Any:
+    """"default", a local tokenizer/model directory, or a .gguf file -> a transformers tokenizer.
+
+    No hub look-ups: this runs on workers without network, so a name that is not a local path
+    is an error rather than a download attempt.
+    """
+    if spec == "default":
+        return default_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer {spec!r} is not a local directory or .gguf file (use 'default' for the embedded target)"
+        )
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def vocab_size_of(tokenizer: Any) -> int:
+    """Ids the trie must accept: the full vocabulary, added tokens included."""
+    return len(tokenizer)
+
+
+def key_bytes(order: int, vocab_size: int) -> int:
+    """RAM per counted position in the native builder: one sort key of `order` ids packed
+    vocab_size.bit_length() bits each, as many per 64-bit word as fit (see trie_builder.cpp)."""
+    per_word = 64 // int(vocab_size).bit_length()
+    return 8 * -(-order // per_word)
+
+
+def chunk_tokens_for(memory_budget_mb: int, order: int, vocab_size: int) -> int:
+    """Positions counted in RAM before the builder spills a sorted run to disk."""
+    if memory_budget_mb <= 0:
+        raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb}")
+    return max(1 << 12, memory_budget_mb * (1 << 20) // key_bytes(order, vocab_size))
+
+
+@dataclass
+class CountResult:
+    documents: int
+    tokens: int
+    level_sizes: list[int]  # nodes per level 0..order (level 0 = the root)
+    file_bytes: int
+    add_seconds: float  # time inside add_document
+    finish_seconds: float  # sort/merge/write
+    source_seconds: float  # time spent producing documents (reading + tokenizing)
+
+
+class NoDocumentsError(ValueError):
+    pass
+
+
+class _Timed:
+    """Wraps an iterator and adds up the time spent producing its items."""
+
+    def __init__(self, items: Iterable[np.ndarray]):
+        self._items = iter(items)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self.seconds += time.perf_counter() - start
+                return
+            self.seconds += time.perf_counter() - start
+            yield item
+
+
+def count_documents(
+    documents: Iterable[np.ndarray],
+    path: str | Path,
+    *,
+    order: int,
+    vocab_size: int,
+    tokenizer_fingerprint: str,
+    min_count: int = 1,
+    memory_budget_mb: int = 1024,
+    tmp_dir: str | None = None,
+    progress: Any = None,
+) -> CountResult:
+    """Feed token documents to the native streaming builder and write the trie to ``path``.
+
+    ``progress``, if given, is called with the length of each document added (a tqdm update).
+    """
+    from ngram_native.trie import TrieBuilder
+
+    builder = TrieBuilder(
+        order=order,
+        vocab_size=vocab_size,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        min_count=min_count,
+        chunk_tokens=chunk_tokens_for(memory_budget_mb, order, vocab_size),
+        tmp_dir=str(tmp_dir or tempfile.gettempdir()),
+    )
+    timed = _Timed(documents)
+    add_seconds = 0.0
+    for doc in timed:
+        start = time.perf_counter()
+        builder.add_document(doc)
+        add_seconds += time.perf_counter() - start
+        if progress is not None:
+            progress(len(doc))
+    if builder.num_documents == 0:  # nothing to write: leave no empty trie behind
+        raise NoDocumentsError("no documents to count")
+    start = time.perf_counter()
+    stats = builder.finish(str(path))
+    finish_seconds = time.perf_counter() - start
+    return CountResult(
+        documents=int(stats.num_documents),
+        tokens=int(stats.num_tokens),
+        level_sizes=[int(n) for n in stats.level_sizes],
+        file_bytes=int(stats.file_size),
+        add_seconds=add_seconds,
+        finish_seconds=finish_seconds,
+        source_seconds=timed.seconds,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def _local_path(url: str) -> Path:
+    return Path(url[len("file://") :] if url.startswith("file://") else url).expanduser()
+
+
+def _versions() -> dict[str, str]:
+    import tokenizers
+    import transformers
+
+    return {"tokenizers": tokenizers.__version__, "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
+    """Run one build; returns the sidecar dict (also written to ``<output>.json``).
+
+    ``tokenizer`` overrides ``cfg.tokenizer`` with an already loaded one (tests, callers that
+    hold one); the sidecar then names it by its ``name_or_path``.
+    """
+    if not cfg.output:
+        raise ValueError("output is required: where to write the trie (a path or an fsspec URL)")
+    if not 1 <= cfg.order <= 8:
+        raise ValueError(f"order must be in 1..8, got {cfg.order}")
+    if cfg.min_count < 1:
+        raise ValueError(f"min_count must be >= 1, got {cfg.min_count}")
+    started = time.perf_counter()
+
+    t0 = time.perf_counter()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer_name = cfg.tokenizer
+    else:
+        tokenizer_name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    vocab_size = vocab_size_of(tokenizer)
+    tokenizer_seconds = time.perf_counter() - t0
+
+    remote = _is_remote(cfg.output)
+    work_dir = None
+    if remote:
+        work_dir = tempfile.TemporaryDirectory(prefix="build_ngram-", dir=cfg.tmp_dir)
+        local_trie = Path(work_dir.name) / os.path.basename(cfg.output.rstrip("/"))
+    else:
+        local_trie = _local_path(cfg.output)
+        local_trie.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = cfg.tmp_dir or (work_dir.name if work_dir else str(local_trie.parent))
+
+    report = CorpusReport()
+    conversations = iter_conversations(
+        cfg.input,
+        split=cfg.split,
+        dev_fraction=cfg.dev_fraction,
+        format=cfg.format,
+        text_field=cfg.text_field,
+        id_field=cfg.id_field,
+        limit=cfg.limit,
+        report=report,
+        storage_options=dict(cfg.storage_options) or None,
+    )
+    documents = tokenize_conversations(
+        conversations, tokenizer, eos_between_turns=cfg.eos_between_turns, batch_turns=cfg.batch_turns
+    )
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="build_ngram", unit="tok", unit_scale=True, total=None, file=sys.stderr)
+    try:
+        result = count_documents(
+            documents,
+            local_trie,
+            order=cfg.order,
+            vocab_size=vocab_size,
+            tokenizer_fingerprint=fingerprint,
+            min_count=cfg.min_count,
+            memory_budget_mb=cfg.memory_budget_mb,
+            tmp_dir=tmp_dir,
+            progress=bar.update if bar is not None else None,
+        )
+    except NoDocumentsError:
+        raise NoDocumentsError(
+            f"no documents to count in {cfg.input!r} (split={cfg.split}): {report.summary()}"
+        ) from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+    checksum = file_fingerprint(local_trie)
+    total_seconds = time.perf_counter() - started
+    count_seconds = result.add_seconds + result.finish_seconds
+    sidecar = {
+        "format": SIDECAR_FORMAT,
+        "trie": os.path.basename(str(local_trie)),
+        "trie_sha256": checksum,
+        "trie_bytes": result.file_bytes,
+        "source": {
+            "input": cfg.input,
+            "split": cfg.split,
+            "dev_fraction": cfg.dev_fraction,
+            "split_salt": SPLIT_SALT,
+            "limit": cfg.limit,
+            "text_field": cfg.text_field,
+            "format": cfg.format,
+        },
+        "tokenizer": {
+            "name": tokenizer_name,
+            "fingerprint": fingerprint,
+            "vocab_size": vocab_size,
+            "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+        },
+        "order": cfg.order,
+        "min_count": cfg.min_count,
+        "eos_between_turns": cfg.eos_between_turns,
+        "counts": {
+            "documents": result.documents,
+            "tokens": result.tokens,
+            "nodes_per_level": result.level_sizes,
+            "nodes": sum(result.level_sizes[1:]),
+            "bytes_per_node": result.file_bytes / max(1, sum(result.level_sizes[1:])),
+        },
+        "corpus": report.to_dict(),
+        "timing": {
+            "total_s": round(total_seconds, 3),
+            "load_tokenizer_s": round(tokenizer_seconds, 3),
+            "read_and_tokenize_s": round(result.source_seconds, 3),
+            "count_s": round(result.add_seconds, 3),
+            "finish_s": round(result.finish_seconds, 3),
+            "tokens_per_s": round(result.tokens / max(1e-9, total_seconds - tokenizer_seconds)),
+            "tokenize_tokens_per_s": round(result.tokens / max(1e-9, result.source_seconds)),
+            "count_tokens_per_s": round(result.tokens / max(1e-9, count_seconds)),
+        },
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+    }
+    sidecar_text = json.dumps(sidecar, indent=2) + "\n"
+    local_sidecar = Path(str(local_trie) + ".json")
+    local_sidecar.write_text(sidecar_text)
+    if remote:
+        import fsspec
+
+        fs, remote_path = fsspec.core.url_to_fs(cfg.output, **cfg.storage_options)
+        fs.put_file(str(local_trie), remote_path)
+        fs.put_file(str(local_sidecar), remote_path + ".json")
+        work_dir.cleanup()
+    return sidecar
+
+
+def parse_config(argv: list[str] | None = None) -> BuildNgramConfig:
+    """Defaults < ``--config`` YAML < ``key=value`` overrides, checked against BuildNgramConfig."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.build_ngram", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    parser.add_argument("--config", help="YAML config file (keys of BuildNgramConfig)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. order=4 limit=1000")
+    args = parser.parse_args(argv)
+    schema = OmegaConf.structured(BuildNgramConfig)
+    layers = [schema]
+    if args.config:
+        layers.append(OmegaConf.load(args.config))
+    layers.append(OmegaConf.from_dotlist(args.overrides))
+    merged = OmegaConf.merge(*layers)  # unknown keys and wrong types raise, naming the key
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def _print_summary(sidecar: dict[str, Any], output: str) -> None:
+    c, t = sidecar["counts"], sidecar["timing"]
+    skipped = sidecar["corpus"]["skipped"]
+    print(f"wrote {output} ({sidecar['trie_bytes'] / 1e6:.1f} MB) and {output}.json")
+    print(
+        f"  {c['documents']} documents, {c['tokens']} tokens, nodes per level {c['nodes_per_level'][1:]}"
+        f" ({c['bytes_per_node']:.1f} B/node)"
+    )
+    print(
+        f"  {t['total_s']:.1f} s total: read+tokenize {t['read_and_tokenize_s']:.1f} s "
+        f"({t['tokenize_tokens_per_s'] / 1e6:.2f} M tok/s), count {t['count_s'] + t['finish_s']:.1f} s "
+        f"({t['count_tokens_per_s'] / 1e6:.2f} M tok/s)"
+    )
+    print(f"  skipped records: {skipped or 'none'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    sidecar = build_ngram(cfg)
+    _print_summary(sidecar, str(cfg.output))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
