@@ -1,0 +1,453 @@
+"""Draft trees for tree speculative decoding: DART n-gram beam search, DDTree, chain.
+
+Every builder turns per-position draft scores of a batch into one `DraftTree` per
+sequence, in a single shared representation: flat arrays in canonical order - by depth,
+then by parent index, then siblings by score descending (ties: token id ascending). So the
+arrays are topological, each node's children are contiguous and siblings come in proposal
+order, which is the order a verifier tries them in. The root (the last committed token) is
+not a node: its children have parent -1 and depth 1. Masks, positions and walk tables are
+all derived from these arrays (`ancestor_mask`, `position_offsets`, `children`).
+
+Draft scores come in one of two forms:
+
+- ``logits``: float [B, D, V], one row of logits per draft position (C++ picks the top-k
+  per row with one scan). Convenient, but every row costs an O(V) pass.
+- ``topk_ids`` int [B, D, K] with ``topk_values`` float [B, D, K]: pre-selected
+  candidates (logits or log-probs), e.g. from ``torch.topk`` on the device. This is the
+  hot-path form: nothing of size V crosses into C++. The order within a row does not
+  matter; ids must be distinct within a row.
+
+The builders run in C++ with the GIL released and allocate nothing per candidate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+from ngram_native import _core
+
+NgramScorer = _core.NgramScorer
+ValuesKind = Literal["logits", "logprobs"]
+
+_INT32_LIMIT = 2**31
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """One flattened draft tree (root excluded), in canonical order.
+
+    tokens, parents, depths: int32 [N]; parents[i] is -1 for children of the root, else an
+    earlier index; depths are 1-based. scores: float64 [N], the builder's path score of each
+    node (its ranking criterion), or None for hand-made trees.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of nodes N (the root is not counted)."""
+        return int(self.tokens.shape[0])
+
+    def validate(self) -> None:
+        """Raise ValueError unless this is a well-formed tree in canonical order.
+
+        Checks dtypes and lengths, parents point backwards, depth = parent depth + 1,
+        nodes sorted by depth then parent, distinct tokens among siblings, and (if scores
+        are present) siblings by score descending, ties by token id ascending.
+        """
+        t, p, d = self.tokens, self.parents, self.depths
+        for name, a in (("tokens", t), ("parents", p), ("depths", d)):
+            if a.ndim != 1 or a.dtype != np.int32:
+                raise ValueError(f"{name} must be a 1-D int32 array, got {a.dtype} shape {a.shape}")
+            if a.shape != t.shape:
+                raise ValueError(f"{name} has {a.shape[0]} entries, tokens has {t.shape[0]}")
+        n = self.size
+        if n == 0:
+            return
+        _first_bad("tokens must be >= 0", t < 0)
+        _first_bad("parents must be -1 or an earlier index", (p < -1) | (p >= np.arange(n)))
+        parent_depth = np.where(p >= 0, d[np.maximum(p, 0)], 0)
+        _first_bad("depth must be parent depth + 1", d != parent_depth + 1)
+        _first_bad("nodes must be sorted by depth", np.diff(d) < 0, offset=1)
+        same_depth = d[1:] == d[:-1]
+        _first_bad("nodes of one depth must be sorted by parent", same_depth & (p[1:] < p[:-1]), offset=1)
+        pair = (p.astype(np.int64) + 1) * _INT32_LIMIT + t
+        if np.unique(pair).shape[0] != n:
+            raise ValueError("two siblings carry the same token")
+        if self.scores is not None:
+            s = self.scores
+            if s.shape != t.shape:
+                raise ValueError(f"scores has shape {s.shape}, tokens {t.shape}")
+            siblings = p[1:] == p[:-1]
+            in_order = (s[:-1] > s[1:]) | ((s[:-1] == s[1:]) & (t[:-1] < t[1:]))
+            _first_bad("siblings must be sorted by score desc, then token asc", siblings & ~in_order, offset=1)
+
+    @cached_property
+    def _children(self) -> tuple[np.ndarray, np.ndarray]:
+        return children(self.parents)
+
+    def children(self) -> tuple[np.ndarray, np.ndarray]:
+        """CSR child table, see the module-level `children`. Computed once per tree."""
+        return self._children
+
+    def find_child(self, node: int, token: int) -> int:
+        """Index of the child of `node` (-1 = root) that carries `token`, or -1 if none."""
+        offsets, child_idx = self._children
+        kids = child_idx[offsets[node + 1] : offsets[node + 2]]
+        hit = np.flatnonzero(self.tokens[kids] == token)
+        return int(kids[hit[0]]) if hit.shape[0] else -1
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [N + 1, N + 1], see the module-level `ancestor_mask`."""
+        return ancestor_mask(self.parents)
+
+    def position_offsets(self) -> np.ndarray:
+        """int64 [N + 1], see the module-level `position_offsets`."""
+        return position_offsets(self.depths)
+
+
+def _first_bad(message: str, bad: np.ndarray, offset: int = 0) -> None:
+    hits = np.flatnonzero(bad)
+    if hits.shape[0]:
+        raise ValueError(f"node {int(hits[0]) + offset}: {message}")
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers on a flattened tree
+# ---------------------------------------------------------------------------------------
+
+
+def _as_parents(parents: np.ndarray | Sequence[int]) -> np.ndarray:
+    p = np.asarray(parents)
+    if p.ndim != 1:
+        raise ValueError(f"parents must be 1-D, got shape {p.shape}")
+    if p.shape[0] and p.dtype.kind not in "iu":
+        raise ValueError(f"parents must be integers, got {p.dtype}")
+    n = p.shape[0]
+    if n and (p.min() < -1 or np.any(p >= np.arange(n))):
+        raise ValueError("parents[i] must be -1 (root) or an index < i")
+    return np.ascontiguousarray(p, dtype=np.int32)
+
+
+def ancestor_mask(parents: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Tree attention mask: bool [N + 1, N + 1], index 0 = root, node i at i + 1.
+
+    Row r marks r itself and all its ancestors including the root, so a node attends to
+    exactly its own path (the committed prefix is handled by the caller).
+    """
+    return _core._ancestor_mask(_as_parents(parents))
+
+
+def position_offsets(depths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Position offsets int64 [N + 1] relative to the root: 0 for the root, then depths.
+
+    Absolute positions are (root position) + offsets.
+    """
+    d = np.asarray(depths)
+    if d.ndim != 1 or (d.shape[0] and d.dtype.kind not in "iu"):
+        raise ValueError(f"depths must be a 1-D integer array, got {d.dtype} shape {d.shape}")
+    out = np.zeros(d.shape[0] + 1, dtype=np.int64)
+    out[1:] = d
+    return out
+
+
+def children(parents: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """CSR child table for the verification walk.
+
+    Returns (offsets int64 [N + 2], child_idx int32 [N]): the children of the root are
+    child_idx[offsets[0]:offsets[1]], those of node i are child_idx[offsets[i + 1]:
+    offsets[i + 2]], in index order - which, for canonical trees, is proposal order.
+    """
+    p = _as_parents(parents)
+    n = p.shape[0]
+    offsets = np.zeros(n + 2, dtype=np.int64)
+    np.cumsum(np.bincount(p + 1, minlength=n + 1), out=offsets[1:])
+    child_idx = np.argsort(p + 1, kind="stable").astype(np.int32)
+    return offsets, child_idx
+
+
+def ngram_probs(
+    scorer: NgramScorer, context: Sequence[int] | np.ndarray, candidates: Sequence[int] | np.ndarray
+) -> np.ndarray:
+    """The scorer's DART estimate q(t | context) for every candidate t (float32).
+
+    Only the last n - 1 context tokens matter. Exposed for debugging and for the
+    pure-Python references in the tests.
+    """
+    ctx = _token_array(context, "context", None)
+    cand = _token_array(candidates, "candidates", None)
+    return _core._ngram_probs(scorer, ctx, cand)
+
+
+# ---------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------
+
+
+def build_dart_trees(
+    *,
+    logits: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    topk_values: np.ndarray | None = None,
+    contexts: Sequence[Sequence[int] | np.ndarray] | None = None,
+    scorer: NgramScorer | None = None,
+    budget: int = 60,
+    top_k: int = 25,
+    beam_width: int = 20,
+    eos_ids: int | Iterable[int] = (),
+    level_exponent: float = -0.7,
+    logit_decay: float = 0.9,
+    ngram_weight: float = 0.5,
+    keep_pruned: bool = True,
+    vocab_size: int | None = None,
+) -> list[DraftTree]:
+    """DART n-gram-guided beam search (arXiv 2601.19278); defaults = the reference code.
+
+    Per draft position l (0-based; node depth l + 1) the best `top_k` candidates get
+    p_l = softmax over those k values only. A child t of beam node u scores
+        score(u) + (l + 1)**level_exponent * (logit_decay**l * ln(p_l(t) + 1e-10)
+                                             + ngram_weight * ln(q(t | ctx) + 1e-10)),
+    where q comes from `scorer` with ctx = the last n - 1 tokens of (committed context +
+    path to u, u included). Level 0 has no n-gram term, nor does any level when `scorer` is
+    None. Each level keeps `beam_width` children (non-EOS first, then by score); EOS nodes
+    are never expanded. The tree holds the best `budget` nodes over all levels - of every
+    scored child when `keep_pruned` (as the reference does), else of the beam-kept ones -
+    ranked by min(score, parent's rank key) so that the result is always prefix-closed.
+
+    Args:
+        logits / topk_ids + topk_values: draft scores, see the module docstring. Top-k
+            values may be logits or log-probs (the softmax over the k is the same).
+        contexts: B sequences of committed token ids (the root token last); only the last
+            n - 1 are read. Required when `scorer` is given, ignored otherwise.
+        scorer: an N-gram model (e.g. the trie), or None for draft scores alone.
+        budget: maximum number of nodes per tree (root excluded), >= 0.
+        top_k: candidates per position, >= 1 (clamped to V or K).
+        beam_width: beam nodes kept per level, >= 1.
+        eos_ids: token id(s) that end a sequence; such nodes get no children.
+        level_exponent, logit_decay, ngram_weight: the weights above (decay and n-gram
+            weight >= 0, so scores never grow along a path beyond rounding).
+        keep_pruned: whether children cut from the beam may still enter the tree as leaves.
+        vocab_size: optional bound for top-k ids and context ids (dense logits imply V).
+    """
+    values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
+    _check_int("budget", budget, 0)
+    _check_int("top_k", top_k, 1)
+    _check_int("beam_width", beam_width, 1)
+    _check_float("level_exponent", level_exponent)
+    _check_float("logit_decay", logit_decay, minimum=0.0)
+    _check_float("ngram_weight", ngram_weight, minimum=0.0)
+    batch = values.shape[0]
+    ctx_tokens = ctx_offsets = None
+    if scorer is not None:
+        if contexts is None:
+            raise ValueError("contexts are required with a scorer (use [] for an empty context)")
+        order = _core._scorer_order(scorer)
+        ctx_tokens, ctx_offsets = _pack_contexts(contexts, batch, max(order - 1, 0), vocab)
+    elif contexts is not None and len(contexts) != batch:
+        raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
+    out = _core._build_dart(
+        values, ids, vocab if vocab is not None else -1, ctx_tokens, ctx_offsets, scorer,
+        _eos_array(eos_ids), top_k, beam_width, budget, float(level_exponent),
+        float(logit_decay), float(ngram_weight), bool(keep_pruned),
+    )  # fmt: skip
+    return _split(*out)
+
+
+def build_ddtree_trees(
+    *,
+    logits: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    topk_values: np.ndarray | None = None,
+    values: ValuesKind = "logits",
+    budget: int = 60,
+    top_k: int | None = None,
+    eos_ids: int | Iterable[int] = (),
+    vocab_size: int | None = None,
+) -> list[DraftTree]:
+    """DDTree best-first tree (arXiv 2604.12989): the `budget` most likely draft prefixes.
+
+    A path's score is the sum of its per-position log-probabilities: log-softmax over the
+    full vocabulary for dense `logits`, over the K given values for top-k logits, or the
+    values themselves with values="logprobs" (must be <= 0; positives up to 1e-4 are taken
+    as rounding noise and clamped). A heap pops the best frontier node and pushes its next
+    sibling and its first child (none for EOS nodes or at depth D), which yields exactly
+    the top-`budget` prefixes under (score desc, depth asc, candidate ranks along the path
+    asc).
+
+    Args:
+        logits / topk_ids + topk_values: draft scores, see the module docstring.
+        values: "logits" or "logprobs": what `topk_values` hold (dense input is always
+            log-softmax-normalised over V).
+        budget: number of nodes per tree (root excluded), >= 0.
+        top_k: candidates per position; None = min(budget, V) for dense input (enough for
+            an exact best-first tree) or all K.
+        eos_ids: token id(s) whose nodes get no children.
+        vocab_size: optional bound for top-k ids.
+    """
+    draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
+    _check_int("budget", budget, 0)
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    out = _core._build_ddtree(
+        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids),
+        0 if top_k is None else top_k, budget, _values_are_logprobs(values),
+    )  # fmt: skip
+    return _split(*out)
+
+
+def build_chain_trees(
+    *,
+    logits: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    topk_values: np.ndarray | None = None,
+    values: ValuesKind = "logits",
+    budget: int = 60,
+    eos_ids: int | Iterable[int] = (),
+    vocab_size: int | None = None,
+) -> list[DraftTree]:
+    """A chain of the top-1 candidate per position (plain speculative decoding).
+
+    Depth <= min(D, budget); the chain stops after an EOS token. Scores are cumulative
+    log-probs as in `build_ddtree_trees` (dense input pays one O(V) exp pass per row for
+    them).
+    """
+    draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
+    _check_int("budget", budget, 0)
+    out = _core._build_chain(
+        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids), budget,
+        _values_are_logprobs(values),
+    )  # fmt: skip
+    return _split(*out)
+
+
+# ---------------------------------------------------------------------------------------
+# Input checking and conversion
+# ---------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: int, minimum: int) -> None:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+def _check_float(name: str, value: float, minimum: float | None = None) -> None:
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+def _values_are_logprobs(values: str) -> bool:
+    if values not in ("logits", "logprobs"):
+        raise ValueError(f'values must be "logits" or "logprobs", got {values!r}')
+    return values == "logprobs"
+
+
+def _float_array(x: object, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu":
+        raise ValueError(f"{name} must hold real numbers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _token_array(x: object, name: str, vocab: int | None) -> np.ndarray:
+    """Integer ids -> contiguous int32, checking 0 <= id < vocab (or < 2**31)."""
+    a = np.asarray(x)
+    if a.size == 0:  # np.asarray([]) is float64: any dtype is fine when there are no ids
+        return np.zeros(a.shape, dtype=np.int32)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer token ids, got dtype {a.dtype}")
+    limit = _INT32_LIMIT if vocab is None else vocab
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds token id {bad} outside [0, {limit})")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _draft_input(
+    logits: np.ndarray | None,
+    topk_ids: np.ndarray | None,
+    topk_values: np.ndarray | None,
+    vocab_size: int | None,
+) -> tuple[np.ndarray, np.ndarray | None, int | None]:
+    """Validate either form of draft scores -> (values f32, ids i32 or None, vocab)."""
+    if vocab_size is not None:
+        _check_int("vocab_size", vocab_size, 1)
+    if logits is not None:
+        if topk_ids is not None or topk_values is not None:
+            raise ValueError("pass either logits or topk_ids + topk_values, not both")
+        values = _float_array(logits, "logits")
+        if values.ndim != 3:
+            raise ValueError(f"logits must be [B, D, V], got shape {values.shape}")
+        if vocab_size is not None and vocab_size != values.shape[2]:
+            raise ValueError(f"vocab_size {vocab_size} differs from the logits' V = {values.shape[2]}")
+        ids = None
+        vocab = values.shape[2]
+    else:
+        if topk_ids is None or topk_values is None:
+            raise ValueError("pass logits [B, D, V], or both topk_ids and topk_values [B, D, K]")
+        values = _float_array(topk_values, "topk_values")
+        if values.ndim != 3:
+            raise ValueError(f"topk_values must be [B, D, K], got shape {values.shape}")
+        id_shape = np.shape(topk_ids)
+        if id_shape != values.shape:
+            raise ValueError(f"topk_ids shape {id_shape} differs from topk_values shape {values.shape}")
+        ids = _token_array(topk_ids, "topk_ids", vocab_size)
+        vocab = vocab_size
+    if values.shape[1] < 1:
+        raise ValueError(f"need D >= 1 draft positions, got shape {values.shape}")
+    if values.shape[2] < 1:
+        raise ValueError(f"need at least one candidate per position, got shape {values.shape}")
+    return values, ids, vocab
+
+
+def _pack_contexts(
+    contexts: Sequence[Sequence[int] | np.ndarray], batch: int, width: int, vocab: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cut each context to its last `width` tokens and concatenate -> (tokens, offsets)."""
+    if len(contexts) != batch:
+        raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
+    tails = []
+    for b, c in enumerate(contexts):
+        tail = np.asarray(c[max(len(c) - width, 0) :] if width else c[:0])  # cut before converting
+        if tail.ndim != 1:
+            raise ValueError(f"contexts[{b}] must be 1-D, got shape {np.shape(c)}")
+        tails.append(_token_array(tail, f"contexts[{b}]", vocab))
+    offsets = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum([t.shape[0] for t in tails], out=offsets[1:])
+    tokens = np.concatenate(tails) if tails else np.zeros(0, dtype=np.int32)
+    return tokens, offsets
+
+
+def _eos_array(eos_ids: int | Iterable[int] | None) -> np.ndarray:
+    if eos_ids is None:
+        return np.zeros(0, dtype=np.int32)
+    ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)
+    return _token_array(np.asarray(ids, dtype=np.int64), "eos_ids", None)
+
+
+def _split(
+    tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray, offsets: np.ndarray
+) -> list[DraftTree]:
+    """Concatenated batch output -> one read-only DraftTree (array views) per sequence."""
+    for a in (tokens, parents, depths, scores):
+        a.flags.writeable = False
+    bounds = offsets.tolist()
+    return [DraftTree(tokens[s:e], parents[s:e], depths[s:e], scores[s:e]) for s, e in itertools.pairwise(bounds)]
