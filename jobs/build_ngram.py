@@ -71,7 +71,7 @@ class BuildNgramConfig:
 
 
 def load_tokenizer(spec: str) -> Any:
-    """"default", a local tokenizer/model directory, or a .gguf file -> a transformers tokenizer.
+    """The tokenizer named by `spec`: "default", a local tokenizer/model dir, or a .gguf file.
 
     No hub look-ups: this runs on workers without network, so a name that is not a local path
     is an error rather than a download attempt.

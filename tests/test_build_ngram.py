@@ -59,8 +59,14 @@ def test_trie_equals_brute_force_counts(tmp_path, tiny_tok, order, min_count):
     _write_corpus(corpus)
     out = tmp_path / "out" / "tiny.trie"
     cfg = BuildNgramConfig(
-        input=str(corpus), tokenizer=tok_dir, output=str(out), split="all", order=order,
-        min_count=min_count, progress=False, memory_budget_mb=1,
+        input=str(corpus),
+        tokenizer=tok_dir,
+        output=str(out),
+        split="all",
+        order=order,
+        min_count=min_count,
+        progress=False,
+        memory_budget_mb=1,
     )
     sidecar = build_ngram(cfg)
 
@@ -136,7 +142,13 @@ def test_empty_split_is_an_error(tmp_path, tiny_tok):
     _, tok_dir = tiny_tok
     corpus = tmp_path / "chats.jsonl"
     _write_corpus(corpus)
-    cfg = BuildNgramConfig(input=str(corpus), tokenizer=tok_dir, output=str(tmp_path / "t.trie"),
-                           split="dev", dev_fraction=0.0, progress=False)
+    cfg = BuildNgramConfig(
+        input=str(corpus),
+        tokenizer=tok_dir,
+        output=str(tmp_path / "t.trie"),
+        split="dev",
+        dev_fraction=0.0,
+        progress=False,
+    )
     with pytest.raises(ValueError, match="no documents"):
         build_ngram(cfg)
