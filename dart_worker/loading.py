@@ -22,6 +22,7 @@ outputs and artifacts (draft heads, tries) can be stamped and checked against ea
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -92,7 +93,10 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 
 def resolve_source(spec: str | os.PathLike) -> ModelSource:
-    """Classify a target spec without loading anything (existing local paths win over hub ids)."""
+    """Classify a target spec without loading weights (existing local paths win over hub ids).
+
+    "default" resolves to the converted default directory, converting it first if needed.
+    """
     spec_str = os.fspath(spec).strip()
     if not spec_str:
         raise ValueError("empty target spec; expected 'default', a model directory, a .gguf file or a hub id")
@@ -230,8 +234,9 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
     except (OSError, ValueError) as err:
         raise ValueError(f"target {source.spec!r}: cannot load its tokenizer from {source.location}: {err}") from err
-    # Weights go straight to an accelerator instead of through host memory first.
-    device_map = {"": device} if device.type != "cpu" else None
+    # Weights go straight to an accelerator instead of through host memory first (transformers
+    # needs `accelerate` for that; without it they are loaded on CPU and moved).
+    device_map = {"": device} if device.type != "cpu" and importlib.util.find_spec("accelerate") else None
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.location, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
