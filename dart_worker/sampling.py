@@ -1,0 +1,119 @@
+"""Sampling parameters, logit warping and per-request random generators.
+
+Speculative decoding is only lossless if the verifier accepts and resamples against exactly
+the distribution plain sampling would draw from. That distribution is defined here, once:
+`warp_logits_to_probs` applies temperature, then top-k, then top-p with the same semantics
+(ties, order, minimum one kept token) as transformers' `TemperatureLogitsWarper`,
+`TopKLogitsWarper` and `TopPLogitsWarper`, so "sampling from the target" means the same
+thing here as in `model.generate(do_sample=True, ...)`.
+
+Randomness is per request: every request owns a `torch.Generator` on the target device
+(`make_generator`), so a seeded request produces the same tokens no matter which other
+requests share its batch. Nothing here touches Python's `random` or torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature 0 means greedy (argmax, top-k/top-p irrelevant).
+
+    top_k = 0 and top_p = 1.0 switch those filters off; seed None draws a nondeterministic
+    seed; stop_token_ids end generation after the stop token is emitted (the engine's job).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise TypeError(f"top_p must be a number, got {type(self.top_p).__name__}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+            if self.seed > _MAX_SEED:
+                raise ValueError(f"seed must be <= {_MAX_SEED}, got {self.seed}")
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token, minimum=0)
+        # Normalise lists to a tuple so the dataclass stays hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def warp_key(self) -> tuple[float, int, float]:
+        """The fields that define the sampling distribution (requests with equal keys share it)."""
+        return (self.temperature, self.top_k, self.top_p)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [R, V] (float32) that sampling with `params` draws each row's next token from.
+
+    Same pipeline as transformers' sampling: scores = logits (in float32) / temperature; top-k
+    keeps every token whose score is >= the k-th largest (ties survive); top-p sorts ascending,
+    drops the tokens whose cumulative probability is <= 1 - top_p, always keeping the most likely
+    one; softmax. temperature 0 gives the one-hot distribution of the argmax (first maximum).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    scores = logits.float()
+    if params.is_greedy:
+        probs = torch.zeros_like(scores)
+        return probs.scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_largest = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1.0 - params.top_p)
+        drop_sorted[:, -1] = False  # the most likely token always survives
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """A request's own random generator on `device`: seeded from params.seed, else nondeterministic."""
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()  # OS entropy; does not touch the global RNG
+    else:
+        generator.manual_seed(params.seed)
+    return generator

@@ -1,0 +1,155 @@
+"""Padded tensors for one target verify forward over B draft trees of different sizes.
+
+Row layout per sequence (the target adapter's `verify` consumes it as is):
+
+    row 0        the root: the last committed token (bonus of the previous round), depth 0
+    row i + 1    tree node i, depth tree.depths[i]
+    rows > N     padding: token `pad_token_id`, depth 0, invalid
+
+`ancestor[b, r, c]` is True iff row c is row r itself or one of its ancestors (the root is an
+ancestor of every node). That is exactly what a tree node may attend to inside the block:
+its own path, never its siblings or cousins. Padding rows see only themselves, so every
+softmax row has at least one unmasked key and padding never leaks into real rows (no real
+row has a padding row as an ancestor).
+
+Everything is built on the host with numpy (trees are small: N <= ~64, called every round)
+and moved to the device in one copy per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class TreeLike(Protocol):
+    """What the engine needs of a draft tree (ngram_native.trees.DraftTree satisfies it).
+
+    Arrays of length N in topological order: parents[i] < i, -1 for a child of the root;
+    depths are 1-based (a child of the root has depth 1).
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+
+
+def check_tree(tree: TreeLike, *, vocab_size: int | None = None, name: str = "tree") -> int:
+    """Validate the tree invariants the verifier relies on; returns the node count N.
+
+    Raises ValueError naming the first offending node, so a broken tree builder fails loudly
+    instead of producing a silently wrong mask or walk.
+    """
+    tokens, parents, depths = np.asarray(tree.tokens), np.asarray(tree.parents), np.asarray(tree.depths)
+    for label, arr in (("tokens", tokens), ("parents", parents), ("depths", depths)):
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"{name}.{label} must be a 1-D integer array, got {arr.dtype} shape {arr.shape}")
+    n = tokens.shape[0]
+    if parents.shape[0] != n or depths.shape[0] != n:
+        raise ValueError(
+            f"{name}: tokens/parents/depths lengths differ: {n}/{parents.shape[0]}/{depths.shape[0]}"
+        )
+    if n == 0:
+        return 0
+    # Called for every tree of every round: whole-array checks first, details only on failure.
+    topological = (parents >= -1) & (parents < np.arange(n))
+    if not topological.all():
+        i = int(np.argmin(topological))
+        raise ValueError(
+            f"{name}: node {i} has parent {int(parents[i])}; need -1 <= parent < {i} (topological)"
+        )
+    expected_depth = depths[parents] + 1  # parent -1 reads the last entry; fixed on the next line
+    expected_depth[parents < 0] = 1
+    if not np.array_equal(depths, expected_depth):
+        i = int(np.argmax(depths != expected_depth))
+        raise ValueError(f"{name}: node {i} has depth {int(depths[i])}, expected {int(expected_depth[i])}")
+    if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
+        i = int(np.argmax((tokens < 0) | (tokens >= (vocab_size if vocab_size is not None else np.inf))))
+        raise ValueError(f"{name}: node {i} has token {int(tokens[i])} outside [0, {vocab_size or 'inf'})")
+    return n
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Padded verify-forward inputs for B trees; S = 1 + max N (or `pad_to`)."""
+
+    tokens: torch.Tensor  # [B, S] int64, column 0 = root token
+    depth: torch.Tensor  # [B, S] int64, root and padding 0
+    valid: torch.Tensor  # [B, S] bool, root and real nodes
+    ancestor: torch.Tensor  # [B, S, S] bool, row may attend to column (see module doc)
+    num_nodes: tuple[int, ...]  # N per sequence (rows 1..N are nodes)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_nodes)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @classmethod
+    def from_trees(
+        cls,
+        root_tokens: Sequence[int] | np.ndarray | torch.Tensor,
+        trees: Sequence[TreeLike],
+        device: torch.device | str,
+        *,
+        pad_to: int | None = None,
+        pad_token_id: int = 0,
+        vocab_size: int | None = None,
+    ) -> TreeBatch:
+        """Build the batch. `pad_to` fixes S (e.g. for stable shapes); it must be >= 1 + max N."""
+        if isinstance(root_tokens, torch.Tensor):
+            root_tokens = root_tokens.detach().cpu().numpy()
+        roots = np.asarray(root_tokens, dtype=np.int64).reshape(-1)
+        if roots.shape[0] != len(trees):
+            raise ValueError(f"{roots.shape[0]} root tokens for {len(trees)} trees")
+        if len(trees) == 0:
+            raise ValueError("TreeBatch needs at least one tree")
+        num_nodes = tuple(
+            check_tree(tree, vocab_size=vocab_size, name=f"trees[{b}]") for b, tree in enumerate(trees)
+        )
+        width = 1 + max(num_nodes)
+        if pad_to is not None:
+            if pad_to < width:
+                raise ValueError(f"pad_to={pad_to} is smaller than 1 + the largest tree ({width})")
+            width = pad_to
+        batch = len(trees)
+
+        tokens = np.full((batch, width), pad_token_id, dtype=np.int64)
+        depth = np.zeros((batch, width), dtype=np.int64)
+        valid = np.zeros((batch, width), dtype=bool)
+        # parent_row[b, r]: the row of r's parent; root and padding rows point at themselves,
+        # which makes them fixed points of the pointer chase below.
+        parent_row = np.broadcast_to(np.arange(width), (batch, width)).copy()
+        tokens[:, 0] = roots
+        valid[:, 0] = True
+        for b, (tree, n) in enumerate(zip(trees, num_nodes, strict=True)):
+            tokens[b, 1 : n + 1] = tree.tokens
+            depth[b, 1 : n + 1] = tree.depths
+            valid[b, 1 : n + 1] = True
+            parent_row[b, 1 : n + 1] = np.asarray(tree.parents, dtype=np.int64) + 1
+
+        # Chase parent pointers for max-depth steps, all rows of all trees at once: after step
+        # k, `cursor` holds each row's k-th ancestor (or the root, a fixed point).
+        ancestor = np.zeros((batch, width, width), dtype=bool)
+        b_index = np.arange(batch)[:, None]
+        r_index = np.arange(width)[None, :]
+        cursor = parent_row.copy()
+        ancestor[b_index, r_index, r_index] = True
+        for _ in range(int(depth.max())):
+            ancestor[b_index, r_index, cursor] = True
+            cursor = np.take_along_axis(parent_row, cursor, axis=1)
+
+        device = torch.device(device)
+        return cls(
+            tokens=torch.from_numpy(tokens).to(device),
+            depth=torch.from_numpy(depth).to(device),
+            valid=torch.from_numpy(valid).to(device),
+            ancestor=torch.from_numpy(ancestor).to(device),
+            num_nodes=num_nodes,
+        )

@@ -1,0 +1,368 @@
+"""Lossless verification of a draft tree against the target's distributions.
+
+The target's verify forward runs over rows [root, node_0, ..., node_{N-1}]: row 0 holds the
+distribution of the token after the root (the last committed token), row i + 1 the
+distribution after node i's path. Verification walks down the tree from the root, commits the
+accepted nodes' tokens and one more token (the bonus), which becomes the next round's root.
+
+Greedy (temperature 0): at each row move to the child whose token is the row's argmax; stop
+when there is none; the bonus is the argmax of the last row reached. The committed tokens are
+exactly what plain argmax decoding would produce, one forward per token.
+
+Sampling: recursive rejection over siblings with deterministic proposals. At the current row,
+with warped target distribution p and children x_1..x_k tried in sibling (proposal) order:
+
+    residual r = p
+    for x in x_1..x_k:
+        accept x with probability r(x)                 -> commit x, move to x's row
+        otherwise r(x) = 0 and renormalise r           (reject x)
+    none accepted (or no children): bonus ~ r, stop
+
+Why the committed tokens are distributed exactly as the target's. Claim: the token committed
+at a row (an accepted child or the bonus) is distributed as r, for any residual r and any
+list of children. By induction on k. k = 0: the bonus is drawn from r. k >= 1: x_1 is
+committed with probability r(x_1). With probability 1 - r(x_1) we continue with
+r' = r with x_1 zeroed, renormalised = r(y) / (1 - r(x_1)) for y != x_1, and by induction commit
+y with probability r'(y), so in total P(y) = (1 - r(x_1)) * r(y) / (1 - r(x_1)) = r(y) for
+y != x_1, and x_1 (r'(x_1) = 0) is only committed directly, with probability r(x_1). Starting
+from r = p, the committed token at every row is distributed as p(. | prefix). Committing child
+x moves to x's row, whose distribution is the target's p(. | prefix, x), and every step uses
+fresh uniforms, so the committed sequence factorises exactly as the target's chain rule.
+(This is standard speculative sampling with a point-mass proposal q = delta_x: accept with
+min(1, p(x) / q(x)) = p(x), residual norm(max(p - q, 0)) = p with x removed.) Repeated sibling
+tokens are harmless: after rejection their residual probability is 0.
+
+Device use per batch: the warped probabilities are computed per request; one gather picks
+p_row(parent)(token) of every node; those, the row sums (a finiteness check) and the
+request's uniforms cross to the host in ONE transfer for all sampling requests; the walks run
+on the host (a few dozen scalar comparisons); the bonus rows are re-warped (one row each,
+so no [B, S, V] float32 copy is kept alive), rejected tokens are zeroed, one
+torch.multinomial per request draws the bonus from its residual with the request's
+generator, and all bonus tokens cross in a second transfer. Greedy requests need one argmax
+and one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dart_worker.sampling import SamplingParams, warp_logits_to_probs
+from dart_worker.tree_batch import TreeLike, check_tree
+
+# Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
+# anything further off means non-finite or otherwise broken logits.
+_ROW_SUM_TOLERANCE = 1e-3
+# Most float32 probabilities materialised by one warp call (256 MiB).
+_WARP_BUDGET = 1 << 26
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Outcome of verifying one tree: the accepted path and the bonus token."""
+
+    accepted_nodes: np.ndarray  # int64 node indices (into the tree arrays), in path order
+    accepted_tokens: np.ndarray  # int64 tokens of those nodes
+    bonus_token: int
+
+    @property
+    def num_accepted(self) -> int:
+        return int(self.accepted_nodes.shape[0])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens committed this round: the accepted path, then the bonus."""
+        return np.append(self.accepted_tokens, self.bonus_token).astype(np.int64)
+
+    @property
+    def committed_rows(self) -> np.ndarray:
+        """Verify-block rows whose K/V stay in the cache: the root (row 0), then accepted nodes."""
+        return np.concatenate([[0], self.accepted_nodes + 1]).astype(np.int64)
+
+    @property
+    def bonus_row(self) -> int:
+        """Row whose distribution produced the bonus (0 = root, i + 1 = node i)."""
+        return int(self.accepted_nodes[-1]) + 1 if self.num_accepted else 0
+
+
+def _acceptance(tree: TreeLike, path: list[int], bonus_token: int) -> Acceptance:
+    nodes = np.asarray(path, dtype=np.int64)
+    return Acceptance(nodes, np.asarray(tree.tokens, dtype=np.int64)[nodes], int(bonus_token))
+
+
+# ------------------------------------------------------------------------------ greedy
+
+
+def verify_greedy(tree: TreeLike, argmax_tokens: np.ndarray | Sequence[int]) -> Acceptance:
+    """Walk `tree` following the target's argmax: argmax_tokens[0] at the root, [i + 1] at node i."""
+    n = check_tree(tree)
+    argmax = np.asarray(argmax_tokens).reshape(-1)
+    if argmax.shape[0] != n + 1:
+        raise ValueError(f"argmax_tokens has {argmax.shape[0]} entries, tree needs N + 1 = {n + 1}")
+    return _greedy_walk(tree, argmax)
+
+
+def _greedy_walk(tree: TreeLike, argmax: np.ndarray) -> Acceptance:
+    parents = np.asarray(tree.parents)
+    tokens = np.asarray(tree.tokens)
+    path: list[int] = []
+    node = -1
+    while True:
+        match = np.flatnonzero((parents == node) & (tokens == argmax[node + 1]))
+        if match.size == 0:
+            return _acceptance(tree, path, int(argmax[node + 1]))
+        node = int(match[0])
+        path.append(node)
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """Host-side result of the rejection walk for one request."""
+
+    path: list[int]
+    bonus_row: int
+    rejected_tokens: list[int]  # tokens zeroed from the bonus row's residual
+
+
+def _acceptance_probability(q: float, residual_mass: float) -> float:
+    """r(x) = p(x) / (mass left after the rejected siblings), guarded against rounding.
+
+    Exact arithmetic keeps q <= residual_mass; rounding can break that by an ulp, and the
+    residual can reach 0 when everything left is x itself: then x is certain (if possible).
+    """
+    if residual_mass <= 0.0:
+        return 1.0 if q > 0.0 else 0.0
+    return min(1.0, q / residual_mass)
+
+
+def _rejection_walk(tree: TreeLike, q: np.ndarray, uniforms: np.ndarray) -> _Walk:
+    """Recursive rejection over siblings (see module doc). q[i] = p_row(parent(i))(token_i);
+    uniforms[i] decides node i; each node is tried at most once, so every decision is fresh."""
+    tokens, q_list, u_list = tree.tokens.tolist(), q.tolist(), uniforms.tolist()
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents.tolist()):
+        children.setdefault(parent, []).append(i)  # index order = sibling (proposal) order
+    path: list[int] = []
+    node = -1
+    while True:
+        removed = 0.0
+        rejected: list[int] = []
+        accepted = None
+        for child in children.get(node, ()):
+            token = tokens[child]
+            if token in rejected:  # a repeated sibling token: its residual probability is 0
+                continue
+            if u_list[child] < _acceptance_probability(q_list[child], 1.0 - removed):
+                accepted = child
+                break
+            rejected.append(token)
+            removed += q_list[child]
+        if accepted is None:
+            return _Walk(path, node + 1, rejected)
+        path.append(accepted)
+        node = accepted
+
+
+def _inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of `weights` [R, V] (unnormalised, >= 0, positive sum) from uniforms [R].
+
+    What torch.multinomial does for one sample, but for every request at once with each
+    request's own uniform: the first token whose cumulative weight (float64) exceeds u * total.
+    Tokens of weight 0 own an empty interval, so they are never drawn; should rounding push
+    u * total to the very end, the last token of positive weight is taken.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    positions = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, positions, 0).amax(dim=-1)
+    return torch.minimum(drawn, last_positive)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _warp_chunks(requests: Sequence[int], rows: Sequence[int], params: Sequence[SamplingParams],
+                 vocab: int) -> list[list[int]]:
+    """Group requests with the same warp into chunks of at most `_WARP_BUDGET` probabilities.
+
+    One warp call per chunk keeps kernel launches per batch low; the budget keeps the float32
+    copy bounded (a [B, S, V] float32 copy of a 262k vocabulary would be gigabytes).
+    """
+    by_key: dict[tuple, list[int]] = {}
+    for k in requests:
+        by_key.setdefault(params[k].warp_key, []).append(k)
+    max_rows = max(1, _WARP_BUDGET // vocab)
+    chunks: list[list[int]] = []
+    for members in by_key.values():
+        chunk: list[int] = []
+        used = 0
+        for k in members:
+            if chunk and used + rows[k] > max_rows:
+                chunks.append(chunk)
+                chunk, used = [], 0
+            chunk.append(k)
+            used += rows[k]
+        chunks.append(chunk)
+    return chunks
+
+
+def _verify_sampled(
+    trees: Sequence[TreeLike],
+    sizes: Sequence[int],
+    logits: torch.Tensor,
+    batch_index: Sequence[int],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[Acceptance]:
+    """Rejection verification for the sampling requests k, whose rows are logits[batch_index[k]]."""
+    device = logits.device
+    count = len(trees)
+    vocab = int(logits.shape[-1])
+
+    # 1. q = p_row(parent)(token) of every node and every row's sum, one warp + gather per chunk.
+    gathered: list[torch.Tensor] = []
+    q_offset: dict[int, int] = {}  # request -> where its N q values start in the transfer
+    sums_offset: dict[int, int] = {}  # request -> where its N + 1 row sums start
+    position = 0
+    for chunk in _warp_chunks(range(count), [n + 1 for n in sizes], params, vocab):
+        rows_per = np.array([sizes[k] + 1 for k in chunk], dtype=np.int64)
+        nodes_per = rows_per - 1
+        row_start = np.cumsum(rows_per) - rows_per  # first row of each request within the chunk
+        node_start = np.cumsum(nodes_per) - nodes_per
+        num_rows, num_nodes = int(rows_per.sum()), int(nodes_per.sum())
+        # Host-built index arrays, one host -> device copy: (sequence, row) of every row of the
+        # chunk, then (chunk row of the parent, token) of every node.
+        sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
+        row = np.arange(num_rows) - np.repeat(row_start, rows_per)
+        parent_row = np.concatenate([trees[k].parents for k in chunk]).astype(np.int64) + 1
+        parent_row += np.repeat(row_start, nodes_per)
+        token = np.concatenate([trees[k].tokens for k in chunk]).astype(np.int64)
+        index = torch.from_numpy(np.concatenate([sequence, row, parent_row, token])).to(device)
+        sequence_d, row_d, parent_d, token_d = index.split([num_rows, num_rows, num_nodes, num_nodes])
+        probs = warp_logits_to_probs(logits[sequence_d, row_d], params[chunk[0]])
+        gathered.append(probs[parent_d, token_d].double())
+        gathered.append(probs.sum(dim=-1).double())
+        for k, first_node, first_row in zip(chunk, node_start, row_start, strict=True):
+            q_offset[k] = position + int(first_node)
+            sums_offset[k] = position + num_nodes + int(first_row)
+        position += num_nodes + num_rows
+    # Uniforms come from each request's own generator, in request order: one per node for the
+    # walk, then one for the bonus draw.
+    uniforms = torch.cat(
+        [torch.rand(sizes[k] + 1, generator=generators[k], device=device, dtype=torch.float64) for k in range(count)]
+    )
+    u_offsets = np.cumsum([0] + [n + 1 for n in sizes])
+    gathered.append(uniforms)
+    host = torch.cat(gathered).cpu().numpy()  # the one device -> host transfer of the walks
+    host_uniforms = host[position:]
+
+    # 2. The walks, on the host.
+    walks: list[_Walk] = []
+    for k in range(count):
+        n = sizes[k]
+        row_sums = host[sums_offset[k] : sums_offset[k] + n + 1]
+        bad = np.flatnonzero(~(np.abs(row_sums - 1.0) <= _ROW_SUM_TOLERANCE))
+        if bad.size:
+            raise ValueError(
+                f"request {batch_index[k]}: warped probabilities of row {int(bad[0])} sum to "
+                f"{row_sums[bad[0]]} (non-finite logits?)"
+            )
+        u_at = int(u_offsets[k])
+        walks.append(_rejection_walk(trees[k], host[q_offset[k] : q_offset[k] + n], host_uniforms[u_at : u_at + n]))
+
+    # 3. Bonus tokens from the residuals: re-warp just the bonus rows (cheaper than keeping
+    # every row's float32 probabilities alive across the host walk), zero rejected tokens.
+    picked = logits[
+        torch.tensor(list(batch_index), device=device), torch.tensor([w.bonus_row for w in walks], device=device)
+    ]
+    bonus_rows = torch.empty(count, vocab, dtype=torch.float32, device=device)
+    for chunk in _warp_chunks(range(count), [1] * count, params, vocab):
+        chunk_dev = torch.tensor(chunk, device=device)
+        bonus_rows[chunk_dev] = warp_logits_to_probs(picked[chunk_dev], params[chunk[0]])
+    zero_req = [k for k, w in enumerate(walks) for _ in w.rejected_tokens]
+    zero_tok = [t for w in walks for t in w.rejected_tokens]
+    residual = bonus_rows
+    if zero_tok:
+        residual = bonus_rows.index_put(
+            (torch.tensor(zero_req, device=device), torch.tensor(zero_tok, device=device)),
+            torch.zeros((), device=device),
+        )
+        # Mass 0 is reachable only by rounding (a child with p(x) ~ 1 was rejected): fall back
+        # to the unmodified row rather than fail; decided on the device, no sync.
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, bonus_rows)
+    bonus_uniforms = uniforms[torch.from_numpy(u_offsets[1:] - 1).to(device)]
+    bonus_tokens = _inverse_cdf_sample(residual, bonus_uniforms).cpu().tolist()  # second transfer
+    return [_acceptance(t, w.path, tok) for t, w, tok in zip(trees, walks, bonus_tokens, strict=True)]
+
+
+# ---------------------------------------------------------------------------- batched
+
+
+def verify_batch(
+    trees: Sequence[TreeLike],
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[Acceptance]:
+    """Verify B trees against the target logits of one verify forward.
+
+    logits: [B, S, V] (S >= 1 + N_b, padded; any float dtype, computed in float32), row 0 = root.
+    params[b] / generators[b]: request b's sampling parameters and its own generator (None is
+    allowed for greedy requests). Returns one Acceptance per tree, in order.
+    """
+    batch = len(trees)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, rows, vocab], got shape {tuple(logits.shape)}")
+    if logits.shape[0] != batch or len(params) != batch or len(generators) != batch:
+        raise ValueError(
+            f"batch sizes differ: {batch} trees, logits batch {logits.shape[0]}, "
+            f"{len(params)} params, {len(generators)} generators"
+        )
+    width, vocab = int(logits.shape[1]), int(logits.shape[2])
+    sizes = [check_tree(t, vocab_size=vocab, name=f"trees[{b}]") for b, t in enumerate(trees)]
+    for b, n in enumerate(sizes):
+        if n + 1 > width:
+            raise ValueError(f"trees[{b}] has {n} nodes but logits have only {width} rows (need N + 1)")
+    results: list[Acceptance | None] = [None] * batch
+
+    greedy = [b for b in range(batch) if params[b].is_greedy]
+    if greedy:
+        argmax = torch.cat([logits[b, : sizes[b] + 1].argmax(dim=-1) for b in greedy]).cpu().numpy()
+        offset = 0
+        for b in greedy:
+            results[b] = _greedy_walk(trees[b], argmax[offset : offset + sizes[b] + 1])
+            offset += sizes[b] + 1
+
+    sampled = [b for b in range(batch) if not params[b].is_greedy]
+    if sampled:
+        for b in sampled:
+            gen = generators[b]
+            if gen is None:
+                raise ValueError(f"request {b} samples (temperature {params[b].temperature}) but has no generator")
+            if not _same_device(gen.device, logits.device):
+                raise ValueError(f"request {b}: generator is on {gen.device}, logits on {logits.device}")
+        accepted = _verify_sampled(
+            [trees[b] for b in sampled],
+            [sizes[b] for b in sampled],
+            logits,
+            sampled,
+            [params[b] for b in sampled],
+            [generators[b] for b in sampled],  # type: ignore[misc]
+        )
+        for b, acceptance in zip(sampled, accepted, strict=True):
+            results[b] = acceptance
+    return results  # type: ignore[return-value]
+
+
+def verify_sampling(
+    tree: TreeLike, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Acceptance:
+    """Single-request form of `verify_batch` (logits [S, V], S >= N + 1)."""
+    return verify_batch([tree], logits[None], [params], [generator])[0]

@@ -1,0 +1,395 @@
+"""Tree verification: greedy walk vs brute force, and statistical losslessness of sampling.
+
+The statistical tests run a toy target (a fixed random distribution for every context over a
+vocabulary of 8) through many independent decoding chains: each round drafts a random tree
+(siblings at every depth, depth 3), verifies it with `verify_batch` and commits the accepted
+path plus the bonus, until every chain holds two tokens. The first token and the first two
+tokens are chi-square tested against the exact target distribution computed independently
+with transformers' warpers. Sample sizes are chosen so that moving 0.02 of probability between
+the two most likely outcomes is caught with power >= 0.99 (checked analytically and
+empirically), and deliberately biased verifiers must fail the same test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+import dart_worker.verification as verification
+from dart_worker.sampling import SamplingParams, make_generator
+from dart_worker.verification import (
+    Acceptance,
+    verify_batch,
+    verify_greedy,
+    verify_sampling,
+)
+from tests.test_sampling import transformers_probs
+from tests.test_tree_batch import make_tree, random_tree, trees
+
+VOCAB = 8
+HORIZON = 2  # committed tokens per chain that are tested
+CHAINS = 40_000  # per configuration; see test_sample_size_catches_a_two_percent_error
+ALPHA = 1e-4  # significance level of every chi-square test
+MIN_EXPECTED = 5.0  # cells expected below this are pooled, as chi-square requires
+
+# ------------------------------------------------------------------------ greedy
+
+
+def brute_force_greedy(tree, argmax):
+    """Reference: the deepest node whose whole path agrees with the argmax table."""
+    parents, tokens = tree.parents, tree.tokens
+    best, best_depth = -1, 0
+    for i in range(len(tokens)):
+        node, agrees = i, True
+        while node >= 0:
+            agrees &= int(tokens[node]) == int(argmax[parents[node] + 1])
+            node = int(parents[node])
+        if agrees and tree.depths[i] > best_depth:
+            best, best_depth = i, int(tree.depths[i])
+    path = []
+    node = best
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1], int(argmax[best + 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees(vocab=4, max_depth=4, max_children=3), st.data())
+def test_greedy_walk_matches_brute_force(tree, data):
+    n = len(tree.tokens)
+    argmax = data.draw(st.lists(st.integers(0, 3), min_size=n + 1, max_size=n + 1))
+    result = verify_greedy(tree, np.array(argmax))
+    path, bonus = brute_force_greedy(tree, argmax)
+    assert result.accepted_nodes.tolist() == path
+    assert result.accepted_tokens.tolist() == [int(tree.tokens[i]) for i in path]
+    assert result.bonus_token == bonus
+    assert result.tokens.tolist() == [*result.accepted_tokens.tolist(), bonus]
+    assert result.committed_rows.tolist() == [0, *(i + 1 for i in path)]
+    assert result.bonus_row == (path[-1] + 1 if path else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
+    rng = np.random.default_rng(0)
+    batch_trees = [random_tree(rng, vocab=VOCAB, max_depth=3, max_children=3) for _ in range(6)]
+    width = 1 + max(len(t.tokens) for t in batch_trees)
+    # Peaked logits whose argmax often follows the tree, so paths get long.
+    logits = torch.randn(6, width, VOCAB, generator=torch.Generator().manual_seed(1))
+    for b, tree in enumerate(batch_trees):
+        for i, parent in enumerate(tree.parents):
+            if rng.random() < 0.7:
+                logits[b, parent + 1, tree.tokens[i]] += 5.0
+    logits = logits.to(dtype)
+    params = [SamplingParams(temperature=0 if b % 2 == 0 else 1.0) for b in range(6)]
+    gens = [None if p.is_greedy else make_generator(SamplingParams(seed=b), "cpu") for b, p in enumerate(params)]
+    results = verify_batch(batch_trees, logits, params, gens)
+    lengths = []
+    for b in range(0, 6, 2):
+        n = len(batch_trees[b].tokens)
+        expected = verify_greedy(batch_trees[b], logits[b, : n + 1].float().argmax(-1).numpy())
+        assert results[b].accepted_nodes.tolist() == expected.accepted_nodes.tolist()
+        assert results[b].bonus_token == expected.bonus_token
+        lengths.append(results[b].num_accepted)
+    assert max(lengths) >= 2  # the walk really went down the trees
+
+
+def test_sampling_with_one_hot_target_is_the_greedy_walk():
+    """top_k = 1 makes the target deterministic: rejection sampling must then walk like greedy."""
+    rng = np.random.default_rng(3)
+    gen = make_generator(SamplingParams(seed=3), "cpu")
+    for _ in range(50):
+        tree = random_tree(rng, vocab=4, max_depth=3, max_children=3)
+        logits = torch.randn(len(tree.tokens) + 1, 4, generator=gen)
+        sampled = verify_sampling(tree, logits, SamplingParams(top_k=1), gen)
+        greedy = verify_greedy(tree, logits.argmax(-1).numpy())
+        assert sampled.accepted_nodes.tolist() == greedy.accepted_nodes.tolist()
+        assert sampled.bonus_token == greedy.bonus_token
+
+
+# --------------------------------------------------------------------- toy target
+
+
+class ToyTarget:
+    """A 'language model' over VOCAB tokens: fixed random logits for every context (a tuple)."""
+
+    def __init__(self, seed: int, scale: float = 1.5):
+        self.seed = seed
+        self.scale = scale
+        self._cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def logits(self, context: tuple[int, ...]) -> np.ndarray:
+        if context not in self._cache:
+            rng = np.random.default_rng([self.seed, len(context), *context])
+            self._cache[context] = (rng.normal(size=VOCAB) * self.scale).astype(np.float32)
+        return self._cache[context]
+
+    def probs(self, context: tuple[int, ...], params: SamplingParams) -> np.ndarray:
+        """Exact warped distribution, computed by transformers' warpers (independent of ours)."""
+        logits = torch.from_numpy(self.logits(context))[None]
+        return transformers_probs(logits, params)[0].double().numpy()
+
+
+def draft_tree(target: ToyTarget, context: tuple[int, ...], params: SamplingParams, seed: int):
+    """A random draft tree of depth 3 with siblings at every depth; proposals lean towards likely
+    tokens (like a real drafter) but also propose filtered-out (probability 0) tokens."""
+    rng = np.random.default_rng([seed, len(context), *context])
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths: dict[int, tuple[int, ...]] = {-1: ()}
+    frontier = [-1]
+    for depth in range(3):
+        next_frontier = []
+        for j, parent in enumerate(frontier):
+            low = 2 if j == 0 else 0  # the first parent of each level always has siblings below it
+            count = int(rng.integers(low, 4 if depth == 0 else 3))
+            p = target.probs(context + paths[parent], params)
+            proposal = 0.6 * p + 0.4 / VOCAB
+            for token in rng.choice(VOCAB, size=count, replace=False, p=proposal / proposal.sum()):
+                tokens.append(int(token))
+                parents.append(parent)
+                paths[len(tokens) - 1] = paths[parent] + (int(token),)
+                next_frontier.append(len(tokens) - 1)
+        frontier = next_frontier
+    return make_tree(tokens, parents), paths
+
+
+def run_chains(target: ToyTarget, params: SamplingParams, chains: int, seed: int,
+               horizon: int = HORIZON) -> np.ndarray:
+    """Decode `chains` independent sequences until each has `horizon` tokens; [chains, horizon]."""
+    gen = make_generator(SamplingParams(seed=seed), "cpu")
+    committed: list[list[int]] = [[] for _ in range(chains)]
+    active = list(range(chains))
+    while active:
+        contexts: dict[tuple[int, ...], int] = {}
+        drafted = []
+        for c in active:
+            context = tuple(committed[c])
+            if context not in contexts:
+                contexts[context] = len(drafted)
+                tree, paths = draft_tree(target, context, params, seed)
+                rows = [target.logits(context + paths[i]) for i in range(-1, len(tree.tokens))]
+                drafted.append((tree, np.stack(rows)))
+        width = 1 + max(len(tree.tokens) for tree, _ in drafted)
+        table = torch.zeros(len(drafted), width, VOCAB)
+        for k, (_, rows) in enumerate(drafted):
+            table[k, : len(rows)] = torch.from_numpy(rows)
+        which = [contexts[tuple(committed[c])] for c in active]
+        results = verify_batch(
+            [drafted[k][0] for k in which], table[torch.tensor(which)], [params] * len(active), [gen] * len(active)
+        )
+        for c, result in zip(active, results, strict=True):
+            committed[c].extend(result.tokens.tolist())
+        active = [c for c in active if len(committed[c]) < horizon]
+    return np.array([c[:horizon] for c in committed])
+
+
+def exact_distribution(target: ToyTarget, params: SamplingParams, length: int) -> np.ndarray:
+    """P(first `length` tokens) over VOCAB**length outcomes (row-major codes)."""
+    dist = np.ones(1)
+    for step in range(length):
+        rows = [
+            target.probs(tuple(int(t) for t in np.unravel_index(code, (VOCAB,) * step)), params)
+            for code in range(VOCAB**step)
+        ]
+        dist = (dist[:, None] * np.stack(rows)).reshape(-1)
+    return dist
+
+
+def pooled(observed: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pool cells with expected count < MIN_EXPECTED into one cell (if it is not empty)."""
+    small = expected < MIN_EXPECTED
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return obs[keep], exp[keep]
+
+
+def chi_square_pvalue(samples: np.ndarray, exact: np.ndarray) -> float:
+    """p-value of 'samples (codes) are drawn from exact'; outcomes of probability 0 must never occur."""
+    counts = np.bincount(samples, minlength=exact.size)
+    impossible = counts[exact == 0].sum()
+    assert impossible == 0, f"{impossible} draws of outcomes the target gives probability 0"
+    obs, exp = pooled(counts.astype(float), exact * samples.size)
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def codes(samples: np.ndarray, length: int) -> np.ndarray:
+    return np.ravel_multi_index(tuple(samples[:, :length].T), (VOCAB,) * length)
+
+
+CONFIGS = {
+    "plain": SamplingParams(temperature=1.0),
+    "temperature+top_k": SamplingParams(temperature=0.6, top_k=4),
+    "temperature+top_p": SamplingParams(temperature=1.3, top_p=0.8),
+    "all_warps": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sampling_verification_is_lossless(name):
+    params = CONFIGS[name]
+    target = ToyTarget(seed=11)
+    samples = run_chains(target, params, CHAINS, seed=5)
+    for length in (1, HORIZON):
+        pvalue = chi_square_pvalue(codes(samples, length), exact_distribution(target, params, length))
+        assert pvalue > ALPHA, f"{name}: first {length} token(s) deviate from the target (p = {pvalue:.2e})"
+
+
+def test_sample_size_catches_a_two_percent_error():
+    """Moving 0.02 of probability between the two likeliest outcomes (the hardest case for the
+    test: chi-square's noncentrality n * d^2 * (1/p_a + 1/p_b) is smallest there) is detected."""
+    target = ToyTarget(seed=11)
+    rng = np.random.default_rng(0)
+    for params in CONFIGS.values():
+        for length in (1, HORIZON):
+            exact = exact_distribution(target, params, length)
+            a, b = np.argsort(exact)[::-1][:2]
+            shifted = exact.copy()
+            shifted[a] -= 0.02
+            shifted[b] += 0.02
+            shifted /= shifted.sum()  # float dust, so numpy accepts it as a distribution
+            _, exp_true = pooled(np.zeros_like(exact), exact * CHAINS)
+            _, exp_shift = pooled(np.zeros_like(exact), shifted * CHAINS)
+            noncentrality = float(((exp_shift - exp_true) ** 2 / exp_true).sum())
+            df = exp_true.size - 1
+            power = stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, noncentrality)
+            assert power >= 0.99, f"{params}: power {power:.3f} against a 0.02 shift with {CHAINS} draws"
+            drawn = rng.choice(exact.size, size=CHAINS, p=shifted)
+            assert chi_square_pvalue(drawn, exact) < ALPHA
+
+
+def _unrenormalised(q: float, residual_mass: float) -> float:
+    return min(1.0, q)  # accept a later sibling with p(x) instead of p(x) / (1 - rejected mass)
+
+
+def _ignore_residual(original):
+    def walk(tree, q, uniforms):
+        result = original(tree, q, uniforms)
+        return verification._Walk(result.path, result.bonus_row, [])  # bonus drawn from p itself
+
+    return walk
+
+
+@pytest.mark.parametrize("bias", ["unrenormalised_acceptance", "bonus_ignores_residual"])
+def test_biased_verifiers_fail_the_same_test(bias, monkeypatch):
+    """Negative controls: the statistical test must be able to fail."""
+    if bias == "unrenormalised_acceptance":
+        monkeypatch.setattr(verification, "_acceptance_probability", _unrenormalised)
+    else:
+        monkeypatch.setattr(verification, "_rejection_walk", _ignore_residual(verification._rejection_walk))
+    params = CONFIGS["plain"]
+    target = ToyTarget(seed=11)
+    samples = run_chains(target, params, CHAINS, seed=5, horizon=1)
+    pvalue = chi_square_pvalue(codes(samples, 1), exact_distribution(target, params, 1))
+    assert pvalue < ALPHA, f"biased verifier ({bias}) passed: p = {pvalue:.3f}"
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def _request(seed: int, rng: np.random.Generator):
+    tree = random_tree(rng, vocab=VOCAB, max_depth=3, max_children=3, min_children=1)
+    logits = torch.from_numpy(rng.normal(size=(len(tree.tokens) + 1, VOCAB)).astype(np.float32) * 2)
+    return tree, logits
+
+
+def test_seeded_request_is_independent_of_its_batch():
+    rng = np.random.default_rng(7)
+    tree, rows = _request(0, rng)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    others = [_request(i, rng) for i in range(3)]
+    other_params = [SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1), SamplingParams(seed=2)]
+
+    def run(alone: bool) -> list[list[int]]:
+        gen = make_generator(params, "cpu")
+        other_gens = [make_generator(p, "cpu") if not p.is_greedy else None for p in other_params]
+        outputs = []
+        for _ in range(20):  # several rounds: the generator state carries over
+            if alone:
+                outputs.append(verify_batch([tree], rows[None], [params], [gen])[0].tokens.tolist())
+                continue
+            batch_trees = [others[0][0], tree, others[1][0], others[2][0]]
+            width = 1 + max(len(t.tokens) for t in batch_trees)
+            logits = torch.zeros(4, width, VOCAB)
+            for b, r in enumerate([others[0][1], rows, others[1][1], others[2][1]]):
+                logits[b, : len(r)] = r
+            batch_params = [other_params[0], params, other_params[1], other_params[2]]
+            batch_gens = [other_gens[0], gen, other_gens[1], other_gens[2]]
+            outputs.append(verify_batch(batch_trees, logits, batch_params, batch_gens)[1].tokens.tolist())
+        return outputs
+
+    alone, batched = run(alone=True), run(alone=False)
+    assert alone == batched
+    assert len({tuple(o) for o in alone}) > 1  # it really samples
+
+
+# ---------------------------------------------------------------------- numerics
+
+
+def test_acceptance_probability_guards():
+    accept = verification._acceptance_probability
+    assert accept(0.3, 0.6) == pytest.approx(0.5)
+    assert accept(0.6000001, 0.6) == 1.0  # ratio > 1 by rounding
+    assert accept(0.2, 0.0) == 1.0  # residual exhausted by rounding: x is all that is left
+    assert accept(0.0, 0.0) == 0.0
+    assert accept(0.0, 0.5) == 0.0
+
+
+def test_repeated_sibling_token_is_never_accepted_twice():
+    tree = make_tree([2, 2, 3], [-1, -1, -1])
+    logits = torch.log(torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.25] * 4, [0.25] * 4, [0.25] * 4]))
+    gen = make_generator(SamplingParams(seed=0), "cpu")
+    for _ in range(300):
+        result = verify_sampling(tree, logits, SamplingParams(), gen)
+        assert result.accepted_nodes.tolist() != [1]  # the duplicate has residual probability 0
+
+
+def test_exhausted_residual_falls_back_to_the_target_row(monkeypatch):
+    """If rounding leaves no residual mass, the bonus still comes from the (unmodified) row."""
+    def reject_everything(tree, q, uniforms):
+        return verification._Walk([], 0, [0, 1])
+
+    monkeypatch.setattr(verification, "_rejection_walk", reject_everything)
+    tree = make_tree([0, 1], [-1, -1])
+    logits = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]] * 3)
+    gen = make_generator(SamplingParams(seed=0), "cpu")
+    tokens = {verify_sampling(tree, logits, SamplingParams(), gen).bonus_token for _ in range(50)}
+    assert tokens <= {0, 1}
+
+
+# ------------------------------------------------------------------------ errors
+
+
+def test_errors_name_what_differs():
+    tree = make_tree([1, 2], [-1, 0])
+    gen = make_generator(SamplingParams(seed=0), "cpu")
+    sample = SamplingParams()
+    with pytest.raises(ValueError, match="argmax_tokens has 2 entries, tree needs N \\+ 1 = 3"):
+        verify_greedy(tree, np.array([1, 2]))
+    with pytest.raises(ValueError, match="logits must be"):
+        verify_batch([tree], torch.zeros(3, 4), [sample], [gen])
+    with pytest.raises(ValueError, match="batch sizes differ: 1 trees, logits batch 2"):
+        verify_batch([tree], torch.zeros(2, 3, 4), [sample], [gen])
+    with pytest.raises(ValueError, match="only 2 rows"):
+        verify_batch([tree], torch.zeros(1, 2, 4), [sample], [gen])
+    with pytest.raises(ValueError, match=r"trees\[0\]: node 1 has token 2 outside \[0, 2\)"):
+        verify_batch([tree], torch.zeros(1, 3, 2), [sample], [gen])
+    with pytest.raises(ValueError, match=r"request 0 samples .* but has no generator"):
+        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [None])
+    bad = torch.zeros(1, 3, 4)
+    bad[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="request 0: warped probabilities of row 1 sum to nan"):
+        verify_batch([tree], bad, [sample], [gen])
+
+
+def test_acceptance_of_empty_path():
+    result = Acceptance(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 5)
+    assert result.tokens.tolist() == [5]
+    assert result.committed_rows.tolist() == [0]
+    assert result.bonus_row == 0
+    assert result.num_accepted == 0
