@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -241,8 +242,9 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
         model = AutoModelForCausalLM.from_pretrained(
             source.location, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
             device_map=device_map, **common)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"target {source.spec!r}: cannot load its weights from {source.location}: {err}") from err
+    except (OSError, ValueError, SafetensorError) as err:
+        raise ValueError(f"target {source.spec!r}: cannot load its weights from {source.location} "
+                         f"({type(err).__name__}: {err}); is a weights file truncated or corrupt?") from err
     return _finish(model, tokenizer, device, dtype, source, started)
 
 

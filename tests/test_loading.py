@@ -209,6 +209,17 @@ def test_causal_lm_without_decoder_layer_list_is_a_clear_error(tmp_path):
         load_target(str(tmp_path), dtype="fp32", device="cpu")
 
 
+def test_corrupt_files_are_clear_errors(tmp_path):
+    directory = save_tiny_target(tmp_path)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"cannot load its weights .*truncated or corrupt"):
+        load_target(str(directory), dtype="fp32", device="cpu")
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read config.json"):
+        load_target(str(directory), dtype="fp32", device="cpu")
+
+
 def test_tokenizer_larger_than_embedding_is_a_clear_error(tmp_path):
     save_tiny_target(tmp_path, "llama", tokenizer_vocab=TINY_VOCAB + 10)
     with pytest.raises(ValueError, match=rf"tokenizer has {TINY_VOCAB + 10} tokens.*only {TINY_VOCAB} rows"):
