@@ -318,16 +318,18 @@ class DraftKVCache:
         self.lengths = self.lengths + num_new
 
     @torch.inference_mode()
-    def select(self, index: torch.Tensor | Sequence[int]) -> DraftKVCache:
-        """A new cache holding sequences `index` (in that order), cropped to their longest length.
+    def select(self, index: torch.Tensor | Sequence[int]) -> None:
+        """Keep only sequences `index` (in that order), in place, cropped to their longest length.
 
-        For batch bookkeeping: drop finished sequences, reorder to match the target's batch.
+        For batch bookkeeping alongside the target's state: drop finished sequences, reorder.
         """
         index = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device)
         lengths = self.lengths[index]
         length = int(lengths.max()) if lengths.numel() else 0
-        return DraftKVCache(self.keys[index, :, :length].contiguous(),
-                            self.values[index, :, :length].contiguous(), lengths.clone())
+        self._key_buffer = self.keys[index, :, :length].contiguous()
+        self._value_buffer = self.values[index, :, :length].contiguous()
+        self._used = length
+        self.lengths = lengths
 
     @staticmethod
     @torch.inference_mode()
@@ -535,9 +537,10 @@ class DartDraftHead(nn.Module):
         new_lengths = cache.lengths + num_new
         self._check_positions(new_lengths, next_tokens, real)
 
-        # Padding is zeroed so that NaN/garbage in it cannot leak through 0-weight attention.
+        # Padding rows are projected too (one batched matmul) but never cached nor read out, so
+        # whatever they hold cannot leak; pad token ids are replaced only to keep the lookup valid.
         tokens = torch.where(real, next_tokens.to(device), 0)
-        hidden = self.fc(features.to(device=device, dtype=dtype).masked_fill(~real[..., None], 0))
+        hidden = self.fc(features.to(device=device, dtype=dtype))
         x_real = self.midlayer.attention_input(self.embed_tokens(tokens).to(dtype), hidden)
         cos, sin = self.rope(cache.lengths[:, None] + rows[None, :], dtype)
         keys, values = attn.keys_values(x_real, cos, sin)

@@ -42,10 +42,19 @@ def target(family: str = "llama"):
     return tiny_model(family)
 
 
-def make_head(family: str = "llama", seed: int = 0, **kwargs) -> DartDraftHead:
+def make_head(family: str = "llama", seed: int = 0, embed_tokens=None, **kwargs) -> DartDraftHead:
+    """A random head whose RMSNorm weights are random too: with unit weights norm(norm(x)) equals
+    norm(x), and a test could not tell whether the final norm is applied twice."""
     model = target(family)
     kwargs.setdefault("draft_length", DRAFT_LENGTH)
-    return DartDraftHead.random_init(model.config, model.get_input_embeddings(), seed=seed, **kwargs).eval()
+    head = DartDraftHead.random_init(model.config, embed_tokens or model.get_input_embeddings(),
+                                     seed=seed, **kwargs).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=gen) * 1.5 + 0.25)
+    return head
 
 
 def random_stream(head: DartDraftHead, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +159,25 @@ def test_incremental_propose_matches_full_reference(family):
     assert cache.lengths.tolist() == [sum(counts)]
 
 
+class ShiftedEmbedding(torch.nn.Embedding):
+    """An embedding whose output is not a plain row of `.weight` (like Gemma3's scaled one, but a
+    shift, which input_layernorm cannot normalise away)."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 0.75
+
+
+def test_head_calls_the_target_embedding_module():
+    plain = target("llama").get_input_embeddings()
+    shifted = ShiftedEmbedding(plain.num_embeddings, plain.embedding_dim)
+    shifted.weight.data.copy_(plain.weight.data)
+    head, head_plain = make_head("llama", embed_tokens=shifted), make_head("llama")
+    stream = random_stream(head, 7, seed=3)
+    results, _ = run_batched(head, [stream], [[7]])
+    torch.testing.assert_close(results[0][0].double(), reference_logits(head, *stream), atol=ATOL, rtol=0)
+    assert not torch.allclose(results[0], run_batched(head_plain, [stream], [[7]])[0][0], atol=1e-3)
+
+
 def test_reference_is_sensitive_to_rope_scaling_and_head_matches_it():
     """The rope_scaling dict reaches transformers' RoPE (linear: positions / factor)."""
     head = make_head("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
@@ -201,7 +229,8 @@ def test_cache_select_and_concat_keep_sequences_exact():
     streams = [random_stream(head, 12, seed=30 + b) for b in range(3)]
     first, cache_a = run_batched(head, streams[:2], [[4, 6], [2, 1]])
     _, cache_b = run_batched(head, streams[2:], [[5], [3]])
-    cache = DraftKVCache.concat([cache_b, cache_a.select([1])])  # sequences 2, 1
+    cache_a.select([1])
+    cache = DraftKVCache.concat([cache_b, cache_a])  # sequences 2, 1
     assert cache.lengths.tolist() == [8, 7]
     done = {2: 8, 1: 7}
     features = torch.stack([streams[2][0][8:10], streams[1][0][7:9]])
