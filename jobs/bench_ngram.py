@@ -50,7 +50,7 @@ from dart_worker.corpus import (
 from dart_worker.fingerprint import tokenizer_fingerprint
 from jobs.build_ngram import count_documents, load_tokenizer, vocab_size_of
 
-TOKEN_CACHE_FORMAT = "dart-batch/tokenized-corpus/v1"
+TOKEN_CACHE_FORMAT = "dart-batch/tokenized-corpus/v2"
 SHARD_TOKENS = 1 << 23  # 8M tokens (32 MB) per shard
 
 
@@ -85,7 +85,8 @@ class TokenizedCorpus:
     directory: Path
     documents: int
     tokens: int
-    tokenize_seconds: float  # measured when the cache was written
+    tokenize_seconds: float  # wall time, measured when the cache was written
+    tokenize_cpu_seconds: float  # CPU time of this process (all tokenizer threads) for the same
     from_cache: bool
     report: dict[str, Any]
 
@@ -124,7 +125,15 @@ def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, sp
     manifest_path = directory / "manifest.json"
     if manifest_path.exists():
         m = json.loads(manifest_path.read_text())
-        return TokenizedCorpus(directory, m["documents"], m["tokens"], m["tokenize_seconds"], True, m["report"])
+        return TokenizedCorpus(
+            directory,
+            m["documents"],
+            m["tokens"],
+            m["tokenize_seconds"],
+            m["tokenize_cpu_seconds"],
+            True,
+            m["report"],
+        )
 
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -139,7 +148,7 @@ def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, sp
         np.save(tmp / f"lengths-{shard:05d}.npy", np.asarray(lengths, dtype=np.int64))
         shard, buf, lengths, buffered = shard + 1, [], [], 0
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for doc in tokenize_conversations(convs, tokenizer, eos_between_turns=cfg.eos_between_turns):
         buf.append(doc)
         lengths.append(len(doc))
@@ -150,7 +159,7 @@ def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, sp
             flush()
     if buf:
         flush()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     manifest = {
         "format": TOKEN_CACHE_FORMAT,
         "input": cfg.input,
@@ -159,6 +168,7 @@ def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, sp
         "documents": n_docs,
         "tokens": n_tokens,
         "tokenize_seconds": seconds,
+        "tokenize_cpu_seconds": cpu_seconds,
         "report": report.to_dict(),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -168,7 +178,7 @@ def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, sp
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    return TokenizedCorpus(directory, n_docs, n_tokens, seconds, False, manifest["report"])
+    return TokenizedCorpus(directory, n_docs, n_tokens, seconds, cpu_seconds, False, manifest["report"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +274,26 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
+def time_calls(calls: list[Any]) -> dict[str, float]:
+    """Median wall and CPU time of each zero-argument call, in microseconds.
+
+    The CPU time is the calling thread's (the native code runs in it, GIL released): it shows
+    the work itself even when other processes share the cores; the wall time is what a caller
+    waits. Both are reported so that a loaded machine is visible in the figures.
+    """
+    wall, cpu = [], []
+    for call in calls:
+        w, c = time.perf_counter(), time.thread_time()
+        call()
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - w)
+    return {
+        "wall_us_median": _median_us(wall),
+        "wall_us_p90": float(np.percentile(wall, 90) * 1e6),
+        "cpu_us_median": _median_us(cpu),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory of several processes mapping one trie
 
@@ -332,7 +362,7 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
     from ngram_native.trie import NgramTrie
 
     rng = np.random.default_rng(cfg.seed)
-    results: dict[str, Any] = {"config": asdict(cfg)}
+    results: dict[str, Any] = {"config": asdict(cfg), "load_average_at_start": os.getloadavg()}
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -348,7 +378,9 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
         "dev_tokens": dev.tokens,
         "skipped": train.report["skipped"],
         "tokenize_s": train.tokenize_seconds,
+        "tokenize_cpu_s": train.tokenize_cpu_seconds,
         "tokenize_tokens_per_s": train.tokens / train.tokenize_seconds,
+        "tokenize_tokens_per_cpu_s": train.tokens / train.tokenize_cpu_seconds,
         "tokenized_from_cache": train.from_cache,
     }
 
@@ -375,25 +407,25 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
         "bytes_per_node": built.file_bytes / nodes,
         "count_s": count_s,
         "count_tokens_per_s": built.tokens / count_s,
+        "count_cpu_s": built.count_cpu_seconds,
+        "count_tokens_per_cpu_s": built.tokens / built.count_cpu_seconds,
         "read_cached_tokens_s": built.source_seconds,
         "end_to_end_tokens_per_s": built.tokens / (count_s + train.tokenize_seconds),
     }
 
-    quick = []
-    for _ in range(cfg.open_repeats):
-        start = time.perf_counter()
-        NgramTrie.open(str(trie_path), verify=False, expected_tokenizer_fingerprint=fingerprint).close()
-        quick.append(time.perf_counter() - start)
+    quick = time_calls(
+        [lambda: NgramTrie.open(str(trie_path), verify=False, expected_tokenizer_fingerprint=fingerprint).close()]
+        * cfg.open_repeats
+    )
     start = time.perf_counter()
     trie = NgramTrie.open(str(trie_path), verify=True, expected_tokenizer_fingerprint=fingerprint)
     verified_s = time.perf_counter() - start
-    results["open"] = {"quick_us_median": _median_us(quick), "verified_s": verified_s}
+    results["open"] = {"quick": quick, "verified_s": verified_s}
 
     dev_docs = [np.asarray(d) for d in dev.iter_documents()]
     index = LevelIndex(trie, cfg.order)
 
     # Query latency: the true next token plus the context's frequent continuations, 25 in all.
-    lat = []
     calls = []
     long_docs = [d for d in dev_docs if len(d) > 32]
     for _ in range(cfg.num_contexts):
@@ -401,17 +433,9 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
         p = int(rng.integers(cfg.order, len(doc)))
         cand, _ = index.next_tokens(doc[:p].tolist()[-8:], cfg.top_k)
         cand = np.unique(np.concatenate([cand[: cfg.top_k - 1], doc[p : p + 1]]).astype(np.int32))
-        calls.append((np.ascontiguousarray(doc[p - cfg.order + 1 : p], dtype=np.int32), cand))
-    for ctx, cand in calls:
-        start = time.perf_counter()
-        trie.score(ctx, cand)
-        lat.append(time.perf_counter() - start)
-    results["query"] = {
-        "calls": len(calls),
-        "candidates": cfg.top_k,
-        "median_us": _median_us(lat),
-        "p90_us": float(np.percentile(lat, 90) * 1e6),
-    }
+        ctx = np.ascontiguousarray(doc[p - cfg.order + 1 : p], dtype=np.int32)
+        calls.append(lambda ctx=ctx, cand=cand: trie.score(ctx, cand))
+    results["query"] = {"calls": len(calls), "candidates": cfg.top_k, **time_calls(calls)}
 
     # Trees: per sequence (batch of 1, what a one-sequence worker pays) and amortised over 16.
     ids, logits, contexts = draft_inputs(index, dev_docs, cfg.num_sequences, cfg, rng)
@@ -435,22 +459,14 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
         ),
     }
     trees: dict[str, Any] = {}
+    n = cfg.num_sequences
     for name, build in builders.items():
-        single = []
-        sizes = []
-        for s in range(cfg.num_sequences):
-            start = time.perf_counter()
-            out = build(slice(s, s + 1))
-            single.append(time.perf_counter() - start)
-            sizes.append(len(out[0].tokens))
-        batched = []
-        for s in range(0, cfg.num_sequences - 15, 16):
-            start = time.perf_counter()
-            build(slice(s, s + 16))
-            batched.append((time.perf_counter() - start) / 16)
+        sizes = [build(slice(s, s + 1))[0].size for s in range(n)]
+        single = time_calls([lambda s=s, build=build: build(slice(s, s + 1)) for s in range(n)])
+        batched = time_calls([lambda s=s, build=build: build(slice(s, s + 16)) for s in range(0, n - 15, 16)])
         trees[name] = {
-            "per_sequence_us_median": _median_us(single),
-            "per_sequence_us_batch16": _median_us(batched) if batched else None,
+            "batch1": single,
+            "batch16_per_sequence": {k: v / 16 for k, v in batched.items()},
             "nodes_median": statistics.median(sizes),
         }
     results["trees"] = {"budget": cfg.budget, "top_k": cfg.top_k, "positions": cfg.positions, **trees}
@@ -458,11 +474,16 @@ def run(cfg: BenchNgramConfig) -> dict[str, Any]:
 
     results["memory"] = shared_memory(str(trie_path), cfg.processes)
     results["trie"] = str(trie_path)
+    results["load_average_at_end"] = os.getloadavg()
     return results
 
 
 def print_table(r: dict[str, Any]) -> None:
     b, c, o, q, m = r["build"], r["corpus"], r["open"], r["query"], r["memory"]
+
+    def lat(t: dict[str, float]) -> str:
+        return f"{t['wall_us_median']:.1f} us (cpu {t['cpu_us_median']:.1f} us)"
+
     rows = [
         (
             "corpus",
@@ -471,32 +492,46 @@ def print_table(r: dict[str, Any]) -> None:
         ),
         (
             "tokenize",
-            f"{c['tokenize_s']:.1f} s, {c['tokenize_tokens_per_s'] / 1e6:.2f} M tok/s"
-            + (" (cached)" if c["tokenized_from_cache"] else ""),
+            f"{c['tokenize_s']:.1f} s = {c['tokenize_tokens_per_s'] / 1e6:.2f} M tok/s "
+            f"(cpu {c['tokenize_cpu_s']:.1f} s = {c['tokenize_tokens_per_cpu_s'] / 1e6:.2f} M tok/cpu-s)"
+            + (", cached" if c["tokenized_from_cache"] else ""),
         ),
-        ("count + write", f"{b['count_s']:.1f} s, {b['count_tokens_per_s'] / 1e6:.2f} M tok/s"),
-        ("end to end", f"{b['end_to_end_tokens_per_s'] / 1e6:.2f} M tok/s"),
-        ("nodes", f"{b['nodes'] / 1e6:.2f} M  per level {b['nodes_per_level'][1:]}"),
-        ("file", f"{b['file_bytes'] / 1e6:.1f} MB = {b['bytes_per_node']:.2f} B/node (upstream 36 B/node, goal <= 12)"),
-        ("open quick", f"{o['quick_us_median']:.0f} us"),
+        (
+            "count + write",
+            f"{b['count_s']:.1f} s = {b['count_tokens_per_s'] / 1e6:.2f} M tok/s "
+            f"(cpu {b['count_cpu_s']:.1f} s = {b['count_tokens_per_cpu_s'] / 1e6:.2f} M tok/cpu-s)",
+        ),
+        ("nodes", f"{b['nodes'] / 1e6:.2f} M, per level {b['nodes_per_level'][1:]}"),
+        (
+            "file",
+            f"{b['file_bytes'] / 1e6:.1f} MB = {b['bytes_per_node']:.2f} B/node "
+            "(upstream: 36 on disk, ~125 in RAM; goal <= 12)",
+        ),
+        ("open quick", lat(o["quick"])),
         ("open verified", f"{o['verified_s'] * 1e3:.0f} ms"),
-        ("score 25 cands", f"{q['median_us']:.2f} us median, p90 {q['p90_us']:.2f} us"),
+        (f"score {q['candidates']} cands", lat(q)),
     ]
     for name in ("dart", "ddtree", "chain"):
         t = r["trees"][name]
         rows.append(
             (
                 f"tree {name}",
-                f"{t['per_sequence_us_median']:.0f} us/seq (batch 1), "
-                f"{t['per_sequence_us_batch16']:.0f} us/seq (batch 16), "
-                f"{t['nodes_median']:.0f} nodes",
+                f"{lat(t['batch1'])} per seq at batch 1, "
+                f"{lat(t['batch16_per_sequence'])} at batch 16; {t['nodes_median']:.0f} nodes",
             )
         )
     rows.append(
         (
             "memory",
-            f"{m['processes']} procs map it: trie PSS {m['pss_trie_mapping_bytes'] / 1e6:.1f} MB "
-            f"= {m['trie_copies']:.2f} copies of the file; all PSS {m['pss_total_bytes'] / 1e6:.0f} MB",
+            f"{m['processes']} processes map it: trie PSS {m['pss_trie_mapping_bytes'] / 1e6:.1f} MB "
+            f"= {m['trie_copies']:.2f} x the file; all PSS {m['pss_total_bytes'] / 1e6:.0f} MB",
+        )
+    )
+    rows.append(
+        (
+            "load average",
+            f"{r['load_average_at_start'][0]:.1f} at start, {r['load_average_at_end'][0]:.1f} "
+            f"at end ({os.cpu_count()} cores)",
         )
     )
     width = max(len(k) for k, _ in rows)

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class CountResult:
     add_seconds: float  # time inside add_document
     finish_seconds: float  # sort/merge/write
     source_seconds: float  # time spent producing documents (reading + tokenizing)
+    count_cpu_seconds: float  # CPU time of add_document + finish (immune to other processes' load)
 
 
 class NoDocumentsError(ValueError):
@@ -170,18 +172,20 @@ def count_documents(
         tmp_dir=str(tmp_dir or tempfile.gettempdir()),
     )
     timed = _Timed(documents)
-    add_seconds = 0.0
+    add_seconds = cpu_seconds = 0.0
     for doc in timed:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         builder.add_document(doc)
         add_seconds += time.perf_counter() - start
+        cpu_seconds += time.process_time() - cpu
         if progress is not None:
             progress(len(doc))
     if builder.num_documents == 0:  # nothing to write: leave no empty trie behind
         raise NoDocumentsError("no documents to count")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     stats = builder.finish(str(path))
     finish_seconds = time.perf_counter() - start
+    cpu_seconds += time.process_time() - cpu
     return CountResult(
         documents=int(stats.num_documents),
         tokens=int(stats.num_tokens),
@@ -190,6 +194,7 @@ def count_documents(
         add_seconds=add_seconds,
         finish_seconds=finish_seconds,
         source_seconds=timed.seconds,
+        count_cpu_seconds=cpu_seconds,
     )
 
 
@@ -329,6 +334,7 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
             "tokens_per_s": round(result.tokens / max(1e-9, total_seconds - tokenizer_seconds)),
             "tokenize_tokens_per_s": round(result.tokens / max(1e-9, result.source_seconds)),
             "count_tokens_per_s": round(result.tokens / max(1e-9, count_seconds)),
+            "count_cpu_s": round(result.count_cpu_seconds, 3),
         },
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
@@ -348,8 +354,13 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
 
 def parse_config(argv: list[str] | None = None) -> BuildNgramConfig:
     """Defaults < ``--config`` YAML < ``key=value`` overrides, checked against BuildNgramConfig."""
+    defaults = OmegaConf.to_yaml(OmegaConf.structured(BuildNgramConfig))
     parser = argparse.ArgumentParser(
-        prog="python -m jobs.build_ngram", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="python -m jobs.build_ngram",
+        description=__doc__,
+        epilog="config keys and defaults:\n" + textwrap.indent(defaults, "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML config file (keys of BuildNgramConfig)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. order=4 limit=1000")
