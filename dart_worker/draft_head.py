@@ -131,9 +131,9 @@ class DraftHeadConfig:
         if "num_attention_heads" in values:
             values.setdefault("num_key_value_heads", values["num_attention_heads"])
             if "hidden_size" in values and "head_dim" not in values:
-                heads = values["num_attention_heads"]
-                if isinstance(heads, int) and heads > 0:
-                    values["head_dim"] = values["hidden_size"] // heads
+                heads, hidden = values["num_attention_heads"], values["hidden_size"]
+                if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+                    values["head_dim"] = hidden // heads
         if "hidden_size" in values:
             values.setdefault("target_hidden_size", values["hidden_size"])
         missing = [name for name in names if name not in values]

@@ -243,6 +243,22 @@ def test_cache_select_and_concat_keep_sequences_exact():
     assert first[0].shape == (2, DRAFT_LENGTH + 1, TINY_VOCAB)
 
 
+def test_uncached_layer_forward_matches_reference():
+    """DartMidLayer.forward (the training path: all rows, caller's mask) is the same function."""
+    head = make_head("qwen3")
+    features, tokens = random_stream(head, 8, seed=35)
+    m, layer = DRAFT_LENGTH, head.midlayer
+    with torch.no_grad():
+        hidden = head.fc(features[None])
+        mask_in, mask_residual = layer.mask_rows(1, m)
+        attn_in = torch.cat((layer.attention_input(head.embed_tokens(tokens[None]), hidden), mask_in), dim=1)
+        residual = torch.cat((hidden, mask_residual), dim=1)
+        cos, sin = head.rope(torch.arange(8 + m)[None], torch.float32)
+        causal = torch.ones(8 + m, 8 + m, dtype=torch.bool).tril()[None, None]
+        logits = head.logits(layer(attn_in, residual, cos, sin, causal)[:, 8 - 1 :])
+    torch.testing.assert_close(logits[0].double(), reference_logits(head, features, tokens), atol=ATOL, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # MASK rows: never cached, causal among themselves.
 
