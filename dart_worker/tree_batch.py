@@ -64,8 +64,9 @@ def check_tree(tree: TreeLike, *, vocab_size: int | None = None, name: str = "tr
         )
     expected_depth = depths[parents] + 1  # parent -1 reads the last entry; fixed on the next line
     expected_depth[parents < 0] = 1
-    if not np.array_equal(depths, expected_depth):
-        i = int(np.argmax(depths != expected_depth))
+    depth_ok = depths == expected_depth
+    if not depth_ok.all():
+        i = int(np.argmin(depth_ok))
         raise ValueError(f"{name}: node {i} has depth {int(depths[i])}, expected {int(expected_depth[i])}")
     if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
         i = int(np.argmax((tokens < 0) | (tokens >= (vocab_size if vocab_size is not None else np.inf))))

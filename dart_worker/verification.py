@@ -227,10 +227,11 @@ def _verify_sampled(
     vocab = int(logits.shape[-1])
 
     # 1. q = p_row(parent)(token) of every node and every row's sum, one warp + gather per chunk.
-    gathered: list[torch.Tensor] = []
-    q_offset: dict[int, int] = {}  # request -> where its N q values start in the transfer
-    sums_offset: dict[int, int] = {}  # request -> where its N + 1 row sums start
-    position = 0
+    q_parts: list[torch.Tensor] = []
+    sum_parts: list[torch.Tensor] = []
+    q_offset = np.zeros(count + 1, dtype=np.int64)  # request k's q values, in chunk order
+    sum_offset = np.zeros(count + 1, dtype=np.int64)  # request k's N + 1 row sums
+    nodes_done = rows_done = 0
     for chunk in _warp_chunks(range(count), [n + 1 for n in sizes], params, vocab):
         rows_per = np.array([sizes[k] + 1 for k in chunk], dtype=np.int64)
         nodes_per = rows_per - 1
@@ -247,35 +248,38 @@ def _verify_sampled(
         index = torch.from_numpy(np.concatenate([sequence, row, parent_row, token])).to(device)
         sequence_d, row_d, parent_d, token_d = index.split([num_rows, num_rows, num_nodes, num_nodes])
         probs = warp_logits_to_probs(logits[sequence_d, row_d], params[chunk[0]])
-        gathered.append(probs[parent_d, token_d].double())
-        gathered.append(probs.sum(dim=-1).double())
-        for k, first_node, first_row in zip(chunk, node_start, row_start, strict=True):
-            q_offset[k] = position + int(first_node)
-            sums_offset[k] = position + num_nodes + int(first_row)
-        position += num_nodes + num_rows
+        q_parts.append(probs[parent_d, token_d].double())
+        sum_parts.append(probs.sum(dim=-1).double())
+        q_offset[chunk] = nodes_done + node_start
+        sum_offset[chunk] = rows_done + row_start
+        nodes_done += num_nodes
+        rows_done += num_rows
     # Uniforms come from each request's own generator, in request order: one per node for the
     # walk, then one for the bonus draw.
     uniforms = torch.cat(
         [torch.rand(sizes[k] + 1, generator=generators[k], device=device, dtype=torch.float64) for k in range(count)]
     )
-    u_offsets = np.cumsum([0] + [n + 1 for n in sizes])
-    gathered.append(uniforms)
-    host = torch.cat(gathered).cpu().numpy()  # the one device -> host transfer of the walks
-    host_uniforms = host[position:]
+    u_offset = np.cumsum([0] + [n + 1 for n in sizes])
+    host = torch.cat([*q_parts, *sum_parts, uniforms]).cpu().numpy()  # THE device -> host transfer
+    host_q, host_sums, host_u = np.split(host, [nodes_done, nodes_done + rows_done])
 
-    # 2. The walks, on the host.
-    walks: list[_Walk] = []
-    for k in range(count):
-        n = sizes[k]
-        row_sums = host[sums_offset[k] : sums_offset[k] + n + 1]
-        bad = np.flatnonzero(~(np.abs(row_sums - 1.0) <= _ROW_SUM_TOLERANCE))
-        if bad.size:
-            raise ValueError(
-                f"request {batch_index[k]}: warped probabilities of row {int(bad[0])} sum to "
-                f"{row_sums[bad[0]]} (non-finite logits?)"
-            )
-        u_at = int(u_offsets[k])
-        walks.append(_rejection_walk(trees[k], host[q_offset[k] : q_offset[k] + n], host_uniforms[u_at : u_at + n]))
+    # 2. The walks, on the host, after one vectorised check that every row is a distribution.
+    bad = np.flatnonzero(~(np.abs(host_sums - 1.0) <= _ROW_SUM_TOLERANCE))
+    if bad.size:
+        where = int(bad[0])
+        k = next(k for k in range(count) if sum_offset[k] <= where < sum_offset[k] + sizes[k] + 1)
+        raise ValueError(
+            f"request {batch_index[k]}: warped probabilities of row {where - int(sum_offset[k])} sum to "
+            f"{host_sums[where]} (non-finite logits?)"
+        )
+    walks = [
+        _rejection_walk(
+            trees[k],
+            host_q[q_offset[k] : q_offset[k] + sizes[k]],
+            host_u[u_offset[k] : u_offset[k] + sizes[k]],
+        )
+        for k in range(count)
+    ]
 
     # 3. Bonus tokens from the residuals: re-warp just the bonus rows (cheaper than keeping
     # every row's float32 probabilities alive across the host walk), zero rejected tokens.
@@ -297,7 +301,7 @@ def _verify_sampled(
         # Mass 0 is reachable only by rounding (a child with p(x) ~ 1 was rejected): fall back
         # to the unmodified row rather than fail; decided on the device, no sync.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, bonus_rows)
-    bonus_uniforms = uniforms[torch.from_numpy(u_offsets[1:] - 1).to(device)]
+    bonus_uniforms = uniforms[torch.from_numpy(u_offset[1:] - 1).to(device)]
     bonus_tokens = _inverse_cdf_sample(residual, bonus_uniforms).cpu().tolist()  # second transfer
     return [_acceptance(t, w.path, tok) for t, w, tok in zip(trees, walks, bonus_tokens, strict=True)]
 

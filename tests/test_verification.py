@@ -12,6 +12,8 @@ empirically), and deliberately biased verifiers must fail the same test.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 import dart_worker.verification as verification
-from dart_worker.sampling import SamplingParams, make_generator
+from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
 from dart_worker.verification import (
     Acceptance,
     verify_batch,
@@ -30,8 +32,7 @@ from dart_worker.verification import (
 from tests.test_sampling import transformers_probs
 from tests.test_tree_batch import make_tree, random_tree, trees
 
-VOCAB = 8
-HORIZON = 2  # committed tokens per chain that are tested
+VOCAB = 8  # of the deterministic tests
 CHAINS = 40_000  # per configuration; see test_sample_size_catches_a_two_percent_error
 ALPHA = 1e-4  # significance level of every chi-square test
 MIN_EXPECTED = 5.0  # cells expected below this are pooled, as chi-square requires
@@ -115,17 +116,18 @@ def test_sampling_with_one_hot_target_is_the_greedy_walk():
 
 
 class ToyTarget:
-    """A 'language model' over VOCAB tokens: fixed random logits for every context (a tuple)."""
+    """A 'language model' over a toy vocabulary: fixed random logits for every context (a tuple)."""
 
-    def __init__(self, seed: int, scale: float = 1.5):
+    def __init__(self, seed: int, vocab: int, scale: float = 1.5):
         self.seed = seed
+        self.vocab = vocab
         self.scale = scale
         self._cache: dict[tuple[int, ...], np.ndarray] = {}
 
     def logits(self, context: tuple[int, ...]) -> np.ndarray:
         if context not in self._cache:
             rng = np.random.default_rng([self.seed, len(context), *context])
-            self._cache[context] = (rng.normal(size=VOCAB) * self.scale).astype(np.float32)
+            self._cache[context] = (rng.normal(size=self.vocab) * self.scale).astype(np.float32)
         return self._cache[context]
 
     def probs(self, context: tuple[int, ...], params: SamplingParams) -> np.ndarray:
@@ -134,7 +136,25 @@ class ToyTarget:
         return transformers_probs(logits, params)[0].double().numpy()
 
 
-def draft_tree(target: ToyTarget, context: tuple[int, ...], params: SamplingParams, seed: int):
+@dataclass(frozen=True)
+class Case:
+    params: SamplingParams
+    vocab: int = 8
+    horizon: int = 2  # committed tokens per chain that are tested (the first 1..horizon)
+    repeated_siblings: bool = False  # the drafter may propose the same token twice
+
+
+CASES = {
+    "plain": Case(SamplingParams(temperature=1.0)),
+    "temperature+top_k": Case(SamplingParams(temperature=0.6, top_k=4)),
+    "temperature+top_p": Case(SamplingParams(temperature=1.3, top_p=0.8)),
+    "all_warps": Case(SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+    # Three tokens deep (rows at depth 2 decide too) on a smaller vocabulary, with repeats.
+    "deep+repeats": Case(SamplingParams(temperature=1.0, top_p=0.95), vocab=4, horizon=3, repeated_siblings=True),
+}
+
+
+def draft_tree(target: ToyTarget, context: tuple[int, ...], case: Case, seed: int):
     """A random draft tree of depth 3 with siblings at every depth; proposals lean towards likely
     tokens (like a real drafter) but also propose filtered-out (probability 0) tokens."""
     rng = np.random.default_rng([seed, len(context), *context])
@@ -147,9 +167,10 @@ def draft_tree(target: ToyTarget, context: tuple[int, ...], params: SamplingPara
         for j, parent in enumerate(frontier):
             low = 2 if j == 0 else 0  # the first parent of each level always has siblings below it
             count = int(rng.integers(low, 4 if depth == 0 else 3))
-            p = target.probs(context + paths[parent], params)
-            proposal = 0.6 * p + 0.4 / VOCAB
-            for token in rng.choice(VOCAB, size=count, replace=False, p=proposal / proposal.sum()):
+            p = target.probs(context + paths[parent], case.params)
+            proposal = 0.6 * p + 0.4 / target.vocab
+            proposal /= proposal.sum()
+            for token in rng.choice(target.vocab, size=count, replace=case.repeated_siblings, p=proposal):
                 tokens.append(int(token))
                 parents.append(parent)
                 paths[len(tokens) - 1] = paths[parent] + (int(token),)
@@ -158,8 +179,7 @@ def draft_tree(target: ToyTarget, context: tuple[int, ...], params: SamplingPara
     return make_tree(tokens, parents), paths
 
 
-def run_chains(target: ToyTarget, params: SamplingParams, chains: int, seed: int,
-               horizon: int = HORIZON) -> np.ndarray:
+def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: int) -> np.ndarray:
     """Decode `chains` independent sequences until each has `horizon` tokens; [chains, horizon]."""
     gen = make_generator(SamplingParams(seed=seed), "cpu")
     committed: list[list[int]] = [[] for _ in range(chains)]
@@ -171,16 +191,19 @@ def run_chains(target: ToyTarget, params: SamplingParams, chains: int, seed: int
             context = tuple(committed[c])
             if context not in contexts:
                 contexts[context] = len(drafted)
-                tree, paths = draft_tree(target, context, params, seed)
+                tree, paths = draft_tree(target, context, case, seed)
                 rows = [target.logits(context + paths[i]) for i in range(-1, len(tree.tokens))]
                 drafted.append((tree, np.stack(rows)))
         width = 1 + max(len(tree.tokens) for tree, _ in drafted)
-        table = torch.zeros(len(drafted), width, VOCAB)
+        table = torch.zeros(len(drafted), width, target.vocab)
         for k, (_, rows) in enumerate(drafted):
             table[k, : len(rows)] = torch.from_numpy(rows)
         which = [contexts[tuple(committed[c])] for c in active]
         results = verify_batch(
-            [drafted[k][0] for k in which], table[torch.tensor(which)], [params] * len(active), [gen] * len(active)
+            [drafted[k][0] for k in which],
+            table[torch.tensor(which)],
+            [case.params] * len(active),
+            [gen] * len(active),
         )
         for c, result in zip(active, results, strict=True):
             committed[c].extend(result.tokens.tolist())
@@ -189,12 +212,13 @@ def run_chains(target: ToyTarget, params: SamplingParams, chains: int, seed: int
 
 
 def exact_distribution(target: ToyTarget, params: SamplingParams, length: int) -> np.ndarray:
-    """P(first `length` tokens) over VOCAB**length outcomes (row-major codes)."""
+    """P(first `length` tokens) over vocab**length outcomes (row-major codes)."""
+    shape = (target.vocab,)
     dist = np.ones(1)
     for step in range(length):
         rows = [
-            target.probs(tuple(int(t) for t in np.unravel_index(code, (VOCAB,) * step)), params)
-            for code in range(VOCAB**step)
+            target.probs(tuple(int(t) for t in np.unravel_index(code, shape * step)), params)
+            for code in range(target.vocab**step)
         ]
         dist = (dist[:, None] * np.stack(rows)).reshape(-1)
     return dist
@@ -218,36 +242,30 @@ def chi_square_pvalue(samples: np.ndarray, exact: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-def codes(samples: np.ndarray, length: int) -> np.ndarray:
-    return np.ravel_multi_index(tuple(samples[:, :length].T), (VOCAB,) * length)
+def codes(samples: np.ndarray, length: int, vocab: int) -> np.ndarray:
+    return np.ravel_multi_index(tuple(samples[:, :length].T), (vocab,) * length)
 
 
-CONFIGS = {
-    "plain": SamplingParams(temperature=1.0),
-    "temperature+top_k": SamplingParams(temperature=0.6, top_k=4),
-    "temperature+top_p": SamplingParams(temperature=1.3, top_p=0.8),
-    "all_warps": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
-}
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_sampling_verification_is_lossless(name):
-    params = CONFIGS[name]
-    target = ToyTarget(seed=11)
-    samples = run_chains(target, params, CHAINS, seed=5)
-    for length in (1, HORIZON):
-        pvalue = chi_square_pvalue(codes(samples, length), exact_distribution(target, params, length))
+    case = CASES[name]
+    target = ToyTarget(seed=11, vocab=case.vocab)
+    samples = run_chains(target, case, CHAINS, seed=5, horizon=case.horizon)
+    for length in range(1, case.horizon + 1):
+        exact = exact_distribution(target, case.params, length)
+        pvalue = chi_square_pvalue(codes(samples, length, case.vocab), exact)
         assert pvalue > ALPHA, f"{name}: first {length} token(s) deviate from the target (p = {pvalue:.2e})"
 
 
 def test_sample_size_catches_a_two_percent_error():
     """Moving 0.02 of probability between the two likeliest outcomes (the hardest case for the
-    test: chi-square's noncentrality n * d^2 * (1/p_a + 1/p_b) is smallest there) is detected."""
-    target = ToyTarget(seed=11)
+    test: chi-square's noncentrality n * d^2 * (1/p_a + 1/p_b) is smallest there) is detected,
+    analytically with power >= 0.99 and empirically on one draw, for every tested distribution."""
     rng = np.random.default_rng(0)
-    for params in CONFIGS.values():
-        for length in (1, HORIZON):
-            exact = exact_distribution(target, params, length)
+    for name, case in CASES.items():
+        target = ToyTarget(seed=11, vocab=case.vocab)
+        for length in range(1, case.horizon + 1):
+            exact = exact_distribution(target, case.params, length)
             a, b = np.argsort(exact)[::-1][:2]
             shifted = exact.copy()
             shifted[a] -= 0.02
@@ -258,13 +276,18 @@ def test_sample_size_catches_a_two_percent_error():
             noncentrality = float(((exp_shift - exp_true) ** 2 / exp_true).sum())
             df = exp_true.size - 1
             power = stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, noncentrality)
-            assert power >= 0.99, f"{params}: power {power:.3f} against a 0.02 shift with {CHAINS} draws"
+            assert power >= 0.99, f"{name}, {length} token(s): power {power:.3f} with {CHAINS} draws"
             drawn = rng.choice(exact.size, size=CHAINS, p=shifted)
             assert chi_square_pvalue(drawn, exact) < ALPHA
 
 
 def _unrenormalised(q: float, residual_mass: float) -> float:
     return min(1.0, q)  # accept a later sibling with p(x) instead of p(x) / (1 - rejected mass)
+
+
+def _five_percent_overconfident(q: float, residual_mass: float) -> float:
+    # subtle: shifts single outcome probabilities by only ~0.01
+    return min(1.0, 1.05 * q / residual_mass) if residual_mass > 0 else 1.0
 
 
 def _ignore_residual(original):
@@ -275,17 +298,19 @@ def _ignore_residual(original):
     return walk
 
 
-@pytest.mark.parametrize("bias", ["unrenormalised_acceptance", "bonus_ignores_residual"])
+@pytest.mark.parametrize("bias", ["unrenormalised_acceptance", "five_percent_overconfident", "bonus_ignores_residual"])
 def test_biased_verifiers_fail_the_same_test(bias, monkeypatch):
-    """Negative controls: the statistical test must be able to fail."""
+    """Negative controls: the statistical test must be able to fail, on the real pipeline."""
     if bias == "unrenormalised_acceptance":
         monkeypatch.setattr(verification, "_acceptance_probability", _unrenormalised)
+    elif bias == "five_percent_overconfident":
+        monkeypatch.setattr(verification, "_acceptance_probability", _five_percent_overconfident)
     else:
         monkeypatch.setattr(verification, "_rejection_walk", _ignore_residual(verification._rejection_walk))
-    params = CONFIGS["plain"]
-    target = ToyTarget(seed=11)
-    samples = run_chains(target, params, CHAINS, seed=5, horizon=1)
-    pvalue = chi_square_pvalue(codes(samples, 1), exact_distribution(target, params, 1))
+    case = CASES["plain"]
+    target = ToyTarget(seed=11, vocab=case.vocab)
+    samples = run_chains(target, case, CHAINS, seed=5, horizon=1)
+    pvalue = chi_square_pvalue(codes(samples, 1, case.vocab), exact_distribution(target, case.params, 1))
     assert pvalue < ALPHA, f"biased verifier ({bias}) passed: p = {pvalue:.3f}"
 
 
@@ -362,6 +387,37 @@ def test_exhausted_residual_falls_back_to_the_target_row(monkeypatch):
     assert tokens <= {0, 1}
 
 
+def test_inverse_cdf_sample_never_draws_zero_weight_tokens():
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 3.0]])
+    for u, expected in [(0.0, [1, 2, 0]), (0.2, [1, 2, 0]), (0.25, [1, 2, 4]), (0.49, [1, 2, 4]), (0.5, [3, 2, 4])]:
+        drawn = verification._inverse_cdf_sample(weights, torch.full((3,), u, dtype=torch.float64))
+        assert drawn.tolist() == expected, u
+    # u * total rounding up to the total still lands on the last token of positive weight
+    just_below_one = torch.full((3,), 1.0 - 2**-53, dtype=torch.float64)
+    assert verification._inverse_cdf_sample(weights, just_below_one).tolist() == [3, 2, 4]
+    assert verification._inverse_cdf_sample(weights, torch.ones(3, dtype=torch.float64)).tolist() == [3, 2, 4]
+
+
+def test_bonus_rewarp_of_one_row_equals_the_batched_warp():
+    """The walk uses probabilities warped over all rows; the bonus re-warps only its row. Both
+    must be the same numbers, or acceptance and residual would disagree."""
+    logits = torch.randn(17, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    for params in CASES.values():
+        full = warp_logits_to_probs(logits, params.params)
+        for row in range(17):
+            assert torch.equal(full[row], warp_logits_to_probs(logits[row : row + 1], params.params)[0])
+
+
+def test_empty_trees_commit_one_token():
+    empty = make_tree([], [])
+    logits = torch.tensor([[[0.0, 5.0, 0.0]], [[-1.0, 0.0, 3.0]]])
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
+    gens = [None, make_generator(SamplingParams(seed=0), "cpu")]
+    results = verify_batch([empty, empty], logits, params, gens)
+    assert [r.tokens.tolist() for r in results] == [[1], [2]]
+    assert all(r.committed_rows.tolist() == [0] for r in results)
+
+
 # ------------------------------------------------------------------------ errors
 
 
@@ -385,6 +441,13 @@ def test_errors_name_what_differs():
     bad[0, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="request 0: warped probabilities of row 1 sum to nan"):
         verify_batch([tree], bad, [sample], [gen])
+    # the culprit is named in a mixed batch too (greedy, and two different warps)
+    batch = torch.zeros(3, 3, 4)
+    batch[2, 2] = float("inf")
+    with pytest.raises(ValueError, match="request 2: warped probabilities of row 2 sum to nan"):
+        verify_batch(
+            [tree] * 3, batch, [SamplingParams(temperature=0), SamplingParams(top_k=2), sample], [None, gen, gen]
+        )
 
 
 def test_acceptance_of_empty_path():
