@@ -32,14 +32,16 @@ fresh uniforms, so the committed sequence factorises exactly as the target's cha
 min(1, p(x) / q(x)) = p(x), residual norm(max(p - q, 0)) = p with x removed.) Repeated sibling
 tokens are harmless: after rejection their residual probability is 0.
 
-Device use per batch: the warped probabilities are computed per request; one gather picks
-p_row(parent)(token) of every node; those, the row sums (a finiteness check) and the
-request's uniforms cross to the host in ONE transfer for all sampling requests; the walks run
-on the host (a few dozen scalar comparisons); the bonus rows are re-warped (one row each,
-so no [B, S, V] float32 copy is kept alive), rejected tokens are zeroed, one
-torch.multinomial per request draws the bonus from its residual with the request's
-generator, and all bonus tokens cross in a second transfer. Greedy requests need one argmax
-and one transfer.
+Device use per batch of sampling requests: requests sharing a warp (temperature, top-k,
+top-p) are warped together in memory-bounded chunks; one gather per chunk picks
+p_row(parent)(token) of every node; those, every row's sum (a finiteness check) and each
+request's uniforms (N + 1 from its own generator: one per node, one for the bonus) cross to
+the host in ONE transfer; the walks run on the host (a few dozen scalar comparisons). Then
+the bonus rows alone are re-warped (so no [B, S, V] float32 copy stays alive across the
+walk; a row warps to the same bits alone as in a chunk, which a test checks), the rejected
+tokens are zeroed, and one batched inverse-CDF draw (what torch.multinomial does for one
+sample, but for all requests at once, each with its own uniform) picks every bonus token,
+which cross in a second transfer. Greedy requests need one argmax and one transfer.
 """
 
 from __future__ import annotations
@@ -64,33 +66,33 @@ _WARP_BUDGET = 1 << 26
 class Acceptance:
     """Outcome of verifying one tree: the accepted path and the bonus token."""
 
-    accepted_nodes: np.ndarray  # int64 node indices (into the tree arrays), in path order
+    accepted: np.ndarray  # int64 node indices (into the tree arrays), in path order
     accepted_tokens: np.ndarray  # int64 tokens of those nodes
-    bonus_token: int
+    bonus: int
 
     @property
     def num_accepted(self) -> int:
-        return int(self.accepted_nodes.shape[0])
+        return int(self.accepted.shape[0])
 
     @property
     def tokens(self) -> np.ndarray:
         """Tokens committed this round: the accepted path, then the bonus."""
-        return np.append(self.accepted_tokens, self.bonus_token).astype(np.int64)
+        return np.append(self.accepted_tokens, self.bonus).astype(np.int64)
 
     @property
     def committed_rows(self) -> np.ndarray:
         """Verify-block rows whose K/V stay in the cache: the root (row 0), then accepted nodes."""
-        return np.concatenate([[0], self.accepted_nodes + 1]).astype(np.int64)
+        return np.concatenate([[0], self.accepted + 1]).astype(np.int64)
 
     @property
     def bonus_row(self) -> int:
         """Row whose distribution produced the bonus (0 = root, i + 1 = node i)."""
-        return int(self.accepted_nodes[-1]) + 1 if self.num_accepted else 0
+        return int(self.accepted[-1]) + 1 if self.num_accepted else 0
 
 
-def _acceptance(tree: TreeLike, path: list[int], bonus_token: int) -> Acceptance:
+def _acceptance(tree: TreeLike, path: list[int], bonus: int) -> Acceptance:
     nodes = np.asarray(path, dtype=np.int64)
-    return Acceptance(nodes, np.asarray(tree.tokens, dtype=np.int64)[nodes], int(bonus_token))
+    return Acceptance(nodes, np.asarray(tree.tokens, dtype=np.int64)[nodes], int(bonus))
 
 
 # ------------------------------------------------------------------------------ greedy
@@ -302,8 +304,8 @@ def _verify_sampled(
         # to the unmodified row rather than fail; decided on the device, no sync.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, bonus_rows)
     bonus_uniforms = uniforms[torch.from_numpy(u_offset[1:] - 1).to(device)]
-    bonus_tokens = _inverse_cdf_sample(residual, bonus_uniforms).cpu().tolist()  # second transfer
-    return [_acceptance(t, w.path, tok) for t, w, tok in zip(trees, walks, bonus_tokens, strict=True)]
+    bonuss = _inverse_cdf_sample(residual, bonus_uniforms).cpu().tolist()  # second transfer
+    return [_acceptance(t, w.path, tok) for t, w, tok in zip(trees, walks, bonuss, strict=True)]
 
 
 # ---------------------------------------------------------------------------- batched

@@ -66,9 +66,9 @@ def test_greedy_walk_matches_brute_force(tree, data):
     argmax = data.draw(st.lists(st.integers(0, 3), min_size=n + 1, max_size=n + 1))
     result = verify_greedy(tree, np.array(argmax))
     path, bonus = brute_force_greedy(tree, argmax)
-    assert result.accepted_nodes.tolist() == path
+    assert result.accepted.tolist() == path
     assert result.accepted_tokens.tolist() == [int(tree.tokens[i]) for i in path]
-    assert result.bonus_token == bonus
+    assert result.bonus == bonus
     assert result.tokens.tolist() == [*result.accepted_tokens.tolist(), bonus]
     assert result.committed_rows.tolist() == [0, *(i + 1 for i in path)]
     assert result.bonus_row == (path[-1] + 1 if path else 0)
@@ -93,8 +93,8 @@ def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
     for b in range(0, 6, 2):
         n = len(batch_trees[b].tokens)
         expected = verify_greedy(batch_trees[b], logits[b, : n + 1].float().argmax(-1).numpy())
-        assert results[b].accepted_nodes.tolist() == expected.accepted_nodes.tolist()
-        assert results[b].bonus_token == expected.bonus_token
+        assert results[b].accepted.tolist() == expected.accepted.tolist()
+        assert results[b].bonus == expected.bonus
         lengths.append(results[b].num_accepted)
     assert max(lengths) >= 2  # the walk really went down the trees
 
@@ -108,8 +108,8 @@ def test_sampling_with_one_hot_target_is_the_greedy_walk():
         logits = torch.randn(len(tree.tokens) + 1, 4, generator=gen)
         sampled = verify_sampling(tree, logits, SamplingParams(top_k=1), gen)
         greedy = verify_greedy(tree, logits.argmax(-1).numpy())
-        assert sampled.accepted_nodes.tolist() == greedy.accepted_nodes.tolist()
-        assert sampled.bonus_token == greedy.bonus_token
+        assert sampled.accepted.tolist() == greedy.accepted.tolist()
+        assert sampled.bonus == greedy.bonus
 
 
 # --------------------------------------------------------------------- toy target
@@ -371,7 +371,7 @@ def test_repeated_sibling_token_is_never_accepted_twice():
     gen = make_generator(SamplingParams(seed=0), "cpu")
     for _ in range(300):
         result = verify_sampling(tree, logits, SamplingParams(), gen)
-        assert result.accepted_nodes.tolist() != [1]  # the duplicate has residual probability 0
+        assert result.accepted.tolist() != [1]  # the duplicate has residual probability 0
 
 
 def test_exhausted_residual_falls_back_to_the_target_row(monkeypatch):
@@ -383,7 +383,7 @@ def test_exhausted_residual_falls_back_to_the_target_row(monkeypatch):
     tree = make_tree([0, 1], [-1, -1])
     logits = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]] * 3)
     gen = make_generator(SamplingParams(seed=0), "cpu")
-    tokens = {verify_sampling(tree, logits, SamplingParams(), gen).bonus_token for _ in range(50)}
+    tokens = {verify_sampling(tree, logits, SamplingParams(), gen).bonus for _ in range(50)}
     assert tokens <= {0, 1}
 
 
