@@ -196,28 +196,29 @@ def ngram_probs(
 
 
 def build_dart_trees(
-    *,
-    logits: np.ndarray | None = None,
     topk_ids: np.ndarray | None = None,
     topk_values: np.ndarray | None = None,
     contexts: Sequence[Sequence[int] | np.ndarray] | None = None,
     scorer: NgramScorer | None = None,
+    *,
+    logits: np.ndarray | None = None,
     budget: int = 60,
     top_k: int = 25,
     beam_width: int = 20,
     eos_ids: int | Iterable[int] = (),
-    level_exponent: float = -0.7,
-    logit_decay: float = 0.9,
+    depth_decay: float = 0.7,
+    draft_decay: float = 0.9,
     ngram_weight: float = 0.5,
     keep_pruned: bool = True,
+    max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,
 ) -> list[DraftTree]:
     """DART n-gram-guided beam search (arXiv 2601.19278); defaults = the reference code.
 
     Per draft position l (0-based; node depth l + 1) the best `top_k` candidates get
     p_l = softmax over those k values only. A child t of beam node u scores
-        score(u) + (l + 1)**level_exponent * (logit_decay**l * ln(p_l(t) + 1e-10)
-                                             + ngram_weight * ln(q(t | ctx) + 1e-10)),
+        score(u) + (l + 1)**-depth_decay * (draft_decay**l * ln(p_l(t) + 1e-10)
+                                           + ngram_weight * ln(q(t | ctx) + 1e-10)),
     where q comes from `scorer` with ctx = the last n - 1 tokens of (committed context +
     path to u, u included). Level 0 has no n-gram term, nor does any level when `scorer` is
     None. Each level keeps `beam_width` children (non-EOS first, then by score); EOS nodes
@@ -226,26 +227,28 @@ def build_dart_trees(
     ranked by min(score, parent's rank key) so that the result is always prefix-closed.
 
     Args:
-        logits / topk_ids + topk_values: draft scores, see the module docstring. Top-k
-            values may be logits or log-probs (the softmax over the k is the same).
+        topk_ids, topk_values: pre-selected candidates [B, D, K]; values may be logits or
+            log-probs (the softmax over the k is the same). Or pass `logits` [B, D, V].
         contexts: B sequences of committed token ids (the root token last); only the last
             n - 1 are read. Required when `scorer` is given, ignored otherwise.
-        scorer: an N-gram model (e.g. the trie), or None for draft scores alone.
+        scorer: an N-gram model (e.g. an `NgramTrie`), or None for draft scores alone.
         budget: maximum number of nodes per tree (root excluded), >= 0.
         top_k: candidates per position, >= 1 (clamped to V or K).
         beam_width: beam nodes kept per level, >= 1.
         eos_ids: token id(s) that end a sequence; such nodes get no children.
-        level_exponent, logit_decay, ngram_weight: the weights above (decay and n-gram
-            weight >= 0, so scores never grow along a path beyond rounding).
+        depth_decay, draft_decay, ngram_weight: the weights above (the decay and the n-gram
+            weight must be >= 0, so scores never grow along a path beyond rounding).
         keep_pruned: whether children cut from the beam may still enter the tree as leaves.
+        max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree), e.g.
+            the tokens a sequence may still generate. Rows past the limit are not read.
         vocab_size: optional bound for top-k ids and context ids (dense logits imply V).
     """
     values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
     _check_int("budget", budget, 0)
     _check_int("top_k", top_k, 1)
     _check_int("beam_width", beam_width, 1)
-    _check_float("level_exponent", level_exponent)
-    _check_float("logit_decay", logit_decay, minimum=0.0)
+    _check_float("depth_decay", depth_decay)
+    _check_float("draft_decay", draft_decay, minimum=0.0)
     _check_float("ngram_weight", ngram_weight, minimum=0.0)
     batch = values.shape[0]
     ctx_tokens = ctx_offsets = None
@@ -258,41 +261,42 @@ def build_dart_trees(
         raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
     out = _core._build_dart(
         values, ids, vocab if vocab is not None else -1, ctx_tokens, ctx_offsets, scorer,
-        _eos_array(eos_ids), top_k, beam_width, budget, float(level_exponent),
-        float(logit_decay), float(ngram_weight), bool(keep_pruned),
+        _eos_array(eos_ids), _max_depths(max_depths, batch), top_k, beam_width, budget,
+        float(depth_decay), float(draft_decay), float(ngram_weight), bool(keep_pruned),
     )  # fmt: skip
     return _split(*out)
 
 
 def build_ddtree_trees(
-    *,
-    logits: np.ndarray | None = None,
     topk_ids: np.ndarray | None = None,
     topk_values: np.ndarray | None = None,
-    values: ValuesKind = "logits",
+    *,
+    logits: np.ndarray | None = None,
+    values: ValuesKind = "logprobs",
     budget: int = 60,
     top_k: int | None = None,
     eos_ids: int | Iterable[int] = (),
+    max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,
 ) -> list[DraftTree]:
     """DDTree best-first tree (arXiv 2604.12989): the `budget` most likely draft prefixes.
 
-    A path's score is the sum of its per-position log-probabilities: log-softmax over the
-    full vocabulary for dense `logits`, over the K given values for top-k logits, or the
-    values themselves with values="logprobs" (must be <= 0; positives up to 1e-4 are taken
-    as rounding noise and clamped). A heap pops the best frontier node and pushes its next
-    sibling and its first child (none for EOS nodes or at depth D), which yields exactly
-    the top-`budget` prefixes under (score desc, depth asc, candidate ranks along the path
-    asc).
+    A path's score is the sum of its per-position log-probabilities: `topk_values` as given
+    when values="logprobs" (the default: e.g. ``log_softmax(logits).topk(k)``; they must be
+    <= 0, positives up to 1e-4 are taken as rounding noise and clamped), a log-softmax over
+    the K values when values="logits", or a log-softmax over the full vocabulary for dense
+    `logits`. A heap pops the best frontier node and pushes its next sibling and its first
+    child (none for EOS nodes or at the depth limit), which yields exactly the top-`budget`
+    prefixes under (score desc, depth asc, candidate ranks along the path asc).
 
     Args:
-        logits / topk_ids + topk_values: draft scores, see the module docstring.
-        values: "logits" or "logprobs": what `topk_values` hold (dense input is always
-            log-softmax-normalised over V).
+        topk_ids, topk_values: pre-selected candidates [B, D, K]. Or pass `logits` [B, D, V].
+        values: "logprobs" or "logits": what `topk_values` hold (ignored for dense logits).
         budget: number of nodes per tree (root excluded), >= 0.
-        top_k: candidates per position; None = min(budget, V) for dense input (enough for
-            an exact best-first tree) or all K.
+        top_k: candidates per position; None = all K, or min(budget, V) for dense logits
+            (enough for an exact best-first tree over the whole vocabulary).
         eos_ids: token id(s) whose nodes get no children.
+        max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree).
         vocab_size: optional bound for top-k ids.
     """
     draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
@@ -301,32 +305,35 @@ def build_ddtree_trees(
         _check_int("top_k", top_k, 1)
     out = _core._build_ddtree(
         draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids),
-        0 if top_k is None else top_k, budget, _values_are_logprobs(values),
+        _max_depths(max_depths, draft_values.shape[0]), 0 if top_k is None else top_k, budget,
+        _values_are_logprobs(values),
     )  # fmt: skip
     return _split(*out)
 
 
 def build_chain_trees(
-    *,
-    logits: np.ndarray | None = None,
     topk_ids: np.ndarray | None = None,
     topk_values: np.ndarray | None = None,
+    *,
+    logits: np.ndarray | None = None,
     values: ValuesKind = "logits",
     budget: int = 60,
     eos_ids: int | Iterable[int] = (),
+    max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,
 ) -> list[DraftTree]:
     """A chain of the top-1 candidate per position (plain speculative decoding).
 
-    Depth <= min(D, budget); the chain stops after an EOS token. Scores are cumulative
-    log-probs as in `build_ddtree_trees` (dense input pays one O(V) exp pass per row for
-    them).
+    Depth <= min(D, budget, max_depths[b]); the chain stops after an EOS token. Scores are
+    cumulative log-probs as in `build_ddtree_trees` (log-softmax over the K given values
+    for values="logits", so with K = 1 they are all 0; dense logits pay one O(V) exp pass
+    per row for them). The chain itself does not depend on `values`.
     """
     draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
     _check_int("budget", budget, 0)
     out = _core._build_chain(
-        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids), budget,
-        _values_are_logprobs(values),
+        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids),
+        _max_depths(max_depths, draft_values.shape[0]), budget, _values_are_logprobs(values),
     )  # fmt: skip
     return _split(*out)
 
@@ -434,6 +441,17 @@ def _pack_contexts(
     np.cumsum([t.shape[0] for t in tails], out=offsets[1:])
     tokens = np.concatenate(tails) if tails else np.zeros(0, dtype=np.int32)
     return tokens, offsets
+
+
+def _max_depths(max_depths: Sequence[int] | np.ndarray | None, batch: int) -> np.ndarray | None:
+    if max_depths is None:
+        return None
+    a = np.asarray(max_depths)
+    if a.shape != (batch,) or (batch and a.dtype.kind not in "iu"):
+        raise ValueError(f"max_depths must be {batch} integers, got dtype {a.dtype} shape {a.shape}")
+    if batch and a.min() < 0:
+        raise ValueError(f"max_depths must be >= 0, got {int(a.min())}")
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _eos_array(eos_ids: int | Iterable[int] | None) -> np.ndarray:

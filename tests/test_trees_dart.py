@@ -67,8 +67,8 @@ def ref_dart(
     top_k: int = 25,
     beam_width: int = 20,
     eos_ids: tuple[int, ...] = (),
-    level_exponent: float = -0.7,
-    logit_decay: float = 0.9,
+    depth_decay: float = 0.7,
+    draft_decay: float = 0.9,
     ngram_weight: float = 0.5,
     keep_pruned: bool = True,
 ) -> DraftTree:
@@ -87,8 +87,8 @@ def ref_dart(
     pool: list[dict] = []
     beam: list[int] = []
     for level, row in enumerate(rows):
-        w = float(level + 1) ** level_exponent
-        a = logit_decay ** float(level)
+        w = float(level + 1) ** -depth_decay
+        a = draft_decay ** float(level)
         cand = [t for _, t in row]
         parents = [-1] if level == 0 else [b for b in beam if not pool[b]["eos"]]
         created = []
@@ -180,8 +180,8 @@ def dart_case(draw):
     )
     if draw(st.booleans()):
         params.update(
-            level_exponent=draw(st.sampled_from([-0.7, 0.0, -2.0, 0.5])),
-            logit_decay=draw(st.sampled_from([0.9, 1.0, 0.0, 0.5])),
+            depth_decay=draw(st.sampled_from([0.7, 0.0, 2.0, -0.5])),
+            draft_decay=draw(st.sampled_from([0.9, 1.0, 0.0, 0.5])),
             ngram_weight=draw(st.sampled_from([0.5, 0.0, 2.0])),
         )
     contexts = [draw(st.lists(st.integers(0, vocab - 1), max_size=5)) for _ in range(batch)]

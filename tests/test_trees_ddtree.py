@@ -117,7 +117,7 @@ def ddtree_case(draw, element):
 @given(ddtree_case(LOGPROB_VALUES))
 def test_ddtree_logprobs_equal_brute_force_top_prefixes(case):
     values, ids, budget, eos = case
-    trees = build_ddtree_trees(topk_ids=ids, topk_values=values, values="logprobs", budget=budget, eos_ids=eos)
+    trees = build_ddtree_trees(topk_ids=ids, topk_values=values, budget=budget, eos_ids=eos)  # log-probs by default
     for b, tree in enumerate(trees):
         rows = sorted_rows(values[b], ids[b])  # log-probs used as given
         assert_same_tree(tree, brute_force_ddtree(rows, budget, eos))
@@ -127,7 +127,7 @@ def test_ddtree_logprobs_equal_brute_force_top_prefixes(case):
 @given(ddtree_case(LOGIT_VALUES))
 def test_ddtree_topk_logits_are_log_softmaxed_over_the_k(case):
     values, ids, budget, eos = case
-    trees = build_ddtree_trees(topk_ids=ids, topk_values=values, budget=budget, eos_ids=eos)
+    trees = build_ddtree_trees(ids, values, values="logits", budget=budget, eos_ids=eos)
     for b, tree in enumerate(trees):
         rows = log_softmax_rows(sorted_rows(values[b], ids[b]))
         assert_same_tree(tree, brute_force_ddtree(rows, budget, eos))

@@ -211,12 +211,12 @@ def test_dart_specific_validation():
         build_dart_trees(logits=LOGITS, top_k=0)
     with pytest.raises(ValueError, match="beam_width must be >= 1"):
         build_dart_trees(logits=LOGITS, beam_width=0)
-    with pytest.raises(ValueError, match="logit_decay must be >= 0"):
-        build_dart_trees(logits=LOGITS, logit_decay=-0.1)
+    with pytest.raises(ValueError, match="draft_decay must be >= 0"):
+        build_dart_trees(logits=LOGITS, draft_decay=-0.1)
     with pytest.raises(ValueError, match="ngram_weight must be >= 0"):
         build_dart_trees(logits=LOGITS, ngram_weight=-1)
-    with pytest.raises(ValueError, match="level_exponent must be finite"):
-        build_dart_trees(logits=LOGITS, level_exponent=float("nan"))
+    with pytest.raises(ValueError, match="depth_decay must be finite"):
+        build_dart_trees(logits=LOGITS, depth_decay=float("nan"))
     scorer = _core._DictScorer(3, {(1,): 1})
     with pytest.raises(ValueError, match="contexts are required"):
         build_dart_trees(logits=LOGITS, scorer=scorer)
@@ -298,3 +298,52 @@ def test_dict_scorer_follows_the_ngram_scorer_contract(order, corpus, context, c
     got = ngram_probs(scorer, context, candidates)
     assert got.dtype == np.float32
     assert got.tolist() == reference_probs(counts, order, context, candidates)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-sequence depth limits and the positional (hot-path) call form
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+def test_max_depths_equal_building_on_fewer_positions(build):
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(4, 5, 9)).astype(np.float32)
+    caps = [0, 1, 3, 9]
+    capped = build(logits=logits, max_depths=caps, budget=30)
+    for b, cap in enumerate(caps):
+        if cap == 0:
+            assert capped[b].size == 0
+            continue
+        (want,) = build(logits=logits[b : b + 1, :cap], budget=30)
+        np.testing.assert_array_equal(capped[b].tokens, want.tokens)
+        np.testing.assert_array_equal(capped[b].parents, want.parents)
+        np.testing.assert_array_equal(capped[b].scores, want.scores)
+    # Rows past a sequence's limit are never read, so NaN there is not an error.
+    logits[0, 1:] = np.nan
+    build(logits=logits, max_depths=[1, 5, 5, 5])
+    with pytest.raises(ValueError, match="max_depths must be 4 integers"):
+        build(logits=logits, max_depths=[1, 2])
+    with pytest.raises(ValueError, match="max_depths must be >= 0"):
+        build(logits=logits, max_depths=[1, 2, -1, 0])
+
+
+def test_positional_topk_form():
+    """The decoding engine passes (ids, values[, contexts, scorer]) positionally."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, 4, 30)).astype(np.float32)
+    ids = np.argsort(-logits, axis=-1)[..., :6].astype(np.int32)
+    values = np.take_along_axis(logits, ids, axis=-1)
+    logprobs = values - np.log(np.exp(logits).sum(-1, keepdims=True))
+    scorer = _core._DictScorer(2, {(1,): 2, (1, 2): 2})
+    contexts = [np.array([1], np.int32), np.array([3, 1], np.int32)]
+    for tree in build_dart_trees(ids, values, contexts, scorer, budget=10):
+        tree.validate()
+        assert tree.size == 10
+    for tree in build_ddtree_trees(ids, logprobs, budget=10):
+        tree.validate()
+        assert tree.size == 10
+    with pytest.raises(ValueError, match='pass values="logits"'):
+        build_ddtree_trees(ids, values + 5.0)
+    for tree in build_chain_trees(ids[..., :1], values[..., :1]):
+        np.testing.assert_array_equal(tree.scores, 0.0)

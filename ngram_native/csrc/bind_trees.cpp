@@ -31,7 +31,7 @@ std::string shape_str(const py::array& a) {
 }
 
 trees::DraftScores draft_view(const F32Array& values, const std::optional<I32Array>& ids,
-                              int64_t vocab_size) {
+                              int64_t vocab_size, const std::optional<I64Array>& max_depths) {
   if (values.ndim() != 3) {
     throw py::value_error("draft scores must be 3-D [B, D, V or K], got shape " + shape_str(values));
   }
@@ -54,6 +54,12 @@ trees::DraftScores draft_view(const F32Array& values, const std::optional<I32Arr
     in.vocab_size = vocab_size;
   } else {
     in.vocab_size = in.width;
+  }
+  if (max_depths) {
+    if (max_depths->ndim() != 1 || max_depths->shape(0) != in.batch) {
+      throw py::value_error("max_depths must hold one entry per sequence");
+    }
+    in.max_depths = max_depths->data();
   }
   return in;
 }
@@ -98,17 +104,18 @@ void bind_trees(py::module_& m) {
       "_build_dart",
       [](const F32Array& values, const std::optional<I32Array>& ids, int64_t vocab_size,
          const std::optional<I32Array>& ctx_tokens, const std::optional<I64Array>& ctx_offsets,
-         const ngram::NgramScorer* scorer, const I32Array& eos_ids, int64_t top_k,
-         int64_t beam_width, int64_t budget, double level_exponent, double logit_decay,
-         double ngram_weight, bool keep_pruned) {
-        const trees::DraftScores in = draft_view(values, ids, vocab_size);
+         const ngram::NgramScorer* scorer, const I32Array& eos_ids,
+         const std::optional<I64Array>& max_depths, int64_t top_k, int64_t beam_width,
+         int64_t budget, double depth_decay, double draft_decay, double ngram_weight,
+         bool keep_pruned) {
+        const trees::DraftScores in = draft_view(values, ids, vocab_size, max_depths);
         const trees::Contexts contexts = context_view(ctx_tokens, ctx_offsets, in.batch);
         trees::DartParams params;
         params.top_k = top_k;
         params.beam_width = beam_width;
         params.budget = budget;
-        params.level_exponent = level_exponent;
-        params.logit_decay = logit_decay;
+        params.depth_decay = depth_decay;
+        params.draft_decay = draft_decay;
         params.ngram_weight = ngram_weight;
         params.keep_pruned = keep_pruned;
         const trees::EosSet eos(to_vector(eos_ids));
@@ -121,16 +128,17 @@ void bind_trees(py::module_& m) {
       },
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"),
       py::arg("ctx_tokens").none(true), py::arg("ctx_offsets").none(true),
-      py::arg("scorer").none(true), py::arg("eos_ids"), py::arg("top_k"), py::arg("beam_width"),
-      py::arg("budget"), py::arg("level_exponent"), py::arg("logit_decay"),
-      py::arg("ngram_weight"), py::arg("keep_pruned"),
+      py::arg("scorer").none(true), py::arg("eos_ids"), py::arg("max_depths").none(true),
+      py::arg("top_k"), py::arg("beam_width"), py::arg("budget"), py::arg("depth_decay"),
+      py::arg("draft_decay"), py::arg("ngram_weight"), py::arg("keep_pruned"),
       "DART n-gram beam search over a batch -> (tokens, parents, depths, scores, offsets).");
 
   m.def(
       "_build_ddtree",
       [](const F32Array& values, const std::optional<I32Array>& ids, int64_t vocab_size,
-         const I32Array& eos_ids, int64_t top_k, int64_t budget, bool values_are_logprobs) {
-        const trees::DraftScores in = draft_view(values, ids, vocab_size);
+         const I32Array& eos_ids, const std::optional<I64Array>& max_depths, int64_t top_k,
+         int64_t budget, bool values_are_logprobs) {
+        const trees::DraftScores in = draft_view(values, ids, vocab_size, max_depths);
         trees::BestFirstParams params;
         params.top_k = top_k;
         params.budget = budget;
@@ -144,14 +152,16 @@ void bind_trees(py::module_& m) {
         return to_python(out);
       },
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"), py::arg("eos_ids"),
-      py::arg("top_k"), py::arg("budget"), py::arg("values_are_logprobs"),
+      py::arg("max_depths").none(true), py::arg("top_k"), py::arg("budget"),
+      py::arg("values_are_logprobs"),
       "DDTree best-first trees over a batch -> (tokens, parents, depths, scores, offsets).");
 
   m.def(
       "_build_chain",
       [](const F32Array& values, const std::optional<I32Array>& ids, int64_t vocab_size,
-         const I32Array& eos_ids, int64_t budget, bool values_are_logprobs) {
-        const trees::DraftScores in = draft_view(values, ids, vocab_size);
+         const I32Array& eos_ids, const std::optional<I64Array>& max_depths, int64_t budget,
+         bool values_are_logprobs) {
+        const trees::DraftScores in = draft_view(values, ids, vocab_size, max_depths);
         trees::BestFirstParams params;
         params.budget = budget;
         params.values_are_logprobs = values_are_logprobs;
@@ -164,7 +174,7 @@ void bind_trees(py::module_& m) {
         return to_python(out);
       },
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"), py::arg("eos_ids"),
-      py::arg("budget"), py::arg("values_are_logprobs"),
+      py::arg("max_depths").none(true), py::arg("budget"), py::arg("values_are_logprobs"),
       "Top-1 chains over a batch -> (tokens, parents, depths, scores, offsets).");
 
   m.def(

@@ -11,6 +11,7 @@
 // reported by throwing std::invalid_argument, which the bindings turn into ValueError.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -30,9 +31,15 @@ struct DraftScores {
   int64_t positions = 0;  // D: the tree is at most this deep
   int64_t width = 0;      // V (dense) or K (pre-selected)
   int64_t vocab_size = -1;  // upper bound for ids (exclusive); -1 = unchecked (pre-selected)
+  const int64_t* max_depths = nullptr;  // optional [batch]: per-sequence depth limit
+
+  // Draft positions sequence b may use: its tree is at most this deep.
+  int64_t positions_of(int64_t b) const {
+    return max_depths == nullptr ? positions : std::min(positions, std::max<int64_t>(0, max_depths[b]));
+  }
 };
 
-// The best `k` candidates of every draft position of one sequence, sorted by value
+// The best `k` candidates of every usable draft position of one sequence, sorted by value
 // descending (ties: id ascending), so the result does not depend on the input order.
 struct CandidateRows {
   int64_t positions = 0;
@@ -45,8 +52,8 @@ struct CandidateRows {
   std::vector<int32_t> work_ids;                 // scratch of select_candidates
 };
 
-// Fill `rows` for sequence b with the top-k candidates per position (k is clamped to the
-// width). Dense rows are scanned once with a small heap (O(V) with few heap updates);
+// Fill `rows` for sequence b with the top-k candidates of each of its in.positions_of(b)
+// positions (k is clamped to the width; rows past a sequence's depth limit are not read). Dense rows are scanned once with a small heap (O(V) with few heap updates);
 // `need_log_norm` adds a second O(V) exp pass for the full-vocabulary log-sum-exp.
 // Throws std::invalid_argument on NaN / +inf values, ids out of range, duplicate ids.
 void select_candidates(const DraftScores& in, int64_t b, int64_t k, bool need_log_norm,
@@ -107,10 +114,11 @@ struct Contexts {
 //
 // Level l (0-based, node depth l + 1) scores a child t of a beam node as
 //   score = parent_score + w_l * (a_l * ln(p_l(t) + 1e-10) + g * ln(q(t | ctx) + 1e-10))
-// with w_l = (l + 1)^level_exponent, a_l = logit_decay^l, g = ngram_weight, p_l the
+// with w_l = (l + 1)^-depth_decay, a_l = draft_decay^l, g = ngram_weight, p_l the
 // softmax over the k candidate values of position l, and q the scorer's estimate for the
 // context = last n-1 tokens of (committed + path to the parent). At level 0, or without a
-// scorer, the n-gram term is dropped. Each level's children are cut to `beam_width`
+// scorer, the n-gram term is dropped. (The reference's level weight exponent -0.7 is
+// `depth_decay` = 0.7 here: w_l = (l + 1)^-depth_decay.) Each level's children are cut to `beam_width`
 // (non-EOS first, then score descending, then creation order); EOS children are never
 // expanded. The tree is the best `budget` nodes of the pool (every scored child if
 // keep_pruned, as in the reference; else only beam-kept ones) ranked by
@@ -120,8 +128,8 @@ struct DartParams {
   int64_t top_k = 25;
   int64_t beam_width = 20;
   int64_t budget = 60;
-  double level_exponent = -0.7;
-  double logit_decay = 0.9;
+  double depth_decay = 0.7;
+  double draft_decay = 0.9;
   double ngram_weight = 0.5;
   bool keep_pruned = true;
 };

@@ -100,9 +100,9 @@ void build_one(const DraftScores& in, int64_t b, const Contexts& contexts,
 
   ws.pool.clear();
   ws.beam.clear();
-  for (int64_t l = 0; l < in.positions; ++l) {
-    const double level_weight = std::pow(static_cast<double>(l + 1), p.level_exponent);
-    const double draft_weight = std::pow(p.logit_decay, static_cast<double>(l));
+  for (int64_t l = 0; l < ws.rows.positions; ++l) {
+    const double level_weight = std::pow(static_cast<double>(l + 1), -p.depth_decay);
+    const double draft_weight = std::pow(p.draft_decay, static_cast<double>(l));
     const int32_t* cand = &ws.rows.ids[l * k];
     const double* draft_term = &ws.draft_term[l * k];
     ws.level.clear();

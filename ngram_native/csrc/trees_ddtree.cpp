@@ -36,7 +36,7 @@ void compute_log_probs(const DraftScores& in, int64_t b, const CandidateRows& ro
       } else {
         throw std::invalid_argument("topk_values[" + std::to_string(b) + ", " +
                                     std::to_string(d) + "] holds " + std::to_string(v) +
-                                    " > 0: log-probabilities must be <= 0");
+                                    " > 0: log-probabilities must be <= 0 (pass values=\"logits\" for logits)");
       }
     }
   }
@@ -64,7 +64,7 @@ void ddtree_one(const DraftScores& in, int64_t b, int64_t k, const BestFirstPara
   select_candidates(in, b, k, need_log_norm, ws.rows);
   compute_log_probs(in, b, ws.rows, p.values_are_logprobs, ws.lp);
   k = ws.rows.k;
-  const int64_t positions = in.positions;
+  const int64_t positions = ws.rows.positions;
 
   // True when frontier entry a precedes b in the total order.
   auto precedes = [&](const Frontier& a, const Frontier& c) {
@@ -84,7 +84,7 @@ void ddtree_one(const DraftScores& in, int64_t b, int64_t k, const BestFirstPara
   ws.heap.clear();
   ws.nodes.clear();
   ws.paths.clear();
-  if (p.budget > 0) ws.heap.push_back(Frontier{ws.lp[0], 1, -1, 0});
+  if (p.budget > 0 && positions > 0) ws.heap.push_back(Frontier{ws.lp[0], 1, -1, 0});
   while (!ws.heap.empty() && static_cast<int64_t>(ws.nodes.size()) < p.budget) {
     std::pop_heap(ws.heap.begin(), ws.heap.end(), heap_less);
     const Frontier f = ws.heap.back();
@@ -122,7 +122,7 @@ void chain_one(const DraftScores& in, int64_t b, const BestFirstParams& p, const
   compute_log_probs(in, b, ws.rows, p.values_are_logprobs, ws.lp);
   ws.nodes.clear();
   double score = 0.0;
-  const int64_t depth = std::min(in.positions, p.budget);
+  const int64_t depth = std::min(ws.rows.positions, p.budget);
   for (int64_t d = 0; d < depth; ++d) {
     const int32_t token = ws.rows.ids[d * ws.rows.k];
     score += ws.lp[d * ws.rows.k];

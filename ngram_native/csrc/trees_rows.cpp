@@ -78,12 +78,12 @@ void select_given_row(const float* values, const int32_t* ids, int64_t width, in
 void select_candidates(const DraftScores& in, int64_t b, int64_t k, bool need_log_norm,
                        CandidateRows& rows) {
   k = std::min(k, in.width);
-  rows.positions = in.positions;
+  rows.positions = in.positions_of(b);
   rows.k = k;
-  rows.ids.resize(in.positions * k);
-  rows.values.resize(in.positions * k);
-  rows.log_norm.assign(in.positions, 0.0);
-  for (int64_t d = 0; d < in.positions; ++d) {
+  rows.ids.resize(rows.positions * k);
+  rows.values.resize(rows.positions * k);
+  rows.log_norm.assign(rows.positions, 0.0);
+  for (int64_t d = 0; d < rows.positions; ++d) {
     const int64_t row_offset = (b * in.positions + d) * in.width;
     const float* values = in.values + row_offset;
     if (in.ids == nullptr) {
