@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from dart_worker.cache_dir import write_text_atomically
 from dart_worker.corpus import (
     DEFAULT_CORPUS,
     DEFAULT_DEV_FRACTION,
@@ -238,19 +239,36 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
     else:
         tokenizer_name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     fingerprint = tokenizer_fingerprint(tokenizer)
-    vocab_size = vocab_size_of(tokenizer)
     tokenizer_seconds = time.perf_counter() - t0
 
-    remote = _is_remote(cfg.output)
-    work_dir = None
-    if remote:
-        work_dir = tempfile.TemporaryDirectory(prefix="build_ngram-", dir=cfg.tmp_dir)
-        local_trie = Path(work_dir.name) / os.path.basename(cfg.output.rstrip("/"))
-    else:
+    if not _is_remote(cfg.output):
         local_trie = _local_path(cfg.output)
         local_trie.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = cfg.tmp_dir or (work_dir.name if work_dir else str(local_trie.parent))
+        return _build(cfg, tokenizer, tokenizer_name, fingerprint, local_trie, tokenizer_seconds, started)
+    # A remote output is built in a local scratch directory, then uploaded: trie first, so
+    # that a sidecar never describes a trie that is not there yet.
+    import fsspec
 
+    fs, remote_path = fsspec.core.url_to_fs(cfg.output, **cfg.storage_options)
+    with tempfile.TemporaryDirectory(prefix="build_ngram-", dir=cfg.tmp_dir) as work_dir:
+        local_trie = Path(work_dir) / os.path.basename(remote_path.rstrip("/"))
+        sidecar = _build(cfg, tokenizer, tokenizer_name, fingerprint, local_trie, tokenizer_seconds, started)
+        fs.put_file(str(local_trie), remote_path)
+        fs.put_file(str(local_trie) + ".json", remote_path + ".json")
+    return sidecar
+
+
+def _build(
+    cfg: BuildNgramConfig,
+    tokenizer: Any,
+    tokenizer_name: str,
+    fingerprint: str,
+    local_trie: Path,
+    tokenizer_seconds: float,
+    started: float,
+) -> dict[str, Any]:
+    vocab_size = vocab_size_of(tokenizer)
+    tmp_dir = cfg.tmp_dir or str(local_trie.parent)
     report = CorpusReport()
     conversations = iter_conversations(
         cfg.input,
@@ -327,7 +345,7 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
         "corpus": report.to_dict(),
         "timing": {
             "total_s": round(total_seconds, 3),
-            "load_tokenizer_s": round(tokenizer_seconds, 3),
+            "load_tokenizer_s": round(tokenizer_seconds, 3),  # with its fingerprint
             "read_and_tokenize_s": round(result.source_seconds, 3),
             "count_s": round(result.add_seconds, 3),
             "finish_s": round(result.finish_seconds, 3),
@@ -339,16 +357,7 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
     }
-    sidecar_text = json.dumps(sidecar, indent=2) + "\n"
-    local_sidecar = Path(str(local_trie) + ".json")
-    local_sidecar.write_text(sidecar_text)
-    if remote:
-        import fsspec
-
-        fs, remote_path = fsspec.core.url_to_fs(cfg.output, **cfg.storage_options)
-        fs.put_file(str(local_trie), remote_path)
-        fs.put_file(str(local_sidecar), remote_path + ".json")
-        work_dir.cleanup()
+    write_text_atomically(Path(str(local_trie) + ".json"), json.dumps(sidecar, indent=2) + "\n")
     return sidecar
 
 

