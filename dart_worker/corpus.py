@@ -137,7 +137,9 @@ class CorpusReport:
         )
 
 
-class _BadRecord(Exception):
+class BadRecord(ValueError):
+    """A record that cannot become a Conversation; ``reason`` is the tally key in CorpusReport."""
+
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason)
         self.reason = reason
@@ -149,7 +151,7 @@ class _BadRecord(Exception):
 
 
 def split_of(split_key: str, dev_fraction: float = DEFAULT_DEV_FRACTION) -> str:
-    """ "dev" for a fixed ``dev_fraction`` of keys, "train" for the rest; a pure function of the key."""
+    """The split of a key: "dev" for a fixed ``dev_fraction`` of keys, else "train" (pure function)."""
     digest = hashlib.sha256((SPLIT_SALT + split_key).encode("utf-8")).digest()
     u = int.from_bytes(digest[:8], "big") / 2.0**64
     return "dev" if u < dev_fraction else "train"
@@ -182,24 +184,24 @@ def _text_of_content(content: Any) -> str:
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
         return "\n".join(parts)
-    raise _BadRecord("bad_turn", f"content of type {type(content).__name__}")
+    raise BadRecord("bad_turn", f"content of type {type(content).__name__}")
 
 
 def _turns_of(items: Any, role_key: str, text_key: str, report: CorpusReport) -> list[Turn]:
     if not isinstance(items, list):
-        raise _BadRecord("bad_turn_list", f"expected a list, got {type(items).__name__}")
+        raise BadRecord("bad_turn_list", f"expected a list, got {type(items).__name__}")
     turns = []
     for item in items:
         if not isinstance(item, dict):
-            raise _BadRecord("bad_turn", f"turn of type {type(item).__name__}")
+            raise BadRecord("bad_turn", f"turn of type {type(item).__name__}")
         # Tolerate the other style's keys inside a turn (some dumps mix them).
         role = item.get(role_key, item.get("role", item.get("from")))
         other_text_key = "content" if role_key == "from" else "value"
         text = item.get(text_key, item.get(other_text_key))
         if not isinstance(role, str):
-            raise _BadRecord("bad_turn", "turn without a speaker")
+            raise BadRecord("bad_turn", "turn without a speaker")
         if text is None:
-            raise _BadRecord("bad_turn", "turn without text")
+            raise BadRecord("bad_turn", "turn without text")
         text = _text_of_content(text)
         if not text.strip():
             report.empty_turns_dropped += 1
@@ -223,14 +225,14 @@ def conversation_from_record(
     split_by_base_id: bool = False,
     report: CorpusReport | None = None,
 ) -> Conversation:
-    """One decoded JSON object / Parquet row -> Conversation; raises _BadRecord on bad input.
+    """One decoded JSON object / Parquet row -> Conversation; raises BadRecord on bad input.
 
     Chat fields win over the text field. A record without an id gets a content hash, so the
     split stays a function of the content rather than of where the record sits in a file.
     """
     report = report if report is not None else CorpusReport()
     if not isinstance(record, dict):
-        raise _BadRecord("not_an_object", type(record).__name__)
+        raise BadRecord("not_an_object", type(record).__name__)
     if record.get("conversations") is not None:
         turns = _turns_of(record["conversations"], "from", "value", report)
     elif record.get("messages") is not None:
@@ -238,12 +240,12 @@ def conversation_from_record(
     elif text_field in record:
         text = record[text_field]
         if not isinstance(text, str):
-            raise _BadRecord("bad_text_field", f"{text_field!r} of type {type(text).__name__}")
+            raise BadRecord("bad_text_field", f"{text_field!r} of type {type(text).__name__}")
         turns = [Turn(TEXT_ROLE, text)] if text.strip() else []
     else:
-        raise _BadRecord("no_text", f"none of 'conversations', 'messages', {text_field!r} in the record")
+        raise BadRecord("no_text", f"none of 'conversations', 'messages', {text_field!r} in the record")
     if not turns:
-        raise _BadRecord("empty")
+        raise BadRecord("empty")
     raw_id = record.get(id_field)
     if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and str(raw_id) != "":
         conv_id = str(raw_id)
@@ -323,7 +325,7 @@ def _iter_parquet(f: io.IOBase, where: str, text_field: str, id_field: str) -> I
     names = set(pf.schema_arrow.names)
     wanted = [c for c in ("conversations", "messages", text_field, id_field) if c in names]
     if not any(c in names for c in ("conversations", "messages", text_field)):
-        raise _BadRecord("no_text_column", f"columns {sorted(names)}")
+        raise BadRecord("no_text_column", f"columns {sorted(names)}")
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=wanted):
         for record in batch.to_pylist():
@@ -409,7 +411,7 @@ def iter_conversations(
             report.files += 1
             try:
                 yield from _iter_file_records(fs, path, file_fmt, text_field, id_field, report)
-            except _BadRecord as e:
+            except BadRecord as e:
                 report.skip(e.reason, os.path.basename(path), e.detail)
             except (OSError, ValueError, EOFError, zlib.error) as e:
                 # A corrupt Parquet footer, a broken gzip stream...: counted as one bad record;
@@ -422,7 +424,7 @@ def iter_conversations(
             conv = conversation_from_record(
                 record, text_field=text_field, id_field=id_field, split_by_base_id=by_base, report=report
             )
-        except _BadRecord as e:
+        except BadRecord as e:
             report.skip(e.reason, where, e.detail)
             continue
         if split != "all" and split_of(conv.split_key, dev_fraction) != split:

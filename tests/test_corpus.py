@@ -202,12 +202,14 @@ def test_split_is_a_fixed_function_of_the_key():
     assert [k for k in keys[:300] if split_of(k) == "dev"] == PINNED_DEV_KEYS
 
 
-PINNED_DEV_KEYS = [k for k in [f"conv-{i}" for i in range(300)] if split_of(k) == "dev"]
+# Written out, not computed: the split of every shipped artifact depends on these staying put.
+PINNED_DEV_KEYS = ["conv-15", "conv-29", "conv-123", "conv-136", "conv-162", "conv-208", "conv-285"]
 
 
-@given(st.text(min_size=1, max_size=20), st.integers(min_value=0, max_value=500))
+@given(st.from_regex(r"[A-Za-z0-9]{1,12}", fullmatch=True), st.integers(min_value=0, max_value=500))
 def test_sharegpt_chunks_share_their_chat_split(base, chunk):
-    assert sharegpt_base_id(f"{base}_{chunk}") == sharegpt_base_id(base)
+    assert sharegpt_base_id(f"{base}_{chunk}") == base == sharegpt_base_id(base)
+    assert split_of(sharegpt_base_id(f"{base}_{chunk}"), 0.5) == split_of(base, 0.5)
 
 
 def test_train_and_dev_partition_the_corpus_independently_of_file_layout(tmp_path):
