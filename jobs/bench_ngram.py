@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from dart_worker.cache_dir import cache_dir
+from dart_worker.cache_dir import build_atomically, cache_dir
 from dart_worker.corpus import (
     DEFAULT_CORPUS,
     DEFAULT_DEV_FRACTION,
@@ -120,65 +120,61 @@ def _corpus_key(cfg: BenchNgramConfig, split: str, fingerprint: str) -> str:
 
 
 def tokenized_corpus(cfg: BenchNgramConfig, tokenizer: Any, fingerprint: str, split: str) -> TokenizedCorpus:
-    """Tokenize the split once and cache it as npy shards; later runs map the shards."""
+    """Tokenize the split once and cache it as npy shards; later runs map the shards.
+
+    The cache key is the input's name, the split, the tokenizer's fingerprint and the options:
+    a local corpus edited in place keeps its key, so clear ``<cache>/tokenized`` after editing.
+    """
     directory = cache_dir("tokenized") / _corpus_key(cfg, split, fingerprint)
-    manifest_path = directory / "manifest.json"
-    if manifest_path.exists():
-        m = json.loads(manifest_path.read_text())
-        return TokenizedCorpus(
-            directory,
-            m["documents"],
-            m["tokens"],
-            m["tokenize_seconds"],
-            m["tokenize_cpu_seconds"],
-            True,
-            m["report"],
-        )
+    from_cache = (directory / "manifest.json").is_file()
 
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    report = CorpusReport()
-    convs = iter_conversations(cfg.input, split=split, limit=cfg.limit if split == "train" else None, report=report)
-    shard, buf, lengths, n_docs, n_tokens = 0, [], [], 0, 0
-    buffered = 0
+    def write_shards(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        report = CorpusReport()
+        limit = cfg.limit if split == "train" else None
+        convs = iter_conversations(cfg.input, split=split, limit=limit, report=report)
+        shard, buf, lengths, n_docs, n_tokens = 0, [], [], 0, 0
 
-    def flush() -> None:
-        nonlocal shard, buf, lengths, buffered
-        np.save(tmp / f"tokens-{shard:05d}.npy", np.concatenate(buf) if buf else np.zeros(0, np.int32))
-        np.save(tmp / f"lengths-{shard:05d}.npy", np.asarray(lengths, dtype=np.int64))
-        shard, buf, lengths, buffered = shard + 1, [], [], 0
+        def flush() -> None:
+            nonlocal shard, buf, lengths
+            np.save(tmp / f"tokens-{shard:05d}.npy", np.concatenate(buf))
+            np.save(tmp / f"lengths-{shard:05d}.npy", np.asarray(lengths, dtype=np.int64))
+            shard, buf, lengths = shard + 1, [], []
 
-    start, cpu = time.perf_counter(), time.process_time()
-    for doc in tokenize_conversations(convs, tokenizer, eos_between_turns=cfg.eos_between_turns):
-        buf.append(doc)
-        lengths.append(len(doc))
-        buffered += len(doc)
-        n_docs += 1
-        n_tokens += len(doc)
-        if buffered >= SHARD_TOKENS:
+        start, cpu = time.perf_counter(), time.process_time()
+        for doc in tokenize_conversations(convs, tokenizer, eos_between_turns=cfg.eos_between_turns):
+            buf.append(doc)
+            lengths.append(len(doc))
+            n_docs += 1
+            n_tokens += len(doc)
+            if sum(lengths) >= SHARD_TOKENS:
+                flush()
+        if buf:
             flush()
-    if buf:
-        flush()
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
-    manifest = {
-        "format": TOKEN_CACHE_FORMAT,
-        "input": cfg.input,
-        "split": split,
-        "tokenizer_fingerprint": fingerprint,
-        "documents": n_docs,
-        "tokens": n_tokens,
-        "tokenize_seconds": seconds,
-        "tokenize_cpu_seconds": cpu_seconds,
-        "report": report.to_dict(),
-    }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    try:
-        os.replace(tmp, directory)
-    except OSError:  # another run cached it meanwhile
-        import shutil
+        manifest = {
+            "format": TOKEN_CACHE_FORMAT,
+            "input": cfg.input,
+            "split": split,
+            "tokenizer_fingerprint": fingerprint,
+            "documents": n_docs,
+            "tokens": n_tokens,
+            "tokenize_seconds": time.perf_counter() - start,
+            "tokenize_cpu_seconds": time.process_time() - cpu,
+            "report": report.to_dict(),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))  # last: marks completion
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return TokenizedCorpus(directory, n_docs, n_tokens, seconds, cpu_seconds, False, manifest["report"])
+    build_atomically(directory, write_shards, is_valid=lambda d: (d / "manifest.json").is_file())
+    m = json.loads((directory / "manifest.json").read_text())
+    return TokenizedCorpus(
+        directory,
+        m["documents"],
+        m["tokens"],
+        m["tokenize_seconds"],
+        m["tokenize_cpu_seconds"],
+        from_cache,
+        m["report"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
