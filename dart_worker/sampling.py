@@ -82,10 +82,17 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [R, V] (float32) that sampling with `params` draws each row's next token from.
 
-    Same pipeline as transformers' sampling: scores = logits (in float32) / temperature; top-k
-    keeps every token whose score is >= the k-th largest (ties survive); top-p sorts ascending,
-    drops the tokens whose cumulative probability is <= 1 - top_p, always keeping the most likely
-    one; softmax. temperature 0 gives the one-hot distribution of the argmax (first maximum).
+    The pipeline of transformers' sampling: scores = logits (in float32) / temperature; top-k
+    keeps every token whose score is >= the k-th largest (ties survive); top-p keeps a token iff
+    the probability of the tokens scoring strictly higher is < top_p (so the most likely token
+    always survives); softmax over what is kept. temperature 0 gives the one-hot distribution of
+    the argmax (first maximum).
+
+    Top-p is transformers' rule (it drops a token iff the ascending cumulative probability up
+    to it is <= 1 - top_p, i.e. iff the mass above it is >= top_p) computed without sorting the
+    vocabulary; the two agree except within float rounding of the cut and where tied scores
+    straddle it. There transformers' answer depends on the unstable sort's order of equal
+    values; this rule keeps or drops all tied tokens together.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
@@ -99,14 +106,45 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
     if 0 < params.top_k < vocab:
         kth_largest = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth_largest, float("-inf"))
-    if params.top_p < 1.0:
-        ascending, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1.0 - params.top_p)
-        drop_sorted[:, -1] = False  # the most likely token always survives
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+    if params.top_p < 1.0 and scores.shape[0] > 0:
+        scores = scores.masked_fill(~_top_p_keep(scores, params.top_p), float("-inf"))
     return scores.softmax(dim=-1)
+
+
+# Candidates examined first by top-p; grown 16x while the nucleus might extend beyond them.
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p_keep(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool [R, V]: tokens whose strictly-higher-scoring mass is < top_p.
+
+    A full sort of a 262k vocabulary costs ~30 ms per row on a CPU; the nucleus is nearly
+    always far smaller. So: take the m best tokens (topk), decide them, and stop once the
+    worst candidate is dropped - every token outside scores no higher, so has at least as much
+    mass above it and is dropped too. Otherwise grow m (at worst to the whole vocabulary).
+    """
+    probs = scores.softmax(dim=-1)
+    # float32 softmax over a large vocabulary is off by a common factor ~1e-5 (its normaliser);
+    # measuring masses against the actual total cancels that factor.
+    total = probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    vocab = scores.shape[-1]
+    m = min(vocab, _TOP_P_CANDIDATES)
+    while True:
+        if m < vocab:
+            cand_scores, cand_index = scores.topk(m, dim=-1)  # descending
+        else:  # a full sort is cheaper than topk of everything
+            cand_scores, cand_index = scores.sort(dim=-1, descending=True)
+        cand_probs = probs.gather(-1, cand_index).double()
+        exclusive = (cand_probs.cumsum(dim=-1) - cand_probs) / total
+        # Mass strictly above a candidate = exclusive sum at the first candidate of its tie group.
+        ascending = -cand_scores
+        group_start = torch.searchsorted(ascending, ascending, side="left")
+        above = exclusive.gather(-1, group_start.clamp_(max=m - 1))
+        keep = above < top_p
+        if m == vocab or not keep[:, -1].any():
+            break
+        m = min(vocab, 16 * m)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, cand_index, keep)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:

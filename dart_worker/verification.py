@@ -228,34 +228,39 @@ def _verify_sampled(
     count = len(trees)
     vocab = int(logits.shape[-1])
 
-    # 1. q = p_row(parent)(token) of every node and every row's sum, one warp + gather per chunk.
+    # 1. q = p_row(parent)(token) of every node. Only rows with children are warped here (the
+    # others can only be bonus rows, warped in step 3), a chunk of same-warp requests at a time.
+    # Request k's parent rows: the distinct parents (+1 = row); each node points into them.
+    parent_nodes = [np.unique(t.parents).astype(np.int64) for t in trees]
+    parent_slot = [np.searchsorted(u, t.parents).astype(np.int64) for u, t in zip(parent_nodes, trees, strict=True)]
     q_parts: list[torch.Tensor] = []
     sum_parts: list[torch.Tensor] = []
-    q_offset = np.zeros(count + 1, dtype=np.int64)  # request k's q values, in chunk order
-    sum_offset = np.zeros(count + 1, dtype=np.int64)  # request k's N + 1 row sums
+    q_offset = np.zeros(count, dtype=np.int64)  # request k's q values, in transfer order
+    sum_offset = np.zeros(count, dtype=np.int64)  # request k's parent-row sums
     nodes_done = rows_done = 0
-    for chunk in _warp_chunks(range(count), [n + 1 for n in sizes], params, vocab):
-        rows_per = np.array([sizes[k] + 1 for k in chunk], dtype=np.int64)
-        nodes_per = rows_per - 1
+    for chunk in _warp_chunks(range(count), [u.shape[0] for u in parent_nodes], params, vocab):
+        rows_per = np.array([parent_nodes[k].shape[0] for k in chunk], dtype=np.int64)
+        nodes_per = np.array([sizes[k] for k in chunk], dtype=np.int64)
         row_start = np.cumsum(rows_per) - rows_per  # first row of each request within the chunk
         node_start = np.cumsum(nodes_per) - nodes_per
         num_rows, num_nodes = int(rows_per.sum()), int(nodes_per.sum())
-        # Host-built index arrays, one host -> device copy: (sequence, row) of every row of the
-        # chunk, then (chunk row of the parent, token) of every node.
+        q_offset[chunk] = nodes_done + node_start
+        sum_offset[chunk] = rows_done + row_start
+        nodes_done += num_nodes
+        rows_done += num_rows
+        if num_rows == 0:  # only empty trees
+            continue
+        # Host-built indices, one host -> device copy: (sequence, row) of every warped row, then
+        # (warped row of the parent, token) of every node.
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
-        row = np.arange(num_rows) - np.repeat(row_start, rows_per)
-        parent_row = np.concatenate([trees[k].parents for k in chunk]).astype(np.int64) + 1
-        parent_row += np.repeat(row_start, nodes_per)
+        row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
+        parent_row = np.concatenate([parent_slot[k] for k in chunk]) + np.repeat(row_start, nodes_per)
         token = np.concatenate([trees[k].tokens for k in chunk]).astype(np.int64)
         index = torch.from_numpy(np.concatenate([sequence, row, parent_row, token])).to(device)
         sequence_d, row_d, parent_d, token_d = index.split([num_rows, num_rows, num_nodes, num_nodes])
         probs = warp_logits_to_probs(logits[sequence_d, row_d], params[chunk[0]])
         q_parts.append(probs[parent_d, token_d].double())
         sum_parts.append(probs.sum(dim=-1).double())
-        q_offset[chunk] = nodes_done + node_start
-        sum_offset[chunk] = rows_done + row_start
-        nodes_done += num_nodes
-        rows_done += num_rows
     # Uniforms come from each request's own generator, in request order: one per node for the
     # walk, then one for the bonus draw.
     uniforms = torch.cat(
@@ -269,11 +274,8 @@ def _verify_sampled(
     bad = np.flatnonzero(~(np.abs(host_sums - 1.0) <= _ROW_SUM_TOLERANCE))
     if bad.size:
         where = int(bad[0])
-        k = next(k for k in range(count) if sum_offset[k] <= where < sum_offset[k] + sizes[k] + 1)
-        raise ValueError(
-            f"request {batch_index[k]}: warped probabilities of row {where - int(sum_offset[k])} sum to "
-            f"{host_sums[where]} (non-finite logits?)"
-        )
+        k = next(k for k in range(count) if sum_offset[k] <= where < sum_offset[k] + parent_nodes[k].shape[0])
+        _raise_bad_row(batch_index[k], int(parent_nodes[k][where - sum_offset[k]]) + 1, host_sums[where])
     walks = [
         _rejection_walk(
             trees[k],
@@ -283,8 +285,8 @@ def _verify_sampled(
         for k in range(count)
     ]
 
-    # 3. Bonus tokens from the residuals: re-warp just the bonus rows (cheaper than keeping
-    # every row's float32 probabilities alive across the host walk), zero rejected tokens.
+    # 3. Bonus tokens from the residuals: warp just the bonus rows (rather than keeping every
+    # row's float32 probabilities alive across the host walk), zero the rejected tokens.
     picked = logits[
         torch.tensor(list(batch_index), device=device), torch.tensor([w.bonus_row for w in walks], device=device)
     ]
@@ -304,8 +306,18 @@ def _verify_sampled(
         # to the unmodified row rather than fail; decided on the device, no sync.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, bonus_rows)
     bonus_uniforms = uniforms[torch.from_numpy(u_offset[1:] - 1).to(device)]
-    bonuss = _inverse_cdf_sample(residual, bonus_uniforms).cpu().tolist()  # second transfer
-    return [_acceptance(t, w.path, tok) for t, w, tok in zip(trees, walks, bonuss, strict=True)]
+    drawn = _inverse_cdf_sample(residual, bonus_uniforms).double()
+    host = torch.cat([drawn, bonus_rows.sum(dim=-1).double()]).cpu().numpy()  # second transfer
+    bonus_tokens, bonus_sums = host[:count].astype(np.int64), host[count:]
+    bad = np.flatnonzero(~(np.abs(bonus_sums - 1.0) <= _ROW_SUM_TOLERANCE))
+    if bad.size:  # a leaf row: not checked in step 2
+        k = int(bad[0])
+        _raise_bad_row(batch_index[k], walks[k].bonus_row, bonus_sums[k])
+    return [_acceptance(t, w.path, int(tok)) for t, w, tok in zip(trees, walks, bonus_tokens, strict=True)]
+
+
+def _raise_bad_row(request: int, row: int, total: float) -> None:
+    raise ValueError(f"request {request}: warped probabilities of row {row} sum to {total} (non-finite logits?)")
 
 
 # ---------------------------------------------------------------------------- batched

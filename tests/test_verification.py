@@ -441,13 +441,19 @@ def test_errors_name_what_differs():
     bad[0, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="request 0: warped probabilities of row 1 sum to nan"):
         verify_batch([tree], bad, [sample], [gen])
-    # the culprit is named in a mixed batch too (greedy, and two different warps)
+    # the culprit is named in a mixed batch too (greedy, and two different warps) ...
+    mixed = [SamplingParams(temperature=0), SamplingParams(top_k=2), sample]
     batch = torch.zeros(3, 3, 4)
-    batch[2, 2] = float("inf")
-    with pytest.raises(ValueError, match="request 2: warped probabilities of row 2 sum to nan"):
-        verify_batch(
-            [tree] * 3, batch, [SamplingParams(temperature=0), SamplingParams(top_k=2), sample], [None, gen, gen]
-        )
+    batch[2, 0, 1] = float("inf")
+    with pytest.raises(ValueError, match="request 2: warped probabilities of row 0 sum to nan"):
+        verify_batch([tree] * 3, batch, mixed, [None, gen, gen])
+    # ... and when the broken row is a leaf that becomes the bonus row (node 0 is certain)
+    leaf = make_tree([1], [-1])
+    batch = torch.zeros(3, 2, 4)
+    batch[:, 0, 1] = 100.0
+    batch[2, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="request 2: warped probabilities of row 1 sum to nan"):
+        verify_batch([leaf] * 3, batch, mixed, [None, gen, gen])
 
 
 def test_acceptance_of_empty_path():
