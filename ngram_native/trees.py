@@ -212,6 +212,7 @@ def build_dart_trees(
     keep_pruned: bool = True,
     max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,
+    prune: bool = True,
 ) -> list[DraftTree]:
     """DART n-gram-guided beam search (arXiv 2601.19278); defaults = the reference code.
 
@@ -242,6 +243,9 @@ def build_dart_trees(
         max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree), e.g.
             the tokens a sequence may still generate. Rows past the limit are not read.
         vocab_size: optional bound for top-k ids and context ids (dense logits imply V).
+        prune: skip children that provably cannot enter the tree (their best possible score,
+            with q = 1, is below the budget-th best key found so far). Exact - the tree is
+            the same either way - and it avoids most N-gram queries; False is for testing.
     """
     values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
     _check_int("budget", budget, 0)
@@ -262,7 +266,7 @@ def build_dart_trees(
     out = _core._build_dart(
         values, ids, vocab if vocab is not None else -1, ctx_tokens, ctx_offsets, scorer,
         _eos_array(eos_ids), _max_depths(max_depths, batch), top_k, beam_width, budget,
-        float(depth_decay), float(draft_decay), float(ngram_weight), bool(keep_pruned),
+        float(depth_decay), float(draft_decay), float(ngram_weight), bool(keep_pruned), bool(prune),
     )  # fmt: skip
     return _split(*out)
 

@@ -363,3 +363,61 @@ def test_scorer_returning_invalid_probabilities_is_an_error(bad):
             build_dart_trees(logits=logits, contexts=[[1]], scorer=scorer)
     else:
         build_dart_trees(logits=logits, contexts=[[1]], scorer=scorer)
+
+
+def test_real_trie_scorer_matches_reference_and_dict_scorer(tmp_path):
+    """The mmap'd trie is a drop-in NgramScorer: same trees as the reference and as a dict
+    scorer holding the trie's own counts."""
+    from ngram_native.trie import NgramTrie, build_trie
+
+    rng = np.random.default_rng(13)
+    vocab = 40
+    docs = [rng.zipf(1.5, size=400).clip(1, vocab) - 1 for _ in range(5)]
+    path = tmp_path / "small.trie"
+    build_trie(docs, path, vocab_size=vocab, tokenizer_fingerprint="test", order=3)
+    logits = rng.normal(0, 2, size=(3, 6, vocab)).astype(np.float32)
+    contexts = [docs[0][:10], docs[1][50:52], []]
+    with NgramTrie.open(path, verify=True) as trie:
+        dict_scorer = _core._DictScorer(trie.order, trie.ngram_counts())
+        with_trie = build_dart_trees(logits=logits, contexts=contexts, scorer=trie, top_k=10, budget=40)
+        with_dict = build_dart_trees(logits=logits, contexts=contexts, scorer=dict_scorer, top_k=10, budget=40)
+        for b in range(3):
+            assert_same_tree(with_trie[b], with_dict[b])
+            assert_same_tree(with_trie[b], ref_dart(logits[b], None, list(contexts[b]), trie, top_k=10, budget=40))
+        # The scorer made a difference somewhere (else this test proves little).
+        plain = build_dart_trees(logits=logits, top_k=10, budget=40)
+        assert any(not np.array_equal(a.tokens, p.tokens) for a, p in zip(with_trie, plain))
+
+
+@st.composite
+def larger_dart_case(draw):
+    vocab = draw(st.integers(5, 60))
+    positions = draw(st.integers(1, 7))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([0.0, 0.5, 2.0, 6.0]))  # 0: all ties
+    logits = (rng.normal(0, 1, size=(2, positions, vocab)) * scale).round(draw(st.sampled_from([0, 1, 6])))
+    corpus = [rng.integers(0, vocab, size=draw(st.integers(0, 400))).tolist() for _ in range(2)]
+    scorer = corpus_scorer(corpus, draw(st.integers(1, 4))) if draw(st.booleans()) else None
+    contexts = [corpus[0][:8], corpus[1][-3:]]
+    params = dict(
+        budget=draw(st.integers(0, 90)),
+        top_k=draw(st.integers(1, 30)),
+        beam_width=draw(st.integers(1, 25)),
+        eos_ids=tuple(draw(st.sets(st.integers(0, vocab - 1), max_size=3))),
+        keep_pruned=draw(st.booleans()),
+        depth_decay=draw(st.sampled_from([0.7, 0.0, 3.0, -1.0])),
+        draft_decay=draw(st.sampled_from([0.9, 1.0, 0.0])),
+        ngram_weight=draw(st.sampled_from([0.5, 0.0, 4.0])),
+    )
+    return logits.astype(np.float32), contexts, scorer, params
+
+
+@settings(max_examples=150, deadline=None)
+@given(larger_dart_case())
+def test_pruning_never_changes_the_tree(case):
+    """Skipping children that cannot reach the budget-th best key is exact."""
+    logits, contexts, scorer, params = case
+    fast = build_dart_trees(logits=logits, contexts=contexts, scorer=scorer, **params)
+    full = build_dart_trees(logits=logits, contexts=contexts, scorer=scorer, prune=False, **params)
+    for a, b in zip(fast, full):
+        assert_same_tree(a, b)

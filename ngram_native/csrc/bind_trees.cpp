@@ -107,7 +107,7 @@ void bind_trees(py::module_& m) {
          const ngram::NgramScorer* scorer, const I32Array& eos_ids,
          const std::optional<I64Array>& max_depths, int64_t top_k, int64_t beam_width,
          int64_t budget, double depth_decay, double draft_decay, double ngram_weight,
-         bool keep_pruned) {
+         bool keep_pruned, bool prune) {
         const trees::DraftScores in = draft_view(values, ids, vocab_size, max_depths);
         const trees::Contexts contexts = context_view(ctx_tokens, ctx_offsets, in.batch);
         trees::DartParams params;
@@ -118,6 +118,7 @@ void bind_trees(py::module_& m) {
         params.draft_decay = draft_decay;
         params.ngram_weight = ngram_weight;
         params.keep_pruned = keep_pruned;
+        params.prune = prune;
         const trees::EosSet eos(to_vector(eos_ids));
         trees::TreeBatch out;
         {
@@ -131,6 +132,7 @@ void bind_trees(py::module_& m) {
       py::arg("scorer").none(true), py::arg("eos_ids"), py::arg("max_depths").none(true),
       py::arg("top_k"), py::arg("beam_width"), py::arg("budget"), py::arg("depth_decay"),
       py::arg("draft_decay"), py::arg("ngram_weight"), py::arg("keep_pruned"),
+      py::arg("prune") = true,
       "DART n-gram beam search over a batch -> (tokens, parents, depths, scores, offsets).");
 
   m.def(

@@ -98,6 +98,7 @@ class EosSet {
     }
     return false;
   }
+  bool empty() const { return ids_.empty(); }
 
  private:
   std::vector<int32_t> ids_;
@@ -132,6 +133,10 @@ struct DartParams {
   double draft_decay = 0.9;
   double ngram_weight = 0.5;
   bool keep_pruned = true;
+  // Skip children that provably cannot enter the tree: never creates them, nor scores
+  // them with the N-gram model. The result is identical (tested against prune = false);
+  // it saves most scorer calls at deep levels, whose nodes rarely make the budget.
+  bool prune = true;
 };
 
 void build_dart(const DraftScores& in, const Contexts& contexts,

@@ -6,6 +6,7 @@
 // child may outscore its parent by ~1e-10 because ln(1 + 1e-10) > 0).
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -40,6 +41,8 @@ struct DartWorkspace {
   std::vector<RawNode> nodes;
   CanonicalScratch canonical;
   double log_floor = 0.0;          // ln(0 + 1e-10), the n-gram term of an unseen token
+  double log_one = 0.0;            // ln(1 + 1e-10), the best possible n-gram term
+  std::vector<double> best_keys;   // min-heap: the `budget` best eligible keys so far
 };
 
 void compute_draft_terms(const CandidateRows& rows, std::vector<double>& term) {
@@ -83,6 +86,7 @@ void build_one(const DraftScores& in, int64_t b, const Contexts& contexts,
   const int64_t ctx_width = use_ngram ? std::max(0, scorer->order() - 1) : 0;
   ws.context.resize(ctx_width);
   ws.q.resize(k);
+  ws.best_keys.reserve(p.budget < 4096 ? p.budget : 4096);
   const int32_t* committed = nullptr;
   int64_t committed_len = 0;
   if (contexts.offsets != nullptr) {
@@ -98,56 +102,103 @@ void build_one(const DraftScores& in, int64_t b, const Contexts& contexts,
     return x < y;
   };
 
+  // Pruning (exact, see DartParams::prune): `threshold()` is the budget-th best key among
+  // the eligible nodes created so far, a lower bound of the final selection's cut-off.
+  // A child whose key cannot exceed it is never created: at least `budget` earlier-created
+  // nodes rank before it (ties go to creation order), and before its descendants (keys
+  // never increase along a path). The beam slot it would take only matters to nodes that
+  // rank even lower (or, via EOS ordering, to `kept` flags: hence no pruning when
+  // keep_pruned is off and EOS ids are set).
+  const bool prune = p.prune && (p.keep_pruned || eos.empty());
+  ws.best_keys.clear();
+  auto threshold = [&]() {
+    if (p.budget == 0) return HUGE_VAL;
+    if (static_cast<int64_t>(ws.best_keys.size()) < p.budget) return -HUGE_VAL;
+    return ws.best_keys.front();
+  };
+  auto note_eligible = [&](double key) {
+    if (!prune || p.budget == 0) return;
+    if (static_cast<int64_t>(ws.best_keys.size()) < p.budget) {
+      ws.best_keys.push_back(key);
+      std::push_heap(ws.best_keys.begin(), ws.best_keys.end(), std::greater<double>());
+    } else if (key > ws.best_keys.front()) {
+      std::pop_heap(ws.best_keys.begin(), ws.best_keys.end(), std::greater<double>());
+      ws.best_keys.back() = key;
+      std::push_heap(ws.best_keys.begin(), ws.best_keys.end(), std::greater<double>());
+    }
+  };
+
   ws.pool.clear();
   ws.beam.clear();
   for (int64_t l = 0; l < ws.rows.positions; ++l) {
     const double level_weight = std::pow(static_cast<double>(l + 1), -p.depth_decay);
     const double draft_weight = std::pow(p.draft_decay, static_cast<double>(l));
+    if (!std::isfinite(level_weight) || !std::isfinite(draft_weight)) {
+      throw std::invalid_argument("depth_decay / draft_decay overflow the level weights at depth " +
+                                  std::to_string(l + 1));
+    }
     const int32_t* cand = &ws.rows.ids[l * k];
     const double* draft_term = &ws.draft_term[l * k];
+    const bool with_ngram = use_ngram && l > 0;  // no n-gram term for the first token (reference)
+    // Best possible n-gram term (q = 1): with it, `upper` bounds every child's exact score;
+    // all operations are monotone, so the bound also holds in floating point.
+    const double ngram_best = with_ngram ? p.ngram_weight * ws.log_one : 0.0;
     ws.level.clear();
-    auto expand = [&](int32_t parent, bool with_ngram) {
+    auto expand = [&](int32_t parent) {
       const double parent_score = parent < 0 ? 0.0 : ws.pool[parent].score;
       const double parent_key = parent < 0 ? HUGE_VAL : ws.pool[parent].key;
-      for (int64_t j = 0; j < k; ++j) {
+      // Candidates come by draft term descending, so the ones worth creating are a prefix.
+      int64_t count = k;
+      if (prune) {
+        const double cut = threshold();
+        count = 0;
+        while (count < k) {
+          const double upper = parent_score + level_weight * (draft_weight * draft_term[count] + ngram_best);
+          if (std::min(upper, parent_key) <= cut) break;
+          ++count;
+        }
+        if (count == 0) return;
+      }
+      if (with_ngram) {
+        const int32_t* ctx = nullptr;
+        const int64_t ctx_len = build_context(ws, parent, committed, committed_len, ctx_width, ws.context, &ctx);
+        scorer->score(ctx, static_cast<size_t>(ctx_len), cand, static_cast<size_t>(count), ws.q.data());
+        for (int64_t j = 0; j < count; ++j) {
+          if (!(ws.q[j] >= 0.0f && ws.q[j] <= 1.0f)) {
+            throw std::runtime_error("n-gram scorer returned probability " + std::to_string(ws.q[j]) +
+                                     " outside [0, 1]");
+          }
+        }
+      }
+      for (int64_t j = 0; j < count; ++j) {
         double term = draft_weight * draft_term[j];
         if (with_ngram) {
           const double q = ws.q[j];
           term += p.ngram_weight * (q == 0.0 ? ws.log_floor : std::log(q + kLogFloor));
         }
         const double score = parent_score + level_weight * term;
+        const double key = std::min(score, parent_key);
         ws.level.push_back(static_cast<int32_t>(ws.pool.size()));
-        ws.pool.push_back(PoolNode{cand[j], parent, static_cast<int32_t>(l + 1),
-                                   eos.contains(cand[j]), false, score,
-                                   std::min(score, parent_key)});
+        ws.pool.push_back(PoolNode{cand[j], parent, static_cast<int32_t>(l + 1), eos.contains(cand[j]), false,
+                                   score, key});
+        if (p.keep_pruned) note_eligible(key);
       }
     };
     if (l == 0) {
-      expand(-1, false);  // no n-gram term for the first token (reference default)
+      expand(-1);
     } else {
       for (int32_t parent : ws.beam) {
-        if (ws.pool[parent].eos) continue;
-        if (use_ngram) {
-          const int32_t* ctx = nullptr;
-          const int64_t ctx_len =
-              build_context(ws, parent, committed, committed_len, ctx_width, ws.context, &ctx);
-          scorer->score(ctx, static_cast<size_t>(ctx_len), cand, static_cast<size_t>(k),
-                        ws.q.data());
-          for (int64_t j = 0; j < k; ++j) {
-            if (!(ws.q[j] >= 0.0f && ws.q[j] <= 1.0f)) {
-              throw std::runtime_error("n-gram scorer returned probability " +
-                                       std::to_string(ws.q[j]) + " outside [0, 1]");
-            }
-          }
-        }
-        expand(parent, use_ngram);
+        if (!ws.pool[parent].eos) expand(parent);
       }
     }
-    if (ws.level.empty()) break;  // every beam node was EOS
+    if (ws.level.empty()) break;  // every beam node was EOS (or nothing can enter the tree)
     const size_t keep = std::min(static_cast<size_t>(p.beam_width), ws.level.size());
     std::partial_sort(ws.level.begin(), ws.level.begin() + keep, ws.level.end(), beam_before);
     ws.beam.assign(ws.level.begin(), ws.level.begin() + keep);
-    for (int32_t x : ws.beam) ws.pool[x].kept = true;
+    for (int32_t x : ws.beam) {
+      ws.pool[x].kept = true;
+      if (!p.keep_pruned) note_eligible(ws.pool[x].key);
+    }
   }
 
   // Final selection: best `budget` by (key desc, creation order asc), a total order in
@@ -186,20 +237,25 @@ void build_dart(const DraftScores& in, const Contexts& contexts,
   if (params.top_k < 1 || params.beam_width < 1 || params.budget < 0) {
     throw std::invalid_argument("DART needs top_k >= 1, beam_width >= 1 and budget >= 0");
   }
-  DartWorkspace ws;
+  // One workspace per thread, kept across calls: after the first tree, building one
+  // allocates nothing (a fresh 100+ KB pool per call costs page faults every time).
+  thread_local DartWorkspace ws;
   // Computed at run time by the same libm call as ln(q + 1e-10) for q = 0 (no constant
   // folding), so the shortcut in `expand` is bit-identical to the general formula.
   volatile double floor_value = kLogFloor;
   ws.log_floor = std::log(floor_value + 0.0);
-  // Capacity of the pool: level l creates (beam size) * k nodes, beam size <= beam_width.
+  ws.log_one = std::log(floor_value + 1.0);
+  // Worst-case pool size: level l creates (beam size) * k nodes, beam size <= beam_width.
+  // Saturated arithmetic; beyond kReserveLimit the vectors simply grow on demand.
+  constexpr int64_t kReserveLimit = int64_t{1} << 20;
   const int64_t k = std::min(params.top_k, in.width);
   int64_t beam = 1, capacity = 0;
-  for (int64_t l = 0; l < in.positions; ++l) {
+  for (int64_t l = 0; l < in.positions && capacity < kReserveLimit; ++l) {
     capacity += beam * k;
-    beam = std::min(params.beam_width, beam * k);
+    beam = std::min({params.beam_width, beam * k, kReserveLimit});
   }
-  ws.pool.reserve(capacity);
-  ws.level.reserve(beam * k);
+  ws.pool.reserve(std::min(capacity, kReserveLimit));
+  ws.level.reserve(std::min(beam * k, kReserveLimit));
   ws.beam.reserve(beam);
   for (int64_t b = 0; b < in.batch; ++b) build_one(in, b, contexts, scorer, params, eos, ws, out);
 }

@@ -144,15 +144,14 @@ void build_ddtree(const DraftScores& in, const BestFirstParams& params, const Eo
   check_budget(params);
   int64_t k = params.top_k;
   if (k == 0) k = in.ids == nullptr ? std::max<int64_t>(1, std::min(params.budget, in.width)) : in.width;
-  BestFirstWorkspace ws;
-  ws.nodes.reserve(params.budget < 4096 ? params.budget : 4096);
+  thread_local BestFirstWorkspace ws;  // reused across calls: no allocation once warm
   for (int64_t b = 0; b < in.batch; ++b) ddtree_one(in, b, k, params, eos, ws, out);
 }
 
 void build_chain(const DraftScores& in, const BestFirstParams& params, const EosSet& eos,
                  TreeBatch& out) {
   check_budget(params);
-  BestFirstWorkspace ws;
+  thread_local BestFirstWorkspace ws;
   for (int64_t b = 0; b < in.batch; ++b) chain_one(in, b, params, eos, ws, out);
 }
 
