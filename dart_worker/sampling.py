@@ -89,10 +89,10 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
     the argmax (first maximum).
 
     Top-p is transformers' rule (it drops a token iff the ascending cumulative probability up
-    to it is <= 1 - top_p, i.e. iff the mass above it is >= top_p) computed without sorting the
-    vocabulary; the two agree except within float rounding of the cut and where tied scores
-    straddle it. There transformers' answer depends on the unstable sort's order of equal
-    values; this rule keeps or drops all tied tokens together.
+    to it is <= 1 - top_p, i.e. iff the mass above it is >= top_p). The results agree except
+    within float rounding of the cut, and where tied scores straddle the cut: there
+    transformers' answer depends on the order its unstable sort gives equal values, while this
+    rule keeps or drops tied tokens together.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
@@ -103,26 +103,57 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
     if params.temperature != 1.0:
         scores = scores / params.temperature
     vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth_largest = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
-    if params.top_p < 1.0 and scores.shape[0] > 0:
-        scores = scores.masked_fill(~_top_p_keep(scores, params.top_p), float("-inf"))
-    return scores.softmax(dim=-1)
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    if (top_k == 0 and params.top_p >= 1.0) or scores.shape[0] == 0:
+        return scores.softmax(dim=-1)
+    if _use_candidates(scores):
+        if top_k:
+            candidates = _top_k_candidates(scores, top_k, params.top_p)
+        else:
+            candidates = _top_p_candidates(scores, params.top_p)
+        if candidates is not None:
+            values, index, keep = candidates
+            kept = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+            return torch.zeros_like(scores).scatter_(-1, index, kept)
+    return _warp_dense(scores, top_k, params.top_p)
 
 
-# Candidates examined first by top-p; grown 16x while the nucleus might extend beyond them.
+def _use_candidates(scores: torch.Tensor) -> bool:
+    """Work on the few candidate tokens instead of whole rows? On a CPU every pass over a 262k
+    vocabulary costs milliseconds and a host sync is free; on an accelerator passes are cheap
+    and the syncs of the candidate search would stall the stream."""
+    return scores.device.type == "cpu"
+
+
+def _nucleus_keep(values: torch.Tensor, mass: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p on candidates sorted by score, descending: keep iff the mass scoring strictly
+    higher is < top_p. mass: float64 probabilities of the candidates (of the whole row)."""
+    exclusive = mass.cumsum(dim=-1) - mass
+    ascending = -values
+    group_start = torch.searchsorted(ascending, ascending, side="left")  # first of each tie group
+    return exclusive.gather(-1, group_start) < top_p
+
+
+def _top_k_candidates(scores: torch.Tensor, top_k: int, top_p: float):
+    """The k best tokens are all that can survive: decide top-p among them. None (use the dense
+    path) if some row has ties at the k-th score, since top-k then keeps more than k tokens."""
+    values, index = scores.topk(top_k, dim=-1)
+    if bool(((scores >= values[:, -1:]).sum(dim=-1) > top_k).any()):
+        return None
+    if top_p >= 1.0:
+        return values, index, torch.ones_like(values, dtype=torch.bool)
+    return values, index, _nucleus_keep(values, values.double().softmax(dim=-1), top_p)
+
+
+# Candidates examined first by top-p alone; grown 16x while the nucleus may reach beyond them.
 _TOP_P_CANDIDATES = 1024
 
 
-def _top_p_keep(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """bool [R, V]: tokens whose strictly-higher-scoring mass is < top_p.
-
-    A full sort of a 262k vocabulary costs ~30 ms per row on a CPU; the nucleus is nearly
-    always far smaller. So: take the m best tokens (topk), decide them, and stop once the
-    worst candidate is dropped - every token outside scores no higher, so has at least as much
-    mass above it and is dropped too. Otherwise grow m (at worst to the whole vocabulary).
-    """
+def _top_p_candidates(scores: torch.Tensor, top_p: float):
+    """A full sort of a 262k vocabulary costs ~30 ms per row on a CPU, and the nucleus is
+    nearly always far smaller: take the m best tokens, decide them, and stop once the worst
+    candidate is dropped - every token outside scores no higher, so has at least as much mass
+    above it and is dropped too. Otherwise grow m (at worst to the whole vocabulary)."""
     probs = scores.softmax(dim=-1)
     # float32 softmax over a large vocabulary is off by a common factor ~1e-5 (its normaliser);
     # measuring masses against the actual total cancels that factor.
@@ -131,20 +162,27 @@ def _top_p_keep(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     m = min(vocab, _TOP_P_CANDIDATES)
     while True:
         if m < vocab:
-            cand_scores, cand_index = scores.topk(m, dim=-1)  # descending
+            values, index = scores.topk(m, dim=-1)  # descending
         else:  # a full sort is cheaper than topk of everything
-            cand_scores, cand_index = scores.sort(dim=-1, descending=True)
-        cand_probs = probs.gather(-1, cand_index).double()
-        exclusive = (cand_probs.cumsum(dim=-1) - cand_probs) / total
-        # Mass strictly above a candidate = exclusive sum at the first candidate of its tie group.
-        ascending = -cand_scores
-        group_start = torch.searchsorted(ascending, ascending, side="left")
-        above = exclusive.gather(-1, group_start.clamp_(max=m - 1))
-        keep = above < top_p
-        if m == vocab or not keep[:, -1].any():
-            break
+            values, index = scores.sort(dim=-1, descending=True)
+        keep = _nucleus_keep(values, probs.gather(-1, index).double() / total, top_p)
+        if m == vocab or not bool(keep[:, -1].any()):
+            return values, index, keep
         m = min(vocab, 16 * m)
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, cand_index, keep)
+
+
+def _warp_dense(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Whole-row top-k / top-p / softmax, no host syncs (accelerators; CPU rows with k-th ties)."""
+    if top_k:
+        kth_largest = scores.topk(top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        values, index = scores.sort(dim=-1, descending=True)
+        mass = values.softmax(dim=-1).double()
+        keep_sorted = _nucleus_keep(values, mass / mass.sum(dim=-1, keepdim=True), top_p)
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, keep_sorted)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores.softmax(dim=-1)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:

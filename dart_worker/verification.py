@@ -38,7 +38,8 @@ p_row(parent)(token) of every node; those, every row's sum (a finiteness check) 
 request's uniforms (N + 1 from its own generator: one per node, one for the bonus) cross to
 the host in ONE transfer; the walks run on the host (a few dozen scalar comparisons). Then
 the bonus rows alone are re-warped (so no [B, S, V] float32 copy stays alive across the
-walk; a row warps to the same bits alone as in a chunk, which a test checks), the rejected
+walk; alone or in a chunk a row warps to the same support and the same probabilities up to
+float32 rounding, which a test checks), the rejected
 tokens are zeroed, and one batched inverse-CDF draw (what torch.multinomial does for one
 sample, but for all requests at once, each with its own uniform) picks every bonus token,
 which cross in a second transfer. Greedy requests need one argmax and one transfer.

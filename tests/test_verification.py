@@ -399,13 +399,20 @@ def test_inverse_cdf_sample_never_draws_zero_weight_tokens():
 
 
 def test_bonus_rewarp_of_one_row_equals_the_batched_warp():
-    """The walk uses probabilities warped over all rows; the bonus re-warps only its row. Both
-    must be the same numbers, or acceptance and residual would disagree."""
-    logits = torch.randn(17, 4096, generator=torch.Generator().manual_seed(0)) * 3
-    for params in CASES.values():
-        full = warp_logits_to_probs(logits, params.params)
-        for row in range(17):
-            assert torch.equal(full[row], warp_logits_to_probs(logits[row : row + 1], params.params)[0])
+    """The walk uses probabilities warped in chunks of rows; the bonus re-warps only its row.
+    Both must agree (same support, same numbers up to float32 rounding), or acceptance and
+    residual would disagree - also when other rows of the chunk change the warp's strategy
+    (a flat row grows the top-p candidates, a tie at the k-th score forces the dense path)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(17, 4096, generator=gen) * torch.linspace(0.05, 6.0, 17)[:, None]
+    logits[3, :30] = 9.0  # a row with a 30-way tie at the top
+    for case in CASES.values():
+        for params in (case.params, SamplingParams(temperature=0.9, top_k=20, top_p=0.9)):
+            full = warp_logits_to_probs(logits, params)
+            for row in range(17):
+                alone = warp_logits_to_probs(logits[row : row + 1], params)[0]
+                assert torch.equal(full[row] > 0, alone > 0)
+                torch.testing.assert_close(full[row], alone, rtol=1e-6, atol=1e-7)
 
 
 def test_empty_trees_commit_one_token():
