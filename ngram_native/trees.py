@@ -14,10 +14,23 @@ Draft scores come in one of two forms:
   per row with one scan). Convenient, but every row costs an O(V) pass.
 - ``topk_ids`` int [B, D, K] with ``topk_values`` float [B, D, K]: pre-selected
   candidates (logits or log-probs), e.g. from ``torch.topk`` on the device. This is the
-  hot-path form: nothing of size V crosses into C++. The order within a row does not
-  matter; ids must be distinct within a row.
+  hot-path form (the first two positional arguments of every builder): nothing of size V
+  crosses into C++. The order within a row does not matter; ids must be distinct within a
+  row.
 
-The builders run in C++ with the GIL released and allocate nothing per candidate.
+Every builder also takes `eos_ids` (nodes carrying one get no children), `budget` (nodes
+per tree, root excluded) and `max_depths` (a per-sequence depth limit, e.g. the tokens a
+sequence may still generate). Bad input raises ValueError/TypeError naming the offending
+argument (and position, for NaN, +inf, out-of-range or duplicate ids).
+
+The builders run in C++ with the GIL released; after the first call on a thread they
+allocate nothing per tree except the output arrays.
+
+    trees = build_dart_trees(ids, values, contexts, trie, budget=60, eos_ids=[eos])
+    tree = trees[0]
+    mask = tree.ancestor_mask()          # [N + 1, N + 1], index 0 = root
+    positions = start + tree.position_offsets()
+    child = tree.find_child(-1, token)   # verification walk from the root
 """
 
 from __future__ import annotations

@@ -69,8 +69,12 @@ void select_given_row(const float* values, const int32_t* ids, int64_t width, in
   if (dup != sorted_ids.end()) {
     fail("topk_ids", b, d, "holds token id " + std::to_string(*dup) + " twice");
   }
-  std::partial_sort(work.begin(), work.begin() + k, work.end(), ranks_before);
-  work.resize(k);
+  if (k == width) {
+    std::sort(work.begin(), work.end(), ranks_before);
+  } else {
+    std::partial_sort(work.begin(), work.begin() + k, work.end(), ranks_before);
+    work.resize(k);
+  }
 }
 
 }  // namespace
