@@ -32,17 +32,19 @@ fresh uniforms, so the committed sequence factorises exactly as the target's cha
 min(1, p(x) / q(x)) = p(x), residual norm(max(p - q, 0)) = p with x removed.) Repeated sibling
 tokens are harmless: after rejection their residual probability is 0.
 
-Device use per batch of sampling requests: requests sharing a warp (temperature, top-k,
-top-p) are warped together in memory-bounded chunks; one gather per chunk picks
-p_row(parent)(token) of every node; those, every row's sum (a finiteness check) and each
-request's uniforms (N + 1 from its own generator: one per node, one for the bonus) cross to
-the host in ONE transfer; the walks run on the host (a few dozen scalar comparisons). Then
-the bonus rows alone are re-warped (so no [B, S, V] float32 copy stays alive across the
-walk; alone or in a chunk a row warps to the same support and the same probabilities up to
-float32 rounding, which a test checks), the rejected
-tokens are zeroed, and one batched inverse-CDF draw (what torch.multinomial does for one
-sample, but for all requests at once, each with its own uniform) picks every bonus token,
-which cross in a second transfer. Greedy requests need one argmax and one transfer.
+Device use per batch of sampling requests:
+1. Rows with children (the only ones the walk reads q from) are warped, requests sharing a
+   warp (temperature, top-k, top-p) together, in memory-bounded chunks; one gather per chunk
+   picks q = p_row(parent)(token) for every node. The q values, those rows' sums (a
+   finiteness check) and each request's uniforms (N + 1 from its own generator: one per node,
+   one for the bonus) cross to the host in ONE transfer.
+2. The walks run on the host: a few dozen scalar comparisons.
+3. Only the bonus rows are warped again (so no [B, S, V] float32 copy stays alive across the
+   walk; alone or in a chunk a row warps to the same support and, up to float32 rounding,
+   the same probabilities - a test checks), the rejected tokens are zeroed, and one batched
+   inverse-CDF draw (what torch.multinomial does for one sample, for all requests at once,
+   each with its own uniform) picks every bonus token; they cross in a second transfer.
+Greedy requests need one argmax and one transfer.
 """
 
 from __future__ import annotations
@@ -147,9 +149,9 @@ def _acceptance_probability(q: float, residual_mass: float) -> float:
 def _rejection_walk(tree: TreeLike, q: np.ndarray, uniforms: np.ndarray) -> _Walk:
     """Recursive rejection over siblings (see module doc). q[i] = p_row(parent(i))(token_i);
     uniforms[i] decides node i; each node is tried at most once, so every decision is fresh."""
-    tokens, q_list, u_list = tree.tokens.tolist(), q.tolist(), uniforms.tolist()
+    tokens, q_list, u_list = np.asarray(tree.tokens).tolist(), q.tolist(), uniforms.tolist()
     children: dict[int, list[int]] = {}
-    for i, parent in enumerate(tree.parents.tolist()):
+    for i, parent in enumerate(np.asarray(tree.parents).tolist()):
         children.setdefault(parent, []).append(i)  # index order = sibling (proposal) order
     path: list[int] = []
     node = -1
