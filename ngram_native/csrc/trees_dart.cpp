@@ -1,9 +1,14 @@
-// DART n-gram beam search (arXiv 2601.19278), scoring as in the reference implementation.
+// DART n-gram beam search (arXiv 2601.19278), scoring as in the reference implementation
+// (fvliang/DART, tree_search/cpplib/cpp_search/searcher.cpp built with
+// NO_NGRAM_ON_FIRST_TOKEN): levels indexed from 0, the whole beam expanded with the same
+// top-k candidates of its position, EOS children sorted after the others at the beam cut,
+// and the tree taken from every scored child of every level (keep_pruned = true).
 //
 // Differences from the reference, all deliberate: EOS nodes are never expanded (the
-// reference expands beam-kept EOS nodes too), ties are broken deterministically, and the
+// reference expands beam-kept EOS nodes too), ties are broken deterministically, the
 // final selection is prefix-closed by construction (the reference sorts raw scores, and a
-// child may outscore its parent by ~1e-10 because ln(1 + 1e-10) > 0).
+// child may outscore its parent by ~1e-10 because ln(1 + 1e-10) > 0), and children that
+// provably cannot enter the tree are skipped (exact; see `prune` below).
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -27,7 +32,7 @@ struct PoolNode {
   double key;      // min(score, parent's key): never increases along a path
 };
 
-// Everything one sequence needs, sized once per call and reused across the batch.
+// Everything one sequence needs; one per thread, reused across sequences and calls.
 struct DartWorkspace {
   CandidateRows rows;
   std::vector<double> draft_term;  // [positions * k]: ln(softmax over the k + 1e-10)
