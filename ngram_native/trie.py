@@ -91,6 +91,8 @@ def _ids_array(ids: Any, what: str) -> np.ndarray:
 
 def _int32_ids(ids: Any, what: str) -> np.ndarray:
     """Token ids as a contiguous int32 array (the query API's width), range-checked."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids  # the common case, kept cheap: score() is called in loops
     arr = _ids_array(ids, what)
     if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
         raise ValueError(f"{what}: token ids must fit in int32, got range [{arr.min()}, {arr.max()}]")

@@ -75,8 +75,9 @@ def test_sizes_are_12_bytes_per_inner_node_and_8_per_leaf(trie_file):
     with NgramTrie.open(trie_file) as trie:
         sizes = trie.level_sizes
     inner = sum(sizes[:-1]) - 1
-    padding = 8 * 3 * len(sizes)
-    assert len(data) <= HEADER_SIZE + 4 + 8 + 12 * inner + 8 * sizes[-1] + padding
+    padding = 8 * (3 * len(sizes) + 1)
+    root_index = 4 * (2 * sizes[1] + 1)  # at most 2 buckets per level-1 node
+    assert len(data) <= HEADER_SIZE + 4 + 8 + 12 * inner + 8 * sizes[-1] + root_index + padding
     assert (len(data) - HEADER_SIZE) / (sum(sizes) - 1) <= 12
 
 
@@ -224,6 +225,16 @@ def test_verify_finds_structural_damage_behind_valid_checksums(tmp_path, level, 
         trie.verify()
 
 
+@pytest.mark.parametrize(("bucket", "value", "message"), [(3, 0, "root index decreases at bucket 2"),
+                                                       (1, 0, "root index does not cover node 0 of level 1")])
+def test_verify_checks_the_root_index(tmp_path, trie_file, bucket, value, message):
+    data = bytearray(trie_file.read_bytes())
+    offset = struct.unpack_from("<Q", data, 496)[0] + 4 * bucket
+    data[offset : offset + 4] = struct.pack("<I", value)
+    with NgramTrie.open(_write(tmp_path, reseal(bytes(data)))) as trie, pytest.raises(TrieFormatError, match=message):
+        trie.verify()
+
+
 def test_child_offsets_must_span_the_next_level_even_on_quick_open(tmp_path, trie_file):
     data = trie_file.read_bytes()
     n = level_entry(data, 1)[0]
@@ -249,7 +260,9 @@ def test_header_fields_are_checked_against_the_file(tmp_path, trie_file):
         (136 + 40 * 2 + 32, "<B", 3, "count width of level 2 is 3"),
         (136 + 0, "<Q", 2, "level 0 \\(root\\) has 2 nodes"),
         (136 + 40 * 5, "<Q", 1, "level 5 beyond order is set"),
-        (496, "<B", 1, "reserved header fields"),
+        (496, "<Q", 4096, "root index of level 0 is at offset 4096"),
+        (504, "<B", 3, "root index has 3 bits, expected 5"),
+        (505, "<B", 1, "reserved header fields"),
     ]
     for offset, fmt, value, message in cases:
         with pytest.raises(TrieFormatError, match=message):

@@ -19,9 +19,11 @@ MAX_ORDER = 8
 MAGIC = b"DARTTRIE"
 VERSION = 1
 BYTE_ORDER_MARK = 0x01020304
-# Fixed part of the header up to the fingerprint, then the level table, then 16 reserved bytes.
+# Fixed part of the header up to the fingerprint, then the level table, then the root index
+# fields.
 HEADER_HEAD = struct.Struct("<8sIIIIIIQQQQQ64s")
 LEVEL_ENTRY = struct.Struct("<QQQQBB6x")
+ROOT_INDEX = struct.Struct("<QB7x")  # root_index_offset, root_index_bits; at offset 496
 CHECKSUM_OFFSET = 48  # header_checksum field
 PAYLOAD_CHECKSUM_OFFSET = 40
 
@@ -104,16 +106,24 @@ def write_reference_trie(
             child_offset = HEADER_SIZE + len(payload)
             payload += _pad8(np.array(offsets, dtype="<u8" if offset_width == 8 else "<u4").tobytes())
         entries.append((n, tokens_offset, counts_offset, child_offset, count_width, offset_width))
+    # root index: level-1 nodes bucketed by the top `bits` bits of a token id
+    id_bits = (vocab_size - 1).bit_length()
+    bits = min(id_bits, len(levels[1]).bit_length())
+    buckets = np.array([g[0] >> (id_bits - bits) for g in levels[1]], dtype=np.int64)
+    root_index = np.searchsorted(buckets, np.arange(2**bits + 1), side="left")
+    root_index_offset = HEADER_SIZE + len(payload)
+    payload += _pad8(root_index.astype("<u4").tobytes())
     header = make_header(
         order=order, vocab_size=vocab_size, fingerprint=fingerprint, file_size=HEADER_SIZE + len(payload),
         payload_checksum=xxh64(payload), min_count=min_count, num_documents=num_documents, levels=entries,
+        root_index=(root_index_offset, bits),
     )
     return header + payload
 
 
 def make_header(
     *, order, vocab_size, fingerprint, file_size, payload_checksum, min_count, num_documents, levels,
-    magic=MAGIC, version=VERSION, bom=BYTE_ORDER_MARK,
+    root_index, magic=MAGIC, version=VERSION, bom=BYTE_ORDER_MARK,
 ) -> bytes:
     head = HEADER_HEAD.pack(
         magic, version, bom, order, vocab_size, HEADER_SIZE, 0, file_size, payload_checksum, 0,
@@ -121,7 +131,7 @@ def make_header(
     )
     table = b"".join(LEVEL_ENTRY.pack(*e) for e in levels)
     table += b"\0" * (LEVEL_ENTRY.size * (MAX_ORDER + 1) - len(table))
-    header = head + table + b"\0" * 16
+    header = head + table + ROOT_INDEX.pack(*root_index)
     assert len(header) == HEADER_SIZE
     return reseal_header(header)
 

@@ -15,6 +15,7 @@
 //                 counts[k]         W_k x N_k           W_k = count_width (4 or 8 bytes)
 //                 child_offsets[k]  V_k x (N_k + 1)     V_k = child_offset_width (4 or 8);
 //                                                       absent for the last level n
+//               then the root index: u32 x (2^k + 1), k = root_index_bits
 //
 // Level 0 is the root: N_0 = 1, counts[0][0] = total number of tokens in the corpus.
 // Level k (1 <= k <= n) holds every stored k-gram, sorted lexicographically; node i of
@@ -25,8 +26,15 @@
 // fits, else 8. Child offsets are 4 bytes when N_{k+1} fits in u32, else 8.
 // So a leaf costs 8 bytes and an inner node 12 bytes (plus < 8 bytes padding per section).
 //
+// Root index: the root has up to vocab_size children, too many to binary-search on every
+// query, so level 1 is also bucketed by the high bits of the token id. With
+// s = bit_width(vocab_size - 1) and k = min(s, bit_width(N_1)) (so about 1-2 level-1 nodes
+// per bucket, at most 8 bytes per level-1 node), root_index[b] is the number of level-1
+// tokens t with (t >> (s - k)) < b, for b = 0..2^k; token t is then found among level-1
+// nodes root_index[t >> (s - k)] .. root_index[(t >> (s - k)) + 1] - 1.
+//
 // Invariants (checked by NgramTrie::verify): child_offsets[k] starts at 0, ends at N_{k+1}
-// and never decreases; sibling tokens strictly increase and are < vocab_size; every count
+// and never decreases; the root index agrees with level 1; sibling tokens strictly increase and are < vocab_size; every count
 // of levels >= 1 is >= 1; a node's count >= the sum of its children's counts.
 //
 // Integrity: header_checksum (XXH64, seed 0, of the 512 header bytes with that field set to
@@ -89,7 +97,9 @@ struct FileHeader {  // 512 bytes at offset 0
   uint64_t num_documents;         // documents counted (0 when imported)
   char tokenizer_fingerprint[kFingerprintSize];  // printable ASCII, NUL-padded
   LevelEntry levels[kMaxOrder + 1];              // levels 0..order used, the rest zero
-  uint8_t reserved1[16];                         // zero
+  uint64_t root_index_offset;                    // the root index section (see above)
+  uint8_t root_index_bits;                       // k: the root index has 2^k + 1 entries
+  uint8_t reserved1[7];                          // zero
 };
 static_assert(sizeof(FileHeader) == kHeaderSize, "FileHeader must be 512 bytes");
 
@@ -190,11 +200,19 @@ class NgramTrie final : public NgramScorer {
     bool offsets_u64 = false;
   };
 
+  // Level-1 node range [lo, hi) where token t must be, from the root index.
+  void root_bucket(uint32_t t, uint64_t* lo, uint64_t* hi) const;
+
   uint64_t count_at(int level, uint64_t i) const;
   // Child range of node i of `level` in level + 1, clamped to that level's size.
   void child_range(int level, uint64_t i, uint64_t* lo, uint64_t* hi) const;
   bool find_child(int child_level, uint64_t lo, uint64_t hi, int64_t token, uint64_t* out) const;
-  bool find_node(const int32_t* ngram, size_t len, uint64_t* node) const;
+  // Scores every candidate still marked unscored (< 0) that is among the children [lo, hi)
+  // of a context node with count ctx_count; returns how many it scored.
+  size_t score_children(int child_level, uint64_t lo, uint64_t hi, uint64_t ctx_count,
+                        const int32_t* candidates, size_t n_candidates, float* out_probs) const;
+  template <typename Id>
+  bool find_node(const Id* ngram, size_t len, uint64_t* node) const;
   void check_open() const;
   void verify_structure() const;
 
@@ -203,6 +221,8 @@ class NgramTrie final : public NgramScorer {
   const unsigned char* base_ = nullptr;
   size_t mapped_size_ = 0;
   Level levels_[kMaxOrder + 1];
+  const uint32_t* root_index_ = nullptr;  // 2^root_index_bits + 1 entries
+  int root_index_shift_ = 0;
   mutable std::shared_mutex mutex_;
 };
 
@@ -258,6 +278,10 @@ class TrieBuilder {
 BuildStats import_upstream_trie(const std::string& src_path, const std::string& dst_path,
                                 uint32_t vocab_size, const std::string& tokenizer_fingerprint,
                                 const std::string& tmp_dir);
+
+// Root index geometry: bits k and shift s - k for a vocabulary and a level-1 size.
+int root_index_bits(uint32_t vocab_size, uint64_t level1_size);
+int root_index_shift(uint32_t vocab_size, uint64_t level1_size);
 
 // Throws std::invalid_argument unless `fp` is at most 64 printable ASCII characters.
 void check_fingerprint(const std::string& fp);

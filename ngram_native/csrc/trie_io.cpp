@@ -108,7 +108,22 @@ void copy_u64_stream(TempFile& src, uint64_t n, int width, PayloadWriter& out) {
   }
 }
 
+int bit_width(uint64_t v) {
+  int bits = 0;
+  for (; v > 0; v >>= 1) ++bits;
+  return bits;
+}
+
 }  // namespace
+
+int root_index_bits(uint32_t vocab_size, uint64_t level1_size) {
+  const int id_bits = bit_width(vocab_size > 0 ? vocab_size - 1 : 0);
+  return std::min(id_bits, bit_width(level1_size));
+}
+
+int root_index_shift(uint32_t vocab_size, uint64_t level1_size) {
+  return bit_width(vocab_size > 0 ? vocab_size - 1 : 0) - root_index_bits(vocab_size, level1_size);
+}
 
 int open_readonly(const std::string& path) {
   int fd;
@@ -278,7 +293,16 @@ uint64_t TrieFileWriter::write(const std::string& path, uint64_t root_count, uin
       cursor += align8(e.child_offset_width * (e.node_count + 1));
     }
   }
+  const uint64_t level1_size = levels_[1].size;
+  h.root_index_bits = static_cast<uint8_t>(root_index_bits(vocab_size, level1_size));
+  const int root_shift = root_index_shift(vocab_size, level1_size);
+  const uint64_t buckets = uint64_t{1} << h.root_index_bits;
+  h.root_index_offset = cursor;
+  cursor += align8(4 * (buckets + 1));
   h.file_size = cursor;
+  // root_index[b + 1] counts level-1 tokens in bucket b, filled while copying level 1;
+  // the prefix sum at the end turns it into the index.
+  std::vector<uint32_t> root_index(static_cast<size_t>(buckets) + 1, 0);
 
   std::string tmpl = path + ".tmp.XXXXXX";
   std::vector<char> tmp_name(tmpl.begin(), tmpl.end());
@@ -307,6 +331,9 @@ uint64_t TrieFileWriter::write(const std::string& path, uint64_t root_count, uin
         size_t take = static_cast<size_t>(std::min<uint64_t>(left, block.size()));
         l.tokens->read_exact(block.data(), take * 4);
         out.write(block.data(), take * 4);
+        if (k == 1) {
+          for (size_t i = 0; i < take; ++i) ++root_index[(block[i] >> root_shift) + 1];
+        }
         left -= take;
       }
       out.pad8();
@@ -318,6 +345,9 @@ uint64_t TrieFileWriter::write(const std::string& path, uint64_t root_count, uin
         out.pad8();
       }
     }
+    for (size_t b = 1; b < root_index.size(); ++b) root_index[b] += root_index[b - 1];
+    out.write(root_index.data(), root_index.size() * 4);
+    out.pad8();
     out.flush();
     if (kHeaderSize + out.written() != h.file_size) {
       throw std::logic_error("trie writer: payload size does not match the computed layout");

@@ -133,8 +133,8 @@ FileHeader validate_header(const std::string& path, const unsigned char* data, s
   // and the last section must end exactly at file_size, so every section is in bounds.
   const uint64_t order = h.order;
   uint64_t cursor = kHeaderSize;
-  auto section = [&](uint64_t offset, uint64_t count, uint64_t width, const char* name, uint64_t k) {
-    std::string where = std::string(name) + " of level " + std::to_string(k);
+  auto section = [&](uint64_t offset, uint64_t count, uint64_t width, const std::string& name, uint64_t k) {
+    std::string where = name + " of level " + std::to_string(k);
     if (offset != cursor) {
       format_error(path, where + " is at offset " + std::to_string(offset) + ", expected " +
                              std::to_string(cursor));
@@ -178,6 +178,13 @@ FileHeader validate_header(const std::string& path, const unsigned char* data, s
       format_error(path, "last level has a child offsets section");
     }
   }
+  const uint64_t level1_size = h.levels[1].node_count;
+  const int expected_bits = root_index_bits(h.vocab_size, level1_size);
+  if (h.root_index_bits != expected_bits) {
+    format_error(path, "root index has " + std::to_string(h.root_index_bits) + " bits, expected " +
+                           std::to_string(expected_bits));
+  }
+  section(h.root_index_offset, (uint64_t{1} << expected_bits) + 1, 4, "root index", 0);
   if (cursor != h.file_size) {
     format_error(path, "sections end at byte " + std::to_string(cursor) + " but the file has " +
                            std::to_string(h.file_size) + " bytes");
@@ -220,6 +227,13 @@ NgramTrie::NgramTrie(const std::string& path, bool verify_payload, const std::st
     l.child_offsets = k < header_.order ? base_ + e.child_offsets_offset : nullptr;
     l.offsets_u64 = e.child_offset_width == 8;
   }
+  root_index_ = reinterpret_cast<const uint32_t*>(base_ + header_.root_index_offset);
+  root_index_shift_ = root_index_shift(header_.vocab_size, levels_[1].size);
+  const uint64_t buckets = uint64_t{1} << header_.root_index_bits;
+  if (root_index_[0] != 0 || root_index_[buckets] != levels_[1].size) {
+    format_error(path, "root index spans " + std::to_string(root_index_[0]) + ".." +
+                           std::to_string(root_index_[buckets]) + ", expected 0.." + std::to_string(levels_[1].size));
+  }
   // O(1) structural check: each level's child offsets span exactly the next level.
   for (uint32_t k = 0; k < header_.order; ++k) {
     const Level& l = levels_[k];
@@ -240,6 +254,7 @@ void NgramTrie::close() {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   if (base_ != nullptr) ::munmap(const_cast<unsigned char*>(base_), mapped_size_);
   base_ = nullptr;
+  root_index_ = nullptr;
   for (Level& l : levels_) l = Level{};
 }
 
@@ -273,23 +288,90 @@ inline void NgramTrie::child_range(int level, uint64_t i, uint64_t* lo, uint64_t
   *lo = std::min(load_uint(l.child_offsets, i, l.offsets_u64), *hi);
 }
 
+namespace {
+
+// Position of the first element >= t in the sorted run [base, base + n), n >= 1, except
+// that it returns the last element when all are < t. Branch-free: a binary search over
+// cached data is bound by mispredicted branches, this one by load latency only.
+inline const uint32_t* search_sorted(const uint32_t* base, uint64_t n, uint32_t t) {
+  while (n > 1) {
+    const uint64_t half = n / 2;
+    base += static_cast<uint64_t>(base[half - 1] < t) * half;
+    n -= half;
+  }
+  return base;
+}
+
+}  // namespace
+
 inline bool NgramTrie::find_child(int child_level, uint64_t lo, uint64_t hi, int64_t token,
                                   uint64_t* out) const {
-  if (token < 0 || token >= static_cast<int64_t>(header_.vocab_size)) return false;
+  if (lo >= hi || token < 0 || token >= static_cast<int64_t>(header_.vocab_size)) return false;
   const uint32_t* tokens = levels_[child_level].tokens;
-  const uint32_t t = static_cast<uint32_t>(token);
-  const uint32_t* it = std::lower_bound(tokens + lo, tokens + hi, t);
-  if (it == tokens + hi || *it != t) return false;
+  const uint32_t* it = search_sorted(tokens + lo, hi - lo, static_cast<uint32_t>(token));
+  if (*it != static_cast<uint32_t>(token)) return false;
   *out = static_cast<uint64_t>(it - tokens);
   return true;
 }
 
-inline bool NgramTrie::find_node(const int32_t* ngram, size_t len, uint64_t* node) const {
+size_t NgramTrie::score_children(int child_level, uint64_t lo, uint64_t hi, uint64_t ctx_count,
+                                 const int32_t* candidates, size_t n_candidates, float* out_probs) const {
+  const uint32_t* tokens = levels_[child_level].tokens;
+  const int64_t vocab = header_.vocab_size;
+  size_t scored = 0;
+  constexpr size_t kBatch = 32;  // on the stack: no allocation
+  for (size_t start = 0; start < n_candidates; start += kBatch) {
+    uint32_t index[kBatch];
+    uint32_t want[kBatch];
+    const uint32_t* pos[kBatch];
+    size_t m = 0;
+    const size_t end = std::min(n_candidates, start + kBatch);
+    for (size_t i = start; i < end; ++i) {
+      if (out_probs[i] >= 0.0f || candidates[i] < 0 || candidates[i] >= vocab) continue;
+      index[m] = static_cast<uint32_t>(i);
+      want[m] = static_cast<uint32_t>(candidates[i]);
+      pos[m] = tokens + lo;
+      ++m;
+    }
+    // The searches share one range, hence the same halving steps: running them in lockstep
+    // lets their loads overlap instead of waiting for each other (search_sorted, unrolled).
+    for (uint64_t n = hi - lo; n > 1;) {
+      const uint64_t half = n / 2;
+      for (size_t j = 0; j < m; ++j) pos[j] += static_cast<uint64_t>(pos[j][half - 1] < want[j]) * half;
+      n -= half;
+    }
+    for (size_t j = 0; j < m; ++j) {
+      if (*pos[j] != want[j]) continue;
+      const uint64_t child = static_cast<uint64_t>(pos[j] - tokens);
+      // Divided in double, then rounded once: exactly float32(count / ctx_count).
+      out_probs[index[j]] = static_cast<float>(static_cast<double>(count_at(child_level, child)) /
+                                               static_cast<double>(ctx_count));
+      ++scored;
+    }
+  }
+  return scored;
+}
+
+inline void NgramTrie::root_bucket(uint32_t t, uint64_t* lo, uint64_t* hi) const {
+  const uint32_t b = t >> root_index_shift_;
+  // Clamped like child_range: a damaged index cannot send a search out of bounds.
+  *hi = std::min<uint64_t>(root_index_[b + 1], levels_[1].size);
+  *lo = std::min<uint64_t>(root_index_[b], *hi);
+}
+
+template <typename Id>
+inline bool NgramTrie::find_node(const Id* ngram, size_t len, uint64_t* node) const {
   uint64_t cur = 0;
   for (size_t j = 0; j < len; ++j) {
+    const int64_t t = ngram[j];
+    if (t < 0 || t >= static_cast<int64_t>(header_.vocab_size)) return false;
     uint64_t lo, hi;
-    child_range(static_cast<int>(j), cur, &lo, &hi);
-    if (!find_child(static_cast<int>(j) + 1, lo, hi, ngram[j], &cur)) return false;
+    if (j == 0) {
+      root_bucket(static_cast<uint32_t>(t), &lo, &hi);
+    } else {
+      child_range(static_cast<int>(j), cur, &lo, &hi);
+    }
+    if (!find_child(static_cast<int>(j) + 1, lo, hi, t, &cur)) return false;
   }
   *node = cur;
   return true;
@@ -310,17 +392,7 @@ void NgramTrie::score(const int32_t* ctx, size_t ctx_len, const int32_t* candida
     uint64_t lo, hi;
     child_range(static_cast<int>(len), node, &lo, &hi);
     if (ctx_count == 0 || lo == hi) continue;
-    const int child_level = static_cast<int>(len) + 1;
-    for (size_t i = 0; i < n_candidates; ++i) {
-      if (out_probs[i] >= 0.0f) continue;
-      uint64_t child;
-      if (find_child(child_level, lo, hi, candidates[i], &child)) {
-        // Divided in double, then rounded once: exactly float32(count / ctx_count).
-        out_probs[i] = static_cast<float>(static_cast<double>(count_at(child_level, child)) /
-                                          static_cast<double>(ctx_count));
-        --unscored;
-      }
-    }
+    unscored -= score_children(static_cast<int>(len) + 1, lo, hi, ctx_count, candidates, n_candidates, out_probs);
   }
   for (size_t i = 0; i < n_candidates; ++i) {
     if (out_probs[i] < 0.0f) out_probs[i] = 0.0f;
@@ -331,13 +403,9 @@ uint64_t NgramTrie::count(const int64_t* ngram, size_t len) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   check_open();
   if (len > header_.order) return 0;
-  uint64_t cur = 0;
-  for (size_t j = 0; j < len; ++j) {
-    uint64_t lo, hi;
-    child_range(static_cast<int>(j), cur, &lo, &hi);
-    if (!find_child(static_cast<int>(j) + 1, lo, hi, ngram[j], &cur)) return 0;
-  }
-  return count_at(static_cast<int>(len), cur);
+  uint64_t node;
+  if (!find_node(ngram, len, &node)) return 0;
+  return count_at(static_cast<int>(len), node);
 }
 
 void NgramTrie::verify() const {
@@ -353,6 +421,7 @@ void NgramTrie::verify() const {
 
 void NgramTrie::verify_structure() const {
   const int order = static_cast<int>(header_.order);
+
   for (int k = 0; k < order; ++k) {
     const Level& l = levels_[k];
     const Level& next = levels_[k + 1];
@@ -391,6 +460,21 @@ void NgramTrie::verify_structure() const {
   for (uint64_t i = 0; i < levels_[order].size; ++i) {
     if (count_at(order, i) == 0) {
       format_error(path_, "node " + std::to_string(i) + " of level " + std::to_string(order) + " has count 0");
+    }
+  }
+  // The root index must send every level-1 token to the bucket holding it (tokens are known
+  // to be < vocab_size and sorted by now).
+  const uint64_t buckets = uint64_t{1} << header_.root_index_bits;
+  for (uint64_t b = 0; b < buckets; ++b) {
+    if (root_index_[b] > root_index_[b + 1]) {
+      format_error(path_, "root index decreases at bucket " + std::to_string(b));
+    }
+  }
+  for (uint64_t i = 0; i < levels_[1].size; ++i) {
+    const uint32_t b = levels_[1].tokens[i] >> root_index_shift_;
+    if (i < root_index_[b] || i >= root_index_[b + 1]) {
+      format_error(path_, "root index does not cover node " + std::to_string(i) + " of level 1 (token " +
+                              std::to_string(levels_[1].tokens[i]) + ")");
     }
   }
 }
