@@ -198,6 +198,9 @@ class TrieBuilder:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         tmp_dir: PathLike | None = None,
     ) -> None:
+        if tmp_dir is not None and not os.path.isdir(tmp_dir):
+            # fail now, not after hours of tokenizing, when the first run is spilled
+            raise FileNotFoundError(f"tmp_dir {os.fspath(tmp_dir)!r} is not an existing directory")
         self._core = _core.TrieBuilder(
             order, vocab_size, tokenizer_fingerprint, chunk_tokens, min_count,
             os.fspath(tmp_dir) if tmp_dir is not None else "",

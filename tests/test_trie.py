@@ -7,6 +7,8 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +216,38 @@ def test_close_context_manager_and_closed_access(tmp_path):
             call()
     trie.close()  # idempotent
     assert trie.order == 3 and "closed" in repr(trie)
+
+
+def test_close_while_another_thread_queries(tmp_path):
+    """close() waits for queries in flight (they run without the GIL); later ones raise."""
+    rng = np.random.default_rng(2)
+    path, _ = _build(tmp_path, "t.trie", [rng.integers(0, 50, size=5000)], vocab=50)
+    trie = NgramTrie.open(path)
+    context, candidates = np.array([1, 2], np.int32), np.arange(50, dtype=np.int32)
+    outcome: list[BaseException | int] = []
+
+    def query_until_closed() -> None:
+        calls = 0
+        try:
+            while True:
+                trie.score(context, candidates)
+                calls += 1
+        except TrieClosedError:
+            outcome.append(calls)
+        except BaseException as e:  # anything else is a failure, reported below
+            outcome.append(e)
+
+    worker = threading.Thread(target=query_until_closed)
+    worker.start()
+    time.sleep(0.05)
+    trie.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and len(outcome) == 1 and isinstance(outcome[0], int) and outcome[0] > 0
+
+
+def test_missing_tmp_dir_fails_at_construction(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tmp_dir"):
+        TrieBuilder(vocab_size=5, tokenizer_fingerprint=FP, tmp_dir=tmp_path / "nope")
 
 
 def test_is_an_ngram_scorer_and_pickles_as_its_path(tmp_path):
