@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -266,27 +266,22 @@ class DecodingEngine:
         if self.mode == "ar" or max(caps) == 0:
             return [_empty_tree() for _ in live]
         cfg = self.tree
-        logits = draft_logits
-        if cfg.max_depth is not None:
-            logits = logits[:, : cfg.max_depth]
-        logits = logits[:, : max(caps)]
-        eos = sorted(self.eos_token_ids)
+        logits = draft_logits[:, : min(max(caps), cfg.max_depth or draft_logits.shape[1])]
+        top_k = min(cfg.top_k, logits.shape[-1])
+        common = dict(budget=cfg.budget, eos_ids=sorted(self.eos_token_ids), max_depths=caps)
         if self.mode == "chain":
             values, ids = logits.topk(1, dim=-1)
-            trees = build_chain_trees(self._to_target(ids), values.float().cpu().numpy(),
-                                      budget=cfg.budget, eos_ids=eos)
-        elif self.mode == "ddtree":
-            values, ids = torch.log_softmax(logits.float(), dim=-1).topk(cfg.top_k, dim=-1)
-            trees = build_ddtree_trees(self._to_target(ids), values.cpu().numpy(), budget=cfg.budget, eos_ids=eos)
-        else:
-            values, ids = logits.float().topk(cfg.top_k, dim=-1)
-            contexts = [np.asarray(s.tokens[-8:], dtype=np.int32) for s in live]
-            trees = build_dart_trees(
-                self._to_target(ids), values.cpu().numpy(), contexts, self.trie,
-                budget=cfg.budget, beam_width=cfg.beam_width, eos_ids=eos,
-                depth_decay=cfg.depth_decay, draft_decay=cfg.draft_decay, ngram_weight=cfg.ngram_weight,
-            )
-        return [_truncate_depth(t, cap) for t, cap in zip(trees, caps)]
+            return build_chain_trees(self._to_target(ids), values.float().cpu().numpy(), **common)
+        if self.mode == "ddtree":
+            values, ids = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            return build_ddtree_trees(self._to_target(ids), values.cpu().numpy(), **common)
+        values, ids = logits.float().topk(top_k, dim=-1)
+        contexts = [s.tokens[-8:] for s in live]
+        return build_dart_trees(
+            self._to_target(ids), values.cpu().numpy(), contexts, self.trie,
+            top_k=top_k, beam_width=cfg.beam_width, depth_decay=cfg.depth_decay,
+            draft_decay=cfg.draft_decay, ngram_weight=cfg.ngram_weight, **common,
+        )  # fmt: skip
 
     def _to_target(self, draft_ids: torch.Tensor) -> np.ndarray:
         return self.draft_head.to_target_ids(draft_ids).to(torch.int32).cpu().numpy()
@@ -338,15 +333,3 @@ class DecodingEngine:
 def _empty_tree() -> DraftTree:
     empty = np.zeros(0, dtype=np.int32)
     return DraftTree(tokens=empty, parents=empty, depths=empty)
-
-
-def _truncate_depth(tree: DraftTree, max_depth: int) -> DraftTree:
-    """Drop nodes deeper than max_depth (still prefix-closed: ancestors are shallower)."""
-    if tree.size == 0 or int(tree.depths.max()) <= max_depth:
-        return tree
-    keep = np.flatnonzero(tree.depths <= max_depth)
-    new_index = np.full(tree.size, -1, dtype=np.int32)
-    new_index[keep] = np.arange(len(keep), dtype=np.int32)
-    parents = tree.parents[keep]
-    parents = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
-    return replace(tree, tokens=tree.tokens[keep], parents=parents, depths=tree.depths[keep])

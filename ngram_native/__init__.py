@@ -1,0 +1,49 @@
+"""N-gram trie files and draft-tree builders for DART speculative decoding (C++ core).
+
+Depends on numpy only. The trie (`NgramTrie`, `TrieBuilder`, `build_trie`) is a flat,
+checksummed, memory-mapped file shared by every process on a node; the tree builders
+(`build_dart_trees`, `build_ddtree_trees`, `build_chain_trees`) return `DraftTree`s in one
+canonical flattened form that masks, positions and verification walks derive from.
+"""
+
+from ngram_native.trees import (
+    DraftTree,
+    NgramScorer,
+    ancestor_mask,
+    build_chain_trees,
+    build_dart_trees,
+    build_ddtree_trees,
+    children,
+    position_offsets,
+)
+from ngram_native.trie import (
+    DEFAULT_ORDER,
+    NgramTrie,
+    TokenizerMismatchError,
+    TrieBuilder,
+    TrieBuildStats,
+    TrieClosedError,
+    TrieFormatError,
+    build_trie,
+    import_upstream_trie,
+)
+
+__all__ = [
+    "DEFAULT_ORDER",
+    "DraftTree",
+    "NgramScorer",
+    "NgramTrie",
+    "TokenizerMismatchError",
+    "TrieBuildStats",
+    "TrieBuilder",
+    "TrieClosedError",
+    "TrieFormatError",
+    "ancestor_mask",
+    "build_chain_trees",
+    "build_dart_trees",
+    "build_ddtree_trees",
+    "build_trie",
+    "children",
+    "import_upstream_trie",
+    "position_offsets",
+]

@@ -324,10 +324,10 @@ def test_propose_rejects_bad_inputs():
     bad_tokens[0, 1] = TINY_VOCAB
     with pytest.raises(ValueError, match=r"next_tokens of real rows must lie in \[0, 96\)"):
         head.propose(features[None, :4], bad_tokens, torch.tensor([4]), head.new_cache(1))
-    # Last MASK row of 9 committed rows sits at position 8 + 3 = 11 < 12: fine; one more row is not.
-    head.propose(features[None, :9], tokens[None, :9], torch.tensor([9]), head.new_cache(1))
-    with pytest.raises(ValueError, match=r"draft position 12 .* max_position_embeddings=12"):
-        head.propose(features[None, :10], tokens[None, :10], torch.tensor([10]), head.new_cache(1))
+    # Running past max_position_embeddings (10 + 3 MASK rows > 12) is allowed: RoPE extends,
+    # and the engine never verifies drafts past the target's context limit.
+    logits = head.propose(features[None, :10], tokens[None, :10], torch.tensor([10]), head.new_cache(1))
+    assert torch.isfinite(logits).all()
 
 
 def test_reduced_draft_vocabulary_maps_to_target_ids():

@@ -1,0 +1,196 @@
+"""The decoding engine is lossless: every mode reproduces the target's own decoding.
+
+Greedy: chain, ddtree and dart equal `ar` token for token, and `ar` equals transformers'
+greedy generate (fp32 tiny models of every family, B = 1 and B > 1 with ragged prompts,
+stops inside accepted paths, the context limit). Sampling: the distribution of the first
+spec-decoded tokens equals the target's exact distribution (chi-square, toy vocabulary).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.engine import DecodingEngine, TreeConfig
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from ngram_native import NgramTrie, build_trie
+from tests.tiny_models import FAMILIES, tiny_model
+
+SPEC_MODES = ("chain", "ddtree", "dart")
+VOCAB = 32  # small enough that top-25 drafts often contain the target's choice
+
+
+def greedy(max_new_tokens: int, stop: tuple[int, ...] = ()) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+
+
+def random_prompts(count: int, seed: int, vocab: int = VOCAB, lengths=(5, 23)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1], (count,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in sizes]
+
+
+def make_engine(model, mode: str, trie=None, draft_length: int = 4, eos=(), **tree) -> DecodingEngine:
+    target = TargetAdapter(model)
+    head = None
+    if mode != "ar":
+        torch.manual_seed(123)
+        head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=draft_length)
+    return DecodingEngine(target, draft_head=head, trie=trie, mode=mode, tree=TreeConfig(**tree), eos_token_ids=eos)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: tiny_model(family, vocab_size=VOCAB) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def self_trie(models, tmp_path_factory):
+    """A trie over the target's own greedy continuations, so that the N-gram term finds the
+    target's path and trees accept several tokens per round (exercising compaction)."""
+    docs = []
+    for model in models.values():
+        engine = make_engine(model, "ar")
+        for result in engine.generate(random_prompts(12, seed=99), greedy(48)):
+            docs.append(np.asarray(result.token_ids, dtype=np.int32))
+    path = tmp_path_factory.mktemp("trie") / "self.ngram"
+    build_trie(docs, path, order=3, vocab_size=VOCAB, tokenizer_fingerprint="tiny")
+    return NgramTrie.open(path, verify=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ar_equals_transformers_generate(models, family):
+    model = models[family]
+    prompts = random_prompts(3, seed=1)
+    eos = (model.config.eos_token_id,)  # transformers' generate stops there too
+    results = make_engine(model, "ar", eos=eos).generate(prompts, greedy(30))
+    for prompt, result in zip(prompts, results):
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+        assert result.token_ids == reference[0, len(prompt) :].tolist()
+        assert result.finish_reason == ("stop" if result.token_ids[-1] == 2 else "length")
+        assert result.stats.tau == 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_greedy_speculative_equals_ar_batched_and_alone(models, self_trie, family, mode):
+    model = models[family]
+    prompts = random_prompts(4, seed=2)
+    expected = [r.token_ids for r in make_engine(model, "ar").generate(prompts, greedy(40))]
+    engine = make_engine(model, mode, trie=self_trie)
+    batched = engine.generate(prompts, greedy(40))
+    assert [r.token_ids for r in batched] == expected
+    alone = [engine.generate([p], greedy(40))[0].token_ids for p in prompts[:2]]
+    assert alone == expected[:2]
+    if mode == "dart":  # the self-trie makes multi-token acceptance common: compaction is exercised
+        assert max(max(r.stats.accept_lengths, default=0) for r in batched) >= 2
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_trees_have_siblings_and_depth(models, self_trie, mode):
+    engine = make_engine(models["llama"], mode, trie=self_trie, budget=24)
+    result = engine.generate(random_prompts(1, seed=3), greedy(20))[0]
+    assert result.stats.mean_tree_size > (1 if mode == "chain" else 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stop_token_inside_an_accepted_path(models, self_trie, family):
+    model = models[family]
+    prompt = random_prompts(1, seed=4)[0]
+    free = make_engine(model, "ar").generate([prompt], greedy(40))[0].token_ids
+    stop = free[12]
+    cut = free.index(stop) + 1
+    for mode in ("ar", *SPEC_MODES):
+        result = make_engine(model, mode, trie=self_trie).generate([prompt], greedy(40, stop=(stop,)))[0]
+        assert result.token_ids == free[:cut], mode
+        assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7])
+def test_max_new_tokens_is_never_exceeded(models, self_trie, max_new):
+    model = models["qwen3"]
+    prompts = random_prompts(3, seed=5)
+    expected = [r.token_ids for r in make_engine(model, "ar").generate(prompts, greedy(max_new))]
+    assert all(len(t) == max_new for t in expected)
+    for mode in SPEC_MODES:
+        got = make_engine(model, mode, trie=self_trie).generate(prompts, greedy(max_new))
+        assert [r.token_ids for r in got] == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runs_up_to_the_context_limit(family, tmp_path):
+    model = tiny_model(family, vocab_size=VOCAB, max_position_embeddings=48)
+    prompts = [p[:30] for p in random_prompts(2, seed=6, lengths=(25, 31))]
+    ar = make_engine(model, "ar").generate(prompts, greedy(100))
+    for prompt, result in zip(prompts, ar):
+        assert result.finish_reason == "context_limit"
+        assert len(prompt) + len(result.token_ids) == 48
+    for mode in ("chain", "ddtree"):
+        got = make_engine(model, mode).generate(prompts, greedy(100))
+        assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+
+
+def test_bad_requests_get_an_error_and_the_rest_still_run(models):
+    engine = make_engine(models["llama"], "chain")
+    too_long = [5] * 300
+    results = engine.generate([[], [4, 5, 6], [VOCAB + 7], too_long], greedy(5))
+    assert results[0].error and "empty" in results[0].error
+    assert results[1].error is None and len(results[1].token_ids) == 5
+    assert "vocabulary" in results[2].error
+    assert "context limit" in results[3].error
+    assert all(r.finish_reason == "error" for r in (results[0], results[2], results[3]))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(models, self_trie):
+    engine = make_engine(models["gemma3"], "dart", trie=self_trie)
+    prompts = random_prompts(3, seed=7)
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=20) for s in (11, 12, 13)]
+    together = [r.token_ids for r in engine.generate(prompts, params)]
+    alone = engine.generate([prompts[1]], [params[1]])[0].token_ids
+    assert together[1] == alone
+    assert together == [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def exact_two_token_distribution(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """P(y1, y2 | prompt) under the warped target, by enumerating y1 (toy vocabulary)."""
+    from dart_worker.sampling import warp_logits_to_probs
+
+    with torch.no_grad():
+        first = warp_logits_to_probs(model(torch.tensor([prompt])).logits[:, -1], params)[0]
+        vocab = first.shape[0]
+        batch = torch.tensor([[*prompt, y] for y in range(vocab)])
+        second = warp_logits_to_probs(model(batch).logits[:, -1], params)
+    return (first[:, None] * second).double().numpy()
+
+
+@pytest.mark.parametrize("mode", ["dart", "ddtree"])
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampled_tokens_follow_the_target_distribution(mode, warp, tmp_path):
+    """The first two tokens: y1 comes from prefill, y2 from the first verified tree.
+
+    4000 draws over the 64 cells of (y1, y2) catch a 2% shift of a likely cell's probability.
+    """
+    vocab = 8
+    model = tiny_model("llama", vocab_size=vocab, initializer_range=0.1)
+    prompt = [3, 5, 1, 6]
+    draws = 4000
+    params = [SamplingParams(**warp, seed=i, max_new_tokens=3) for i in range(draws)]
+    engine = make_engine(model, mode, top_k=vocab, budget=12, beam_width=4)
+    results = engine.generate([prompt] * draws, params)
+    counts = np.zeros((vocab, vocab))
+    for r in results:
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    expected = exact_two_token_distribution(model, prompt, params[0]) * draws
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expect = np.append(expected[keep], expected[~keep].sum())
+    if expect[-1] == 0:
+        observed, expect = observed[:-1], expect[:-1]
+    assert counts[~(expected > 0)].sum() == 0, "sampled a token the warped target gives probability 0"
+    p_value = scipy_stats.chisquare(observed, expect * observed.sum() / expect.sum()).pvalue
+    assert p_value > 1e-3, p_value
+    assert np.mean([r.stats.accept_lengths[0] for r in results]) > 0.3  # trees were really used
