@@ -34,14 +34,16 @@
 // nodes root_index[t >> (s - k)] .. root_index[(t >> (s - k)) + 1] - 1.
 //
 // Invariants (checked by NgramTrie::verify): child_offsets[k] starts at 0, ends at N_{k+1}
-// and never decreases; the root index agrees with level 1; sibling tokens strictly increase and are < vocab_size; every count
-// of levels >= 1 is >= 1; a node's count >= the sum of its children's counts.
+// and never decreases; sibling tokens strictly increase and are < vocab_size; every count
+// of levels >= 1 is >= 1; a node's count >= the sum of its children's counts; the root
+// index puts every level-1 node in its token's bucket.
 //
 // Integrity: header_checksum (XXH64, seed 0, of the 512 header bytes with that field set to
 // zero) is checked on every open; payload_checksum (XXH64, seed 0, of bytes
 // [512, file_size)) only by a verifying open or verify(). Every section offset and size is
-// checked against the real file size on every open, and queries clamp child ranges to
-// their level, so a truncated or altered file can never make a query read out of bounds.
+// checked against the real file size on every open, and queries clamp child ranges (and
+// root buckets) to their level, so a truncated or altered file can never make a query read
+// out of bounds.
 // ---------------------------------------------------------------------------------------
 #pragma once
 
@@ -240,7 +242,7 @@ struct BuildOptions {
 struct BuildStats {
   uint64_t num_documents = 0;
   uint64_t num_tokens = 0;
-  uint64_t num_runs = 0;   // sorted runs spilled to disk (0: everything fit in one chunk)
+  uint64_t num_runs = 0;   // sorted chunks (1: all fit in RAM, nothing spilled; 0: no tokens)
   uint64_t file_size = 0;
   std::vector<uint64_t> level_sizes;
 };
