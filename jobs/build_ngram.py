@@ -361,6 +361,27 @@ def _build(
     return sidecar
 
 
+def default_trie_path() -> Path:
+    """The embedded default trie (ShareGPT train split, default tokenizer, order 3), cached.
+
+    Built on first use (about a minute, with progress) under the cache dir, once per machine
+    even when several processes ask at the same time; the name carries the tokenizer
+    fingerprint, so a different default tokenizer never picks up a stale trie.
+    """
+    from dart_worker.cache_dir import build_atomically, cache_dir
+
+    tokenizer = default_tokenizer()
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    order = BuildNgramConfig.order
+    final = cache_dir("tries") / f"sharegpt-train-{order}gram-{fingerprint[:16]}.ngram"
+
+    def build(tmp: Path) -> None:
+        build_ngram(BuildNgramConfig(output=str(tmp), tmp_dir=str(final.parent)), tokenizer=tokenizer)
+        os.replace(str(tmp) + ".json", str(final) + ".json")
+
+    return build_atomically(final, build)
+
+
 def parse_config(argv: list[str] | None = None) -> BuildNgramConfig:
     """Defaults < ``--config`` YAML < ``key=value`` overrides, checked against BuildNgramConfig."""
     defaults = OmegaConf.to_yaml(OmegaConf.structured(BuildNgramConfig))

@@ -1,0 +1,187 @@
+"""Side-by-side decoding benchmark of the engine: `python -m jobs.bench_engine [key=value ...]`.
+
+Every mode decodes the same ShareGPT dev prompts in one process, interleaved prompt by prompt
+(so drift in machine load hits all modes alike) and repeated; figures are medians. Modes:
+the engine's `ar`, `chain`, `ddtree`, `dart`, and transformers' own `generate` (greedy and
+prompt-lookup decoding) as outside baselines. Reported per mode: tokens/s, the per-prompt
+speedup over `ar` (median of ratios), tau, per-stage time per round and, for greedy runs, the
+agreement with `ar` (identical outputs; in bf16 multi-token forwards round differently from
+one-token forwards, so exact agreement is not expected there - see docs/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from dart_worker.corpus import sharegpt_dev_prompts
+from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.engine import DecodingEngine, TreeConfig
+from dart_worker.loading import load_target
+from dart_worker.prompt_format import format_user_prompt
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from ngram_native import NgramTrie
+
+ENGINE_MODES = ("ar", "chain", "ddtree", "dart")
+HF_MODES = ("hf_greedy", "hf_prompt_lookup")
+
+
+@dataclass
+class BenchConfig:
+    target: str = "default"
+    head: str | None = None  # None: the shipped default head if any, else an untrained head
+    trie: str | None = None  # None: the default trie (built and cached on first use)
+    dtype: str = "bf16"
+    device: str = "auto"
+    threads: int | None = None
+    modes: list[str] = field(default_factory=lambda: [*ENGINE_MODES, *HF_MODES])
+    num_prompts: int = 8
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    budget: int = 60
+    seed: int = 0
+    output: str | None = None  # JSON file for all figures
+
+
+def load_head(cfg: BenchConfig, target: TargetAdapter):
+    from dart_worker import default_head
+
+    path = cfg.head or default_head.default_head_dir()
+    if path is None:
+        print("no trained draft head available: using an untrained (random) head; tau will be low")
+        torch.manual_seed(cfg.seed)
+        return DartDraftHead.random_init(target.model.config, target.model.get_input_embeddings(),
+                                         draft_length=7).to(target.device, target.dtype)
+    return load_draft_head(path, target.model.config, target.model.get_input_embeddings(),
+                           device=target.device, dtype=target.dtype)
+
+
+def load_trie(cfg: BenchConfig, tokenizer):
+    from dart_worker.fingerprint import tokenizer_fingerprint
+    from jobs.build_ngram import default_trie_path
+
+    path = cfg.trie or default_trie_path()
+    return NgramTrie.open(path, verify=True, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+
+
+def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+    extra = {"prompt_lookup_num_tokens": 10} if mode == "hf_prompt_lookup" else {}
+    ids = torch.tensor([prompt_ids], device=model.device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
+    elapsed = time.perf_counter() - start
+    return out[0, len(prompt_ids):].tolist(), elapsed
+
+
+def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
+    """Medians per mode; speedup = median over prompts of (ar seconds / mode seconds)."""
+    ar = {r["prompt"]: r for r in records.get("ar", [])}
+    summary = {}
+    for mode, rows in records.items():
+        tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
+        ratios = [(ar[r["prompt"]]["seconds"] / ar[r["prompt"]]["tokens"]) / (r["seconds"] / r["tokens"])
+                  for r in rows if r["prompt"] in ar and r["tokens"] and ar[r["prompt"]]["tokens"]]
+        agree = [r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in rows if r["prompt"] in ar]
+        entry = {
+            "tokens_per_second": statistics.median(tps) if tps else 0.0,
+            "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
+            "agreement_with_ar": sum(agree) / len(agree) if agree else None,
+            "runs": len(rows),
+        }
+        taus = [r["tau"] for r in rows if r.get("tau")]
+        if taus:
+            entry["tau"] = statistics.mean(taus)
+            rounds = sum(r["rounds"] for r in rows)
+            entry["ms_per_round"] = {
+                stage: 1000 * sum(r["stage_seconds"][stage] for r in rows) / max(rounds, 1)
+                for stage in rows[0]["stage_seconds"]
+            }
+            entry["mean_tree_size"] = statistics.mean(r["mean_tree_size"] for r in rows)
+            depth = max(len(r["per_position_acceptance"]) for r in rows)
+            entry["per_position_acceptance"] = [
+                statistics.mean(r["per_position_acceptance"][d] for r in rows if len(r["per_position_acceptance"]) > d)
+                for d in range(depth)
+            ]
+        summary[mode] = entry
+    return summary
+
+
+def print_table(summary: dict[str, dict]) -> None:
+    print(f"{'mode':<18}{'tok/s':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}  ms/round (draft/tree/verify/commit)")
+    for mode, s in summary.items():
+        stages = s.get("ms_per_round")
+        stage_text = "/".join(f"{stages[k]:.1f}" for k in ("draft", "tree", "verify", "commit")) if stages else "-"
+        agree = "-" if s["agreement_with_ar"] is None else f"{s['agreement_with_ar']:.2f}"
+        print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s['speedup_vs_ar']:>7.2f}{s.get('tau', 1.0):>6.2f}"
+              f"{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
+                                                           OmegaConf.from_cli(argv)))
+    configure_cpu_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
+    target = TargetAdapter(model)
+    eos = sorted(set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+                     else [model.generation_config.eos_token_id]) - {None})
+    engines = {}
+    needs_draft = any(m in cfg.modes for m in ("chain", "ddtree", "dart"))
+    head = load_head(cfg, target) if needs_draft else None
+    trie = load_trie(cfg, tokenizer) if "dart" in cfg.modes else None
+    for mode in ENGINE_MODES:
+        if mode in cfg.modes:
+            engines[mode] = DecodingEngine(target, tokenizer, draft_head=head, trie=trie, mode=mode,
+                                           tree=TreeConfig(budget=cfg.budget), eos_token_ids=eos)
+
+    prompts = []
+    for p in sharegpt_dev_prompts(cfg.num_prompts * 3, max_chars=4 * cfg.max_prompt_tokens):
+        ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
+        if len(ids) <= cfg.max_prompt_tokens:
+            prompts.append((p.id, ids))
+        if len(prompts) == cfg.num_prompts:
+            break
+    print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
+          f"modes {cfg.modes}, repeats {cfg.repeats}")
+
+    records: dict[str, list[dict]] = {m: [] for m in cfg.modes}
+    for repeat in range(cfg.repeats):
+        for n, (pid, ids) in enumerate(prompts):
+            params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
+            for mode in cfg.modes:
+                if mode in HF_MODES:
+                    token_ids, seconds = run_hf(model, ids, mode, cfg.max_new_tokens, eos)
+                    records[mode].append({"prompt": pid, "repeat": repeat, "tokens": len(token_ids),
+                                          "seconds": seconds, "token_ids": token_ids})
+                    continue
+                result = engines[mode].generate([ids], params)[0]
+                stats = result.stats
+                records[mode].append({"prompt": pid, "repeat": repeat, "tokens": len(result.token_ids),
+                                      "seconds": stats.wall_seconds, "token_ids": result.token_ids,
+                                      **{k: v for k, v in stats.to_dict().items()
+                                         if k not in ("num_generated_tokens", "wall_seconds")}})
+            print(f"  repeat {repeat} prompt {n + 1}/{len(prompts)} done")
+    summary = summarize(records)
+    print_table(summary)
+    report = {"config": asdict(cfg), "summary": summary, "records": records}
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {cfg.output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
