@@ -1,0 +1,177 @@
+"""The pipeline's configuration: a typed schema, loaded from YAML plus dotlist overrides.
+
+    python -m pipeline.run configs/local.yaml decoding.mode=ar resources.num_workers=2
+
+OmegaConf merges the YAML and the overrides onto the structured schema below, which already
+rejects unknown keys and wrong types; `validate` then checks values and cross-field rules. All
+of it happens on the driver before any Ray work starts, and every problem comes back as one
+`ConfigError` naming the key. Credentials never appear here: object-storage endpoints and
+keys come from the environment or the standard credential chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+MODES = ("ar", "chain", "ddtree", "dart")
+FORMATS = ("jsonl", "parquet")
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any work starts."""
+
+
+@dataclass
+class InputConfig:
+    urls: list[str] = MISSING  # fsspec URLs, paths or globs (s3://bucket/prompts/*.jsonl)
+    format: str = "jsonl"  # jsonl | parquet
+    id_column: str = "id"
+    prompt_column: str | None = "prompt"  # plain user message text ...
+    messages_column: str | None = None  # ... or a list of {role, content} chat messages
+    apply_chat_template: bool = True  # the target's chat template; plain "User:/Assistant:" if it has none
+    max_prompt_chars: int = 32_000  # longer prompts become error rows
+
+
+@dataclass
+class ModelConfig:
+    target: str = "default"  # "default" (embedded Gemma-3-270M), a local HF dir, a .gguf file or a hub id
+    draft_head: str | None = "default"  # "default" (shipped head), a checkpoint dir, or null (mode ar)
+    trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    tap_layers: list[int] | None = None  # default: inputs of layers 2, L//2, L-3
+
+
+@dataclass
+class DecodingConfig:
+    mode: str = "dart"  # ar | chain | ddtree | dart
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # per-row seeds derive from (seed, row key): reproducible whatever the batching
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
+    budget: int = 60  # draft tree nodes per round
+    tree_top_k: int = 25
+    beam_width: int = 20
+    depth_decay: float = 0.7
+    draft_decay: float = 0.9
+    ngram_weight: float = 0.5
+    max_depth: int | None = None
+
+
+@dataclass
+class ResourcesConfig:
+    num_workers: int = 1  # fixed actor pool size ...
+    min_workers: int | None = None  # ... or an autoscaling range (both set)
+    max_workers: int | None = None
+    num_cpus_per_worker: float = 1.0  # also the worker's torch thread count on CPU
+    num_gpus_per_worker: float = 0.0  # > 0 puts one engine per GPU share
+    batch_size: int = 4  # prompts decoded together by one engine
+
+
+@dataclass
+class OutputConfig:
+    url: str = MISSING  # directory URL for Parquet parts and the job summary
+    rows_per_file: int = 256
+    include_token_ids: bool = True
+
+
+@dataclass
+class RunConfig:
+    run_id: str | None = None  # default: derived from the start time
+    resume: bool = False  # skip rows already written under output.url
+    progress_interval_s: float = 30.0
+
+
+@dataclass
+class PipelineConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Schema <- YAML file <- dotlist overrides, then `validate`; raises ConfigError."""
+    try:
+        merged = OmegaConf.structured(PipelineConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_describe(exc)) from None
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
+    """Plain dict (picklable, JSON-able) for shipping to workers and stamping summaries."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def from_dict(data: dict[str, Any]) -> PipelineConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    message = str(exc).splitlines()[0]
+    return f"invalid config at '{key}': {message}" if key else f"invalid config: {message}"
+
+
+def validate(cfg: PipelineConfig) -> None:
+    """Value checks the schema cannot express; every problem is listed in one error."""
+    problems = []
+
+    def check(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            problems.append(f"{key}: {message}")
+
+    i, m, d, r, o = cfg.input, cfg.model, cfg.decoding, cfg.resources, cfg.output
+    check(len(i.urls) > 0, "input.urls", "at least one input URL is required")
+    check(i.format in FORMATS, "input.format", f"must be one of {FORMATS}, got {i.format!r}")
+    check((i.prompt_column is None) != (i.messages_column is None), "input.prompt_column",
+          "set exactly one of input.prompt_column and input.messages_column")
+    check(i.max_prompt_chars > 0, "input.max_prompt_chars", "must be > 0")
+    check(d.mode in MODES, "decoding.mode", f"must be one of {MODES}, got {d.mode!r}")
+    check(d.mode == "ar" or m.draft_head is not None, "model.draft_head",
+          f"mode {d.mode!r} needs a draft head (or use decoding.mode=ar)")
+    check(d.mode != "dart" or m.trie is not None, "model.trie", "mode 'dart' needs an N-gram trie")
+    check(d.temperature >= 0, "decoding.temperature", "must be >= 0 (0 = greedy)")
+    check(0 < d.top_p <= 1, "decoding.top_p", "must be in (0, 1]")
+    check(d.top_k >= 0, "decoding.top_k", "must be >= 0 (0 = off)")
+    check(d.seed >= 0, "decoding.seed", "must be >= 0")
+    check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
+    check(d.budget >= 1, "decoding.budget", "must be >= 1")
+    check(d.tree_top_k >= 1 and d.beam_width >= 1, "decoding.tree_top_k", "tree_top_k and beam_width must be >= 1")
+    check(d.depth_decay >= 0 and d.draft_decay >= 0 and d.ngram_weight >= 0, "decoding.ngram_weight",
+          "depth_decay, draft_decay and ngram_weight must be >= 0")
+    check(d.max_depth is None or d.max_depth >= 1, "decoding.max_depth", "must be >= 1 or null")
+    check(m.tap_layers is None or len(m.tap_layers) == 3, "model.tap_layers", "must list 3 layer indices")
+    check(r.num_workers >= 1, "resources.num_workers", "must be >= 1")
+    check((r.min_workers is None) == (r.max_workers is None), "resources.min_workers",
+          "set both min_workers and max_workers, or neither")
+    if r.min_workers is not None and r.max_workers is not None:
+        check(1 <= r.min_workers <= r.max_workers, "resources.min_workers", "need 1 <= min_workers <= max_workers")
+    check(r.num_cpus_per_worker > 0, "resources.num_cpus_per_worker", "must be > 0")
+    check(r.num_gpus_per_worker >= 0, "resources.num_gpus_per_worker", "must be >= 0")
+    check(r.batch_size >= 1, "resources.batch_size", "must be >= 1")
+    check(o.rows_per_file >= 1, "output.rows_per_file", "must be >= 1")
+    check(cfg.run.progress_interval_s > 0, "run.progress_interval_s", "must be > 0")
+    if cfg.run.run_id is not None:
+        check(cfg.run.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum(), "run.run_id",
+              "may hold only letters, digits, '-', '_' and '.'")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
