@@ -62,7 +62,7 @@ class TargetState:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, R, V] float32 for the requested rows
+    logits: torch.Tensor  # [B, R, V] in the model dtype, for the requested rows
     taps: torch.Tensor  # [B, S, 3 * hidden] fused hidden states of every new row
 
 
@@ -160,8 +160,9 @@ class TargetAdapter:
         )
         taps = torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
         self._captured.clear()
-        logits = out.logits.float()
-        return ForwardOutput(logits=logits, taps=taps)
+        # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
+        # verification that reads them (which upcasts only the rows it uses).
+        return ForwardOutput(logits=out.logits, taps=taps)
 
     def prefill(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
         """Forward whole prompts (right-padded into one block); logits only at each last token.
