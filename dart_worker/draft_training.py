@@ -1,0 +1,284 @@
+"""Training pieces of the DART draft head: teacher pass, prefix-shared MASK blocks, the loss.
+
+Pure torch (no ray): `jobs/train_draft.py` drives these from a local loop or from Ray Train.
+
+Pairing (identical to `DartDraftHead.propose`, see dart_worker/draft_head.py). A sequence has
+tokens x_0..x_{L-1}; the target's taps f_j and logits l_j (l_j is the distribution of x_{j+1}).
+Real draft row j (j = 0..L-2) pairs f_j with the embedding of x_{j+1} at position j. For an
+anchor p (the last committed position of a decoding round; x_{p+1} is the bonus token):
+
+    draft row 0  = real row p                       -> teacher l_{p+1} (predicts x_{p+2})
+    draft row i  = MASK row at position p+i, i=1..m -> teacher l_{p+1+i}
+
+Row layout of one training sequence: the L-1 real rows, then K blocks of m MASK rows, one per
+sampled anchor. Attention (`block_attention_mask`): real rows are causal among themselves; MASK
+row i of the block of anchor p sees real rows 0..p and MASK rows 1..i of its own block; no block
+sees another block and no real row sees a MASK row. This is exactly the DART prefix-shared block
+mask restricted to the sampled anchors: a row's output depends only on what it may attend to,
+so dropping the blocks of other anchors changes no surviving row.
+
+Loss (`dart_kl_loss`): sum over t = 0..m of gamma^t * mean over valid (anchor, t) of
+KL(p_target || q_draft). Row 0 of *every* anchor comes for free (it is the real row), so its term
+averages over all anchors, the MASK terms over the sampled ones; both are unbiased estimates of
+the same per-anchor expectation, so sampling K anchors per sequence changes the variance, not
+the objective.
+
+Teacher and the draft vocabulary: the teacher is the target's distribution restricted to the
+draft vocabulary and renormalised there, softmax(l[kept]), i.e. the target distribution
+conditioned on the next token being drafteable. Out-of-vocabulary mass is dropped: the draft
+cannot propose such tokens anyway, and keeping it as an extra "other" class would only teach
+the draft to spread mass on nothing it can use. The evaluation reports how much mass is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.target import default_tap_layers
+
+# ------------------------------------------------------------------------------------ teacher
+
+
+@dataclass
+class TeacherOutput:
+    taps: torch.Tensor  # [B, S, 3*H_t] fused hidden states (low, mid, high), the target's dtype
+    logits: torch.Tensor  # [B, S, V_draft] float32 target logits over the draft vocabulary
+    argmax: torch.Tensor | None = None  # [B, S] full-vocabulary argmax (target ids), if asked
+    in_vocab_mass: torch.Tensor | None = None  # [B, S] target probability of the draft vocabulary
+
+
+class TeacherPass:
+    """Runs the frozen target over whole right-padded sequences and returns taps + teacher logits.
+
+    Right padding needs no attention mask: attention is causal, so a real row never sees the
+    padding after it. Only the draft-vocabulary rows of the LM head are applied (the full
+    262k-row head would cost more than the rest of a small target); `full_vocab=True` also
+    computes the full-vocabulary argmax and in-vocabulary mass (evaluation only).
+    """
+
+    def __init__(self, model: nn.Module, kept_target_ids: torch.Tensor,
+                 tap_layers: Sequence[int] | None = None) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        layers = self.decoder.layers
+        self.tap_layers = tuple(tap_layers) if tap_layers is not None else default_tap_layers(len(layers))
+        self.layers = layers
+        head = model.get_output_embeddings()
+        self.lm_weight = head.weight
+        self.lm_bias = getattr(head, "bias", None)
+        self.kept = torch.as_tensor(kept_target_ids, dtype=torch.long, device=self.lm_weight.device)
+        config = model.config.get_text_config(decoder=True)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def _project(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        weight = self.lm_weight if rows is None else self.lm_weight[rows]
+        bias = None if self.lm_bias is None else (self.lm_bias if rows is None else self.lm_bias[rows])
+        logits = F.linear(hidden, weight, bias).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, full_vocab: bool = False) -> TeacherOutput:
+        captured: dict[int, torch.Tensor] = {}
+
+        def make_hook(index: int):
+            def hook(_module, args, kwargs):
+                captured[index] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        handles = [self.layers[i].register_forward_pre_hook(make_hook(i), with_kwargs=True)
+                   for i in sorted(set(self.tap_layers))]
+        try:
+            hidden = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        finally:
+            for h in handles:
+                h.remove()
+        taps = torch.cat([captured[i] for i in self.tap_layers], dim=-1)
+        out = TeacherOutput(taps=taps, logits=self._project(hidden, self.kept))
+        if full_vocab:
+            argmax, mass = [], []
+            for chunk in hidden.split(64, dim=1):  # [B, 64, V] at a time: bounded memory
+                full = self._project(chunk, None)
+                argmax.append(full.argmax(-1))
+                mass.append(torch.exp(torch.logsumexp(full[..., self.kept], -1) - torch.logsumexp(full, -1)))
+            out.argmax, out.in_vocab_mass = torch.cat(argmax, 1), torch.cat(mass, 1)
+        return out
+
+
+# ------------------------------------------------------------------------- rows and mask
+
+
+def sample_anchors(lengths: torch.Tensor, loss_starts: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K = num_anchors distinct anchors per sequence, uniform over [loss_start, length-3].
+
+    An anchor p needs at least one MASK row with a teacher (l_{p+2}, so p <= L-3). Returns
+    anchors [B, K] (long) and a validity mask [B, K]; sequences with fewer than K candidates
+    get all of them, and padding anchors (valid = False) point at position 0.
+    """
+    batch = lengths.shape[0]
+    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
+    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
+    for b in range(batch):
+        low, high = int(loss_starts[b]), int(lengths[b]) - 3
+        count = high - low + 1
+        if count <= 0:
+            continue
+        if count <= num_anchors:
+            chosen = torch.arange(low, high + 1)
+        else:
+            chosen = low + torch.randperm(count, generator=generator)[:num_anchors].sort().values
+        anchors[b, : len(chosen)] = chosen
+        valid[b, : len(chosen)] = True
+    return anchors, valid
+
+
+def block_attention_mask(num_real: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Boolean mask [B, 1, R, R] (True = may attend), R = num_real + K * block_size.
+
+    Rows 0..num_real-1 are the real rows (causal); then block k holds MASK rows 1..block_size of
+    anchor anchors[b, k], which see real rows 0..anchor and their own block causally.
+    """
+    device = anchors.device
+    batch, k = anchors.shape
+    m = block_size
+    real = torch.arange(num_real, device=device)
+    causal = real[:, None] >= real[None, :]  # [n, n]
+    top = torch.cat((causal, torch.zeros(num_real, k * m, dtype=torch.bool, device=device)), dim=1)
+    top = top[None].expand(batch, -1, -1)
+    # MASK rows -> real rows: column j visible iff j <= anchor of the row's block.
+    row_anchor = anchors.repeat_interleave(m, dim=1)  # [B, K*m]
+    to_real = real[None, None, :] <= row_anchor[:, :, None]  # [B, K*m, n]
+    block_id = torch.arange(k * m, device=device) // m
+    within = torch.arange(k * m, device=device) % m
+    to_mask = (block_id[:, None] == block_id[None, :]) & (within[:, None] >= within[None, :])
+    bottom = torch.cat((to_real, to_mask[None].expand(batch, -1, -1)), dim=2)
+    return torch.cat((top, bottom), dim=1)[:, None]
+
+
+def draft_training_logits(head: DartDraftHead, taps: torch.Tensor, input_ids: torch.Tensor,
+                          anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits of every real row and every sampled MASK block, in one forward.
+
+    taps [B, S, 3H_t], input_ids [B, S], anchors [B, K]. Returns real-row logits [B, S-1, Vd]
+    (real row j = draft row 0 of anchor j) and MASK logits [B, K, m, Vd] (row i-1 of block k =
+    draft row i of anchor anchors[b, k]). Float32, differentiable w.r.t. the head.
+    """
+    cfg, layer = head.config, head.midlayer
+    m = cfg.draft_length
+    batch, seq = input_ids.shape
+    n = seq - 1
+    k = anchors.shape[1]
+    dtype = head.dtype
+    hidden = head.fc(taps[:, :n].to(dtype))
+    with torch.no_grad():
+        embeds = head.embed_tokens(input_ids[:, 1:]).to(dtype)
+    x_real = layer.attention_input(embeds, hidden)
+    x_mask, residual_mask = layer.mask_rows(batch, k * m)
+    attn_in = torch.cat((x_real, x_mask.to(x_real.dtype)), dim=1)
+    residual = torch.cat((hidden, residual_mask.to(hidden.dtype)), dim=1)
+    offsets = torch.arange(1, m + 1, device=anchors.device)
+    positions = torch.cat((torch.arange(n, device=anchors.device)[None].expand(batch, -1),
+                           (anchors[:, :, None] + offsets).reshape(batch, k * m)), dim=1)
+    cos, sin = head.rope(positions.to(head.device), attn_in.dtype)
+    allowed = block_attention_mask(n, anchors.to(head.device), m)
+    out = head.logits(layer(attn_in, residual, cos, sin, allowed))
+    return out[:, :n], out[:, n:].reshape(batch, k, m, -1)
+
+
+# ------------------------------------------------------------------------------------ loss
+
+
+def kl_per_row(teacher_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_teacher || q_draft) per row over the last axis (forward KL: teacher-weighted)."""
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor  # scalar: sum_t gamma^t * mean KL of draft row t
+    kl_per_position: torch.Tensor  # [D] mean KL of draft row t (detached)
+    accuracy_per_position: torch.Tensor  # [D] top-1 agreement with the teacher's argmax (detached)
+    count_per_position: torch.Tensor  # [D] number of (anchor, row) pairs that entered each mean
+
+
+def teacher_targets(teacher_logits: torch.Tensor, anchors: torch.Tensor,
+                    draft_length: int) -> torch.Tensor:
+    """Teacher logits for MASK row i of anchor p: l_{p+1+i}. Returns [B, K, m, Vd] (clamped index)."""
+    batch, seq, _ = teacher_logits.shape
+    offsets = torch.arange(2, draft_length + 2, device=anchors.device)
+    index = (anchors[:, :, None] + offsets).clamp(max=seq - 1)  # [B, K, m]
+    rows = torch.arange(batch, device=anchors.device)[:, None, None]
+    return teacher_logits[rows, index]
+
+
+def dart_kl_loss(teacher_logits: torch.Tensor, real_logits: torch.Tensor, mask_logits: torch.Tensor,
+                 lengths: torch.Tensor, loss_starts: torch.Tensor, anchors: torch.Tensor,
+                 anchor_valid: torch.Tensor, gamma: float = 0.6) -> LossTerms:
+    """The DART objective on one batch (see the module docstring for the pairing and weights).
+
+    teacher_logits [B, S, Vd]; real_logits [B, S-1, Vd]; mask_logits [B, K, m, Vd]; lengths and
+    loss_starts [B]: row 0 is trained for anchors p in [loss_start, L-2], MASK row i for sampled
+    valid anchors with p+1+i <= L-1.
+    """
+    _batch, seq, _ = teacher_logits.shape
+    m = mask_logits.shape[2]
+    dev = teacher_logits.device
+    lengths, loss_starts = lengths.to(dev), loss_starts.to(dev)
+    anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
+    p = torch.arange(seq - 1, device=dev)
+    row0_valid = (p[None] >= loss_starts[:, None]) & (p[None] <= lengths[:, None] - 2)  # [B, S-1]
+    row0_teacher = teacher_logits[:, 1:]
+    kl0 = kl_per_row(row0_teacher, real_logits)
+    acc0 = real_logits.argmax(-1) == row0_teacher.argmax(-1)
+
+    targets = teacher_targets(teacher_logits, anchors, m)
+    i = torch.arange(1, m + 1, device=dev)
+    mask_valid = anchor_valid[:, :, None] & (anchors[:, :, None] + 1 + i <= lengths[:, None, None] - 1)
+    kl_mask = kl_per_row(targets, mask_logits)  # [B, K, m]
+    acc_mask = mask_logits.argmax(-1) == targets.argmax(-1)
+
+    counts = torch.cat((row0_valid.sum()[None], mask_valid.sum((0, 1))))  # [D]
+    kl_sums = torch.cat(((kl0 * row0_valid).sum()[None], (kl_mask * mask_valid).sum((0, 1))))
+    acc_sums = torch.cat(((acc0 & row0_valid).sum()[None], (acc_mask & mask_valid).sum((0, 1))))
+    means = kl_sums / counts.clamp(min=1)
+    weights = gamma ** torch.arange(m + 1, device=dev, dtype=torch.float32)
+    return LossTerms(
+        loss=(weights * means).sum(),
+        kl_per_position=means.detach(),
+        accuracy_per_position=(acc_sums.float() / counts.clamp(min=1)).detach(),
+        count_per_position=counts.detach(),
+    )
+
+
+def count_token_frequencies(token_docs, vocab_size: int) -> torch.Tensor:
+    """Occurrences of every target id over an iterable of token-id sequences -> [vocab_size] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for doc in token_docs:
+        ids = torch.as_tensor(doc, dtype=torch.long)
+        if ids.numel():
+            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def most_frequent_ids(counts: torch.Tensor, size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `size` most frequent ids (ties by lower id), always including `always` (e.g. EOS)."""
+    if size > counts.numel():
+        raise ValueError(f"draft_vocab_size {size} exceeds the target vocabulary ({counts.numel()})")
+    forced = sorted({int(t) for t in always if 0 <= int(t) < counts.numel()})
+    if len(forced) > size:
+        raise ValueError(f"{len(forced)} forced ids do not fit a draft vocabulary of {size}")
+    score = counts.double().clone()
+    score[forced] = float("inf")
+    # Stable sort on -score keeps lower ids first among ties.
+    order = torch.sort(-score, stable=True).indices
+    return order[:size].sort().values

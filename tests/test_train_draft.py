@@ -1,0 +1,371 @@
+"""Draft-head training: block mask, pairing with inference, loss, optimisation, checkpoint/resume.
+
+Everything runs on tiny random fp32 targets (tests/tiny_models.py) and a byte-level fake
+tokenizer, so the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dart_worker.corpus import Conversation, Turn
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.draft_training import (
+    TeacherPass,
+    block_attention_mask,
+    dart_kl_loss,
+    draft_training_logits,
+    kl_per_row,
+    most_frequent_ids,
+    sample_anchors,
+)
+from dart_worker.engine import DecodingEngine
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from jobs.train_draft import (
+    TrainConfig,
+    WorkerContext,
+    checkpoint_dirs,
+    collate,
+    conversation_example,
+    load_trainer_state,
+    lr_lambda,
+    parse_config,
+    train_loop,
+)
+from tests.tiny_models import TINY_VOCAB, tiny_model
+
+M = 3  # draft_length of the test heads
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+class ByteTokenizer:
+    """Ids = bytes folded into the tiny vocabulary (>= 3); BOS 1, EOS 2; no chat template."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [3 + b % (TINY_VOCAB - 3) for b in text.encode()]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def chats(n: int, seed: int = 0) -> list[Conversation]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "the", "a", "of", "cat", "dog", "runs"]
+    out = []
+    for i in range(n):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        out.append(Conversation(f"c{i}", (Turn("user", question), Turn("assistant", answer)), f"c{i}"))
+    return out
+
+
+def make_head(model, seed: int = 1, vocab: int = 64) -> DartDraftHead:
+    kept = list(range(vocab))
+    return DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=M,
+                                     kept_target_ids=kept, seed=seed, dtype=torch.float32)
+
+
+def brute_force_mask(num_real: int, anchors: list[int], m: int) -> torch.Tensor:
+    """Row r may attend to column c, spelled out row by row from the DART definition."""
+    rows = [("real", j, None) for j in range(num_real)]
+    rows += [("mask", a, i) for a in anchors for i in range(1, m + 1)]
+    size = len(rows)
+    out = torch.zeros(size, size, dtype=torch.bool)
+    for r, (kind_r, pos_r, i_r) in enumerate(rows):
+        for c, (kind_c, pos_c, i_c) in enumerate(rows):
+            if kind_r == "real":
+                out[r, c] = kind_c == "real" and pos_c <= pos_r
+            elif kind_c == "real":
+                out[r, c] = pos_c <= pos_r  # a MASK row sees its anchor's prefix
+            else:  # same block (same anchor and same block index), causal inside it
+                out[r, c] = (r - num_real) // m == (c - num_real) // m and i_c <= i_r
+    return out
+
+
+# ------------------------------------------------------------------------------ the mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_real=st.integers(1, 12), m=st.integers(1, 4), data=st.data())
+def test_block_mask_equals_brute_force(num_real, m, data):
+    k = data.draw(st.integers(0, 4))
+    anchors = [data.draw(st.integers(0, num_real - 1)) for _ in range(k)]
+    got = block_attention_mask(num_real, torch.tensor([anchors], dtype=torch.long).view(1, k), m)
+    assert got.shape == (1, 1, num_real + k * m, num_real + k * m)
+    assert torch.equal(got[0, 0], brute_force_mask(num_real, anchors, m))
+
+
+def test_sample_anchors_range_and_distinct():
+    lengths = torch.tensor([20, 6, 2])
+    starts = torch.tensor([5, 0, 0])
+    gen = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(lengths, starts, 8, gen)
+    a0 = anchors[0][valid[0]]
+    assert len(a0) == 8 and len(set(a0.tolist())) == 8
+    assert int(a0.min()) >= 5 and int(a0.max()) <= 17  # p <= L-3
+    assert anchors[1][valid[1]].tolist() == [0, 1, 2, 3]  # fewer candidates than K: all of them
+    assert not valid[2].any()  # L = 2: no MASK row has a teacher (p <= L-3)
+
+
+# -------------------------------------------------------------- training == inference
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_training_forward_equals_propose(family):
+    model = tiny_model(family, num_layers=4)
+    head = make_head(model).eval()
+    torch.manual_seed(3)
+    seq = 14
+    ids = torch.randint(3, TINY_VOCAB, (1, seq))
+    teacher = TeacherPass(model, torch.arange(64))
+    out = teacher(ids)
+
+    # The teacher's taps are the engine's taps (same layers, same order).
+    adapter = TargetAdapter(model)
+    engine_taps = adapter.prefill(adapter.new_state(1), [ids[0].tolist()]).taps
+    torch.testing.assert_close(out.taps, engine_taps, rtol=1e-5, atol=1e-5)
+
+    anchors = torch.tensor([[0, 4, 9, seq - 3]])
+    with torch.no_grad():
+        real, masked = draft_training_logits(head, out.taps, ids, anchors)
+    for k, p in enumerate(anchors[0].tolist()):
+        cache = head.new_cache(1)
+        proposed = head.propose(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), cache)
+        torch.testing.assert_close(real[0, p], proposed[0, 0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(masked[0, k], proposed[0, 1:], rtol=1e-4, atol=1e-4)
+    # Every real row is row 0 of its own anchor.
+    for p in range(seq - 1):
+        proposed = head.propose(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), head.new_cache(1))
+        torch.testing.assert_close(real[0, p], proposed[0, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_teacher_logits_are_target_logits_restricted():
+    model = tiny_model("llama", num_layers=2)
+    kept = torch.tensor([3, 7, 10, 50, 95])
+    ids = torch.randint(3, TINY_VOCAB, (2, 9))
+    out = TeacherPass(model, kept)(ids, full_vocab=True)
+    with torch.no_grad():
+        full = model(ids).logits.float()
+    torch.testing.assert_close(out.logits, full[..., kept], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.argmax, full.argmax(-1))
+    mass = torch.softmax(full, -1)[..., kept].sum(-1)
+    torch.testing.assert_close(out.in_vocab_mass, mass, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_kl_direction_is_teacher_weighted():
+    p_logits = torch.tensor([[4.0, 0.0, -2.0]])
+    q_logits = torch.tensor([[0.0, 1.0, 0.0]])
+    p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
+    forward = (p * (p.log() - q.log())).sum()
+    reverse = (q * (q.log() - p.log())).sum()
+    assert not torch.isclose(forward, reverse)
+    torch.testing.assert_close(kl_per_row(p_logits, q_logits)[0], forward)
+    assert float(kl_per_row(p_logits, p_logits)[0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_loss_weights_and_pairing_by_hand():
+    torch.manual_seed(0)
+    vocab, seq, k = 5, 10, 2
+    teacher = torch.randn(1, seq, vocab)
+    real = torch.randn(1, seq - 1, vocab)
+    masked = torch.randn(1, k, M, vocab)
+    lengths, starts = torch.tensor([seq]), torch.tensor([2])
+    anchors, valid = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
+    gamma = 0.6
+    terms = dart_kl_loss(teacher, real, masked, lengths, starts, anchors, valid, gamma)
+
+    def kl(p_logits, q_logits):
+        return F.kl_div(F.log_softmax(q_logits, -1), F.log_softmax(p_logits, -1), log_target=True,
+                        reduction="sum")
+
+    row0 = [kl(teacher[0, p + 1], real[0, p]) for p in range(2, seq - 1)]  # anchors 2..L-2
+    expected = [torch.stack(row0).mean()]
+    for i in range(1, M + 1):
+        terms_i = [kl(teacher[0, a + 1 + i], masked[0, j, i - 1]) for j, a in enumerate([3, 6])
+                   if a + 1 + i <= seq - 1]
+        expected.append(torch.stack(terms_i).mean())
+    expected = torch.stack(expected)
+    torch.testing.assert_close(terms.kl_per_position, expected, rtol=1e-5, atol=1e-6)
+    weights = gamma ** torch.arange(M + 1, dtype=torch.float32)
+    torch.testing.assert_close(terms.loss, (weights * expected).sum(), rtol=1e-5, atol=1e-6)
+    # anchor 6: rows i with 6+1+i <= 9 -> i <= 2; anchor 3: all 3 rows
+    assert terms.count_per_position.tolist() == [seq - 1 - 2, 2, 2, 1]
+
+
+def test_invalid_anchors_do_not_count():
+    torch.manual_seed(1)
+    teacher, real = torch.randn(1, 8, 4), torch.randn(1, 7, 4)
+    masked = torch.randn(1, 2, M, 4)
+    a = dart_kl_loss(teacher, real, masked, torch.tensor([8]), torch.tensor([0]),
+                     torch.tensor([[1, 0]]), torch.tensor([[True, False]]))
+    masked2 = masked.clone()
+    masked2[0, 1] = 100.0  # garbage in the invalid block
+    b = dart_kl_loss(teacher, real, masked2, torch.tensor([8]), torch.tensor([0]),
+                     torch.tensor([[1, 0]]), torch.tensor([[True, False]]))
+    torch.testing.assert_close(a.loss, b.loss)
+
+
+def test_one_step_reduces_loss_on_fixed_batch():
+    model = tiny_model("gemma3", num_layers=4)
+    model.requires_grad_(False)
+    head = make_head(model).train()
+    torch.manual_seed(5)
+    ids = torch.randint(3, TINY_VOCAB, (2, 16))
+    lengths, starts = torch.tensor([16, 12]), torch.tensor([2, 3])
+    teacher = TeacherPass(model, torch.arange(64))
+    out = teacher(ids)
+    anchors, valid = sample_anchors(lengths, starts, 6, torch.Generator().manual_seed(0))
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+
+    def loss():
+        real, masked = draft_training_logits(head, out.taps, ids, anchors)
+        return dart_kl_loss(out.logits, real, masked, lengths, starts, anchors, valid).loss
+
+    before = loss()
+    before.backward()
+    # Only the head's own parameters learn: the target and its embedding stay frozen.
+    assert all(p.grad is None for p in model.parameters())
+    assert head.midlayer.mask_rep.grad is not None and head.fc.weight.grad is not None
+    optimizer.step()
+    with torch.no_grad():
+        after = loss()
+    assert after.item() < before.item()
+
+
+def test_most_frequent_ids_ties_and_forced():
+    counts = torch.tensor([5, 9, 9, 0, 1, 7])
+    assert most_frequent_ids(counts, 3).tolist() == [1, 2, 5]  # sorted ascending
+    assert most_frequent_ids(counts, 3, always=[3]).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="exceeds"):
+        most_frequent_ids(counts, 7)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from jobs.train_draft import OptimConfig
+
+    f = lr_lambda(OptimConfig(warmup_steps=4, min_lr_ratio=0.1), max_steps=20)
+    assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
+    assert f(4) == pytest.approx(1.0) and f(20) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(4, 20))
+
+
+# ------------------------------------------------------------------------ data framing
+
+
+def test_example_framing_matches_inference_prompt():
+    tok = ByteTokenizer()
+    cfg = TrainConfig()
+    conv = chats(1)[0]
+    example = conversation_example(conv, tok, cfg.data)
+    prompt = tok(f"User: {conv.turns[0].text}\nAssistant:")["input_ids"]
+    assert example.ids[: len(prompt)] == prompt and example.prompt_len == len(prompt)
+    assert example.ids[len(prompt):] == tok(" " + conv.turns[1].text, add_special_tokens=False)["input_ids"] + [2]
+    batch = collate([example], loss_on_prompt=False)
+    assert int(batch.loss_starts[0]) == len(prompt) - 1
+
+
+def test_parse_config_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  max_steps: 7\nloss:\n  gamma: 0.5\n")
+    cfg = parse_config([str(path), "trainer.batch_size=3"])
+    assert (cfg.trainer.max_steps, cfg.trainer.batch_size, cfg.loss.gamma) == (7, 3, 0.5)
+    with pytest.raises(Exception, match="nope"):
+        parse_config(["nope=1"])
+
+
+# ------------------------------------------------------------- checkpoint, resume, engine
+
+
+def tiny_config(out_dir, max_steps: int) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.output_dir = str(out_dir)
+    cfg.head.draft_length = M
+    cfg.head.draft_vocab_size = 64
+    cfg.data.shuffle_buffer = 1
+    cfg.loss.anchors_per_sequence = 4
+    cfg.optim.warmup_steps = 2
+    cfg.optim.lr = 3e-3
+    cfg.eval.dev_sequences = 0
+    cfg.eval.tau_prompts = 0
+    cfg.trainer.amp = False
+    cfg.trainer.batch_size = 2
+    cfg.trainer.max_steps = max_steps
+    cfg.trainer.checkpoint_every = 2
+    cfg.trainer.keep_checkpoints = 10
+    cfg.trainer.log_every = 1
+    return cfg
+
+
+def run(cfg, model, data):
+    def conversations(epoch):
+        order = list(data)
+        random.Random(epoch).shuffle(order)
+        return iter(order)
+
+    return train_loop(cfg, WorkerContext(), model=model, tokenizer=ByteTokenizer(), conversations=conversations)
+
+
+def test_checkpoint_resume_reload_identical(tmp_path):
+    data = chats(5)  # 2 sequences per step: step 3 starts a new epoch
+    model = tiny_model("gemma3", num_layers=4)
+    run(tiny_config(tmp_path / "a", 4), model, data)
+    dirs_a = checkpoint_dirs(tmp_path / "a")
+    assert [d.name for d in dirs_a] == ["step-0000002", "step-0000004"]
+
+    # Resume a copy of the step-2 checkpoint and train to step 4 again.
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(dirs_a[0], tmp_path / "b" / "checkpoints" / dirs_a[0].name)
+    run(tiny_config(tmp_path / "b", 4), model, data)
+    dir_b = checkpoint_dirs(tmp_path / "b")[-1]
+    assert dir_b.name == "step-0000004"
+
+    embed = model.get_input_embeddings()
+    head_a = load_draft_head(dirs_a[-1], model.config, embed)
+    head_b = load_draft_head(dir_b, model.config, embed)
+    for (name, a), (_, b) in zip(head_a.state_dict().items(), head_b.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    state_a, state_b = load_trainer_state(dirs_a[-1]), load_trainer_state(dir_b)
+    assert state_a["data_positions"] == state_b["data_positions"]
+    assert state_a["tokens_seen"] == state_b["tokens_seen"]
+    for (ka, a), (kb, b) in zip(state_a["optimizer"]["state"].items(), state_b["optimizer"]["state"].items(),
+                                strict=True):
+        assert ka == kb and all(torch.equal(a[k], b[k]) for k in a)
+    # A head that trained differs from its initialisation (the loop really stepped).
+    head_2 = load_draft_head(dirs_a[0], model.config, embed)
+    assert not torch.equal(head_2.fc.weight, head_a.fc.weight)
+
+
+def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
+    model = tiny_model("gemma3", num_layers=4)
+    cfg = tiny_config(tmp_path / "run", 2)
+    cfg.export_dir = str(tmp_path / "export")
+    cfg.save_dtype = "fp32"
+    summary = run(cfg, model, chats(6))
+    assert summary["steps"] == 2 and (tmp_path / "export" / "training_config.yaml").is_file()
+    head = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
+    assert head.config.draft_vocab_size == 64 and head.config.draft_length == M
+    adapter = TargetAdapter(model)
+    prompt = ByteTokenizer()("User: the cat\nAssistant:")["input_ids"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ar = DecodingEngine(adapter, draft_head=None, mode="ar").generate([prompt], params)[0]
+    chain = DecodingEngine(adapter, draft_head=head, mode="chain").generate([prompt], params)[0]
+    assert chain.error is None and chain.token_ids == ar.token_ids
