@@ -35,7 +35,8 @@ verified the bytes, so workers only check the header and the tokenizer fingerpri
 The content key is the trie's payload checksum read from its header, not its URL: a rebuilt
 trie uploaded to the same URL gets a new store instead of the stale one, and the store
 checks that what it downloaded is what the key names (an object replaced mid-download is an
-error, not a silent mix of two versions).
+error, not a silent mix of two versions). A store only ever hands out bytes whose checksum
+matches its key, so two URLs holding the same trie share one store and one copy per node.
 
 Local paths are used in place. A plain path or file:// URL on a local filesystem is verified
 once by the store and then mapped directly: copying it into /dev/shm would only add a second
@@ -103,9 +104,9 @@ _HEADER_SIZE = 512
 _MAGIC = b"DARTTRIE"
 _FORMAT_VERSION = 1
 _BYTE_ORDER_MARK = 0x01020304
-_HEADER = struct.Struct("<8s6I5Q64s")  # magic, version, bom, order, vocab, header_size, reserved,
-#                                       file_size, payload_checksum, header_checksum, min_count,
-#                                       num_documents, tokenizer_fingerprint
+# magic, version, byte order mark, order, vocab_size, header_size, reserved, file_size,
+# payload_checksum, header_checksum, min_count, num_documents, tokenizer_fingerprint
+_HEADER = struct.Struct("<8s6I5Q64s")
 _HEADER_CHECKSUM_FIELD = slice(48, 56)
 
 _STORE_FILE_RE = re.compile(r"^\.?ngram-[0-9a-f]{16}-[0-9a-f]{16}\.trie(\.tmp-\d+)?$")
@@ -354,6 +355,7 @@ def _fetch_verified(url: str, dest: Path, info: TrieHeaderInfo) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _download(url, fd, info.file_size)
+        os.fsync(fd)  # a disk copy that survives a crash must be whole (no-op in /dev/shm)
         _verify_file(dest, url, info.content_key)
         return fd
     except BaseException:
@@ -520,8 +522,10 @@ class NgramStore:
         if local is not None and not is_network_filesystem(local):
             _verify_file(local, self._url, self._key)
             return self._answer_for(local, "in-place", size)
-        directory, placement = choose_store_dir(size, shm_dir(), cache_dir("ngram-store"))
-        sweep_orphans(directory)
+        disk = cache_dir("ngram-store")
+        for place in (shm_dir(), disk):
+            sweep_orphans(place)
+        directory, placement = choose_store_dir(size, shm_dir(), disk)
         final = directory / store_file_name(self._node_id, self._key)
         tmp = directory / f".{final.name}.tmp-{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
@@ -641,7 +645,8 @@ def acquire_trie(
 ) -> NgramTrie:
     """The trie at `trie_url`, mapped in this process from this node's shared copy.
 
-    Call once per worker, at start-up. In a Ray worker: finds or creates the node's store,
+    Call once per worker, at start-up. In a process connected to Ray (a worker actor or task;
+    also a driver, which then uses its own node's store): finds or creates the node's store,
     waits (at most `timeout_s`, default `$DART_NGRAM_STORE_TIMEOUT_S` or 900 s) for its path
     and maps it, checking the header and the tokenizer fingerprint (the store has verified the
     bytes). Without Ray: opens the file here, fetching a remote URL into the cache first, with
@@ -679,6 +684,10 @@ def shutdown_ngram_stores(namespace: str = NAMESPACE, timeout_s: float = 30.0) -
     killed whatever it answered; stores that are already dead or die meanwhile are skipped.
     Waits until the stores are gone from the actor registry, so that a new job started right
     after does not find a dying store by name.
+
+    Stores are shared by content, so this also stops the stores of another job running the same
+    trie on the same cluster. That job keeps working: its workers' mappings outlive the files'
+    removal, and a worker that starts later creates a new store.
     """
     if not _ray_running():
         return 0
