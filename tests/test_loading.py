@@ -15,36 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import BertConfig, BertLMHeadModel, PreTrainedTokenizerFast, ViTConfig
+from transformers import BertConfig, BertLMHeadModel, ViTConfig
 
 from dart_worker import cache_dir as cache_mod
 from dart_worker import default_target, device, loading
 from dart_worker.cache_dir import build_atomically, cache_dir, cache_root, file_lock, lock_path_for
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.loading import load_target, model_fingerprint, resolve_source, target_family
-from tests.tiny_models import TINY_VOCAB, tiny_model
+from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer built offline: <pad>=0 <bos>=1 <eos>=2 <unk>=3, then w4..w{n-1}."""
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
-
-
-def save_tiny_target(directory: Path, family: str = "llama", tokenizer_vocab: int = TINY_VOCAB) -> Path:
-    tiny_model(family).save_pretrained(directory)
-    tiny_tokenizer(tokenizer_vocab).save_pretrained(directory)
-    return directory
-
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch) -> Path:

@@ -6,13 +6,17 @@ q/k norms (Qwen3), sliding-window layers and scaled embeddings (Gemma3).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -62,3 +66,20 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB, num_lay
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return model.float().eval()
+
+
+def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer built offline: <pad>=0 <bos>=1 <eos>=2 <unk>=3, then w4..w{n-1}."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+def save_tiny_target(directory: Path, family: str = "llama", tokenizer_vocab: int = TINY_VOCAB, **kwargs) -> Path:
+    """A tiny model plus its tokenizer as a normal model directory (what `load_target` reads)."""
+    tiny_model(family, **kwargs).save_pretrained(directory)
+    tiny_tokenizer(tokenizer_vocab).save_pretrained(directory)
+    return directory

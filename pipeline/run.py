@@ -1,0 +1,207 @@
+"""Batch generation job: `python -m pipeline.run config.yaml [key=value ...]`.
+
+Locally this starts a Ray instance; under `ray job submit` (or with RAY_ADDRESS set) it joins
+the cluster. The flow:
+
+    inputs (fsspec: s3://, file://, ...) --Ray Data read--> prompt rows (bad rows -> error rows)
+      -> drop rows already written (resume) -> GenerationWorker actor pool (one engine each)
+      -> write tasks: one atomic Parquet part per group of rows -> per-row stats to the driver
+      -> progress lines, then the job summary (printed and written next to the output)
+
+Everything that can be checked before work starts is checked first: the config, the inputs,
+the output location, the target, the draft head and the N-gram trie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
+from pipeline.inputs import find_duplicate_ids, mark_duplicates, read_prompts
+from pipeline.ngram_store import check_trie_url, shutdown_ngram_stores
+from pipeline.outputs import existing_row_keys, filter_done, read_output, write_part
+from pipeline.storage import expand_inputs, filesystem_for
+from pipeline.summary import STAT_COLUMNS, RunTally, build_summary
+from pipeline.worker import GenerationWorker
+
+log = logging.getLogger("pipeline")
+SUMMARY_NAME = "_job_summary.json"
+
+
+class StartupError(RuntimeError):
+    """Something the job needs is missing or broken; raised before any generation."""
+
+
+# ------------------------------------------------------------------------------- artifacts
+
+
+def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+    """Check every artifact the workers will need and fix their locations and fingerprints."""
+    from dart_worker.loading import model_fingerprint, resolve_source
+    from jobs.build_ngram import load_tokenizer
+
+    resolved: dict[str, Any] = {"run_id": run_id}
+    try:
+        resolved["input_files"] = expand_inputs(cfg.input.urls)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"input: {exc}") from None
+    if not resolved["input_files"]:
+        raise StartupError(f"input: no files match {cfg.input.urls}")
+    try:
+        fs, path = filesystem_for(cfg.output.url)
+        fs.makedirs(path, exist_ok=True)
+    except Exception as exc:  # any storage error here means the job cannot write
+        raise StartupError(f"output {cfg.output.url} is not writable: {exc}") from None
+
+    try:
+        source = resolve_source(cfg.model.target)
+        resolved["target_fingerprint"] = model_fingerprint(source.location)
+        tokenizer = load_tokenizer("default" if cfg.model.target == "default" else str(source.location))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"model.target {cfg.model.target!r}: {exc}") from None
+
+    if cfg.decoding.mode != "ar":
+        resolved["head_dir"] = str(_resolve_head(cfg.model.draft_head))
+        resolved["head_fingerprint"] = file_fingerprint(Path(resolved["head_dir"]) / "model.safetensors")
+    if cfg.decoding.mode == "dart":
+        resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(cfg.model.trie, tokenizer)
+    return resolved
+
+
+def _resolve_head(spec: str | None) -> Path:
+    from dart_worker.default_head import default_head_dir
+    from dart_worker.draft_checkpoint import read_draft_config
+
+    path = default_head_dir() if spec == "default" else Path(spec).expanduser() if spec else None
+    if path is None:
+        raise StartupError("model.draft_head=default, but this build ships no default draft head; "
+                           "train one with jobs.train_draft and pass its directory, or use decoding.mode=ar")
+    try:
+        read_draft_config(path)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"model.draft_head {str(path)!r}: {exc}") from None
+    if not (path / "model.safetensors").is_file():
+        raise StartupError(f"model.draft_head {str(path)!r}: model.safetensors is missing")
+    return path
+
+
+def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
+    """The trie URL and its fingerprint (the payload checksum from its header)."""
+    if spec == "default":
+        from jobs.build_ngram import default_trie_path
+
+        spec = str(default_trie_path())
+    try:
+        header = check_trie_url(spec, tokenizer_fingerprint(tokenizer))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"model.trie {spec!r}: {exc}") from None
+    return spec, header.content_key
+
+
+# -------------------------------------------------------------------------------- dataflow
+
+
+def write_rows(batch: pa.Table, output_url: str, run_id: str) -> pa.Table:
+    """Ray Data task: write one atomic Parquet part; hand back only the per-row stats."""
+    write_part(batch, output_url, run_id)
+    return batch.select([c for c in STAT_COLUMNS if c in batch.column_names])
+
+
+def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str]):
+    """The lazy Ray Data pipeline; returns (dataset, duplicate ids)."""
+    i, r = cfg.input, cfg.resources
+    ds = read_prompts(resolved["input_files"], i.format, id_column=i.id_column, prompt_column=i.prompt_column,
+                      messages_column=i.messages_column, max_prompt_chars=i.max_prompt_chars)
+    duplicates = find_duplicate_ids(ds)
+    if duplicates:
+        log.warning("%d duplicate ids in the input (e.g. %s): extra occurrences become error rows",
+                    len(duplicates), sorted(map(str, duplicates))[:5])
+        ds = mark_duplicates(ds, duplicates)
+    if done_keys:
+        ds = filter_done(ds, done_keys)
+    if r.min_workers is not None:
+        pool = ray.data.ActorPoolStrategy(min_size=r.min_workers, max_size=r.max_workers)
+    else:
+        pool = ray.data.ActorPoolStrategy(size=r.num_workers)
+    ds = ds.map_batches(
+        GenerationWorker,
+        fn_constructor_kwargs={"config": to_dict(cfg), "resolved": resolved},
+        batch_size=r.batch_size,
+        batch_format="pyarrow",
+        compute=pool,
+        num_cpus=r.num_cpus_per_worker,
+        num_gpus=r.num_gpus_per_worker or None,
+        max_restarts=-1,  # a crashed worker is restarted ...
+        max_task_retries=-1,  # ... and its batch redone
+    )
+    ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"]},
+                        batch_size=cfg.output.rows_per_file, batch_format="pyarrow", num_cpus=0.25)
+    return ds, duplicates
+
+
+def output_totals(output_url: str) -> dict[str, Any]:
+    """Figures over everything under the output (this run and any earlier resumed attempt)."""
+    table = read_output(output_url)
+    if table.num_rows == 0:
+        return {"rows": 0}
+    rows = table.select([c for c in ("row_key", "id", "error", "num_generated_tokens") if c in table.column_names])
+    data = rows.to_pydict()
+    failed = sum(1 for e in data["error"] if e)
+    return {"rows": rows.num_rows, "distinct_row_keys": len(set(data["row_key"])), "rows_ok": rows.num_rows - failed,
+            "rows_failed": failed, "generated_tokens": int(sum(n or 0 for n in data["num_generated_tokens"]))}
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
+    run_id = cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    resolved = resolve_artifacts(cfg, run_id)
+    done_keys = existing_row_keys(cfg.output.url) if cfg.run.resume else set()
+    if done_keys:
+        print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
+    ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
+    tally = RunTally()
+    try:
+        ds, duplicates = build_dataset(cfg, resolved, done_keys)
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            tally.add(batch)
+            tally.maybe_print(cfg.run.progress_interval_s)
+    finally:
+        shutdown_ngram_stores()
+    print(tally.progress_line())
+    summary = build_summary(tally, run_id=run_id, config=to_dict(cfg), resumed_rows=len(done_keys),
+                            duplicates=duplicates, output_totals=output_totals(cfg.output.url))
+    fs, path = filesystem_for(cfg.output.url)
+    with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
+        f.write(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. decoding.mode=ar")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        summary = run_pipeline(cfg)
+    except (ConfigError, StartupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    this = summary["this_run"]
+    print(json.dumps({k: this[k] for k in ("rows", "rows_ok", "rows_failed", "generated_tokens", "tokens_per_s")}
+                     | {"mean_tau": this["tau"].get("mean"), "output": summary["output"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

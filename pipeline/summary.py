@@ -1,0 +1,121 @@
+"""Job progress and the job summary, computed from the small per-row stats the writers return.
+
+The driver never sees generated text: each write task hands back only the numeric columns of
+the rows it wrote, which is enough for the periodic progress line and for the summary
+(rows ok/failed, tokens, throughput, the tau distribution, per-mode figures, error kinds).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
+                "mean_tree_size", "finish_reason")
+
+
+@dataclass
+class RunTally:
+    """Running totals over the rows written by this run."""
+
+    started: float = field(default_factory=time.time)
+    rows: int = 0
+    failed: int = 0
+    tokens: int = 0
+    taus: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    finish_reasons: Counter = field(default_factory=Counter)
+    per_mode: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(
+        lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0}))
+    _last_print: float = 0.0
+
+    def add(self, batch: pa.Table) -> None:
+        for row in batch.select([c for c in STAT_COLUMNS if c in batch.column_names]).to_pylist():
+            self.rows += 1
+            self.finish_reasons[row.get("finish_reason") or "error"] += 1
+            if row.get("error"):
+                self.failed += 1
+                self.errors[_error_kind(row["error"])] += 1
+                continue
+            tokens = int(row.get("num_generated_tokens") or 0)
+            self.tokens += tokens
+            mode = self.per_mode[row.get("mode") or "?"]
+            mode["rows"] += 1
+            mode["tokens"] += tokens
+            if row.get("rounds"):
+                self.taus.append(float(row["tau"]))
+                mode["tau_sum"] += float(row["tau"])
+                mode["tau_rows"] += 1
+                mode["tree_sum"] += float(row.get("mean_tree_size") or 0.0)
+
+    @property
+    def elapsed(self) -> float:
+        return max(time.time() - self.started, 1e-9)
+
+    def progress_line(self) -> str:
+        tau = statistics.mean(self.taus) if self.taus else 0.0
+        return (f"[progress] {self.rows} rows ({self.failed} failed), {self.tokens} tokens, "
+                f"{self.tokens / self.elapsed:.1f} tok/s, {self.rows / self.elapsed:.2f} rows/s, mean tau {tau:.2f}")
+
+    def maybe_print(self, interval_s: float) -> None:
+        now = time.time()
+        if now - self._last_print >= interval_s:
+            self._last_print = now
+            print(self.progress_line(), flush=True)
+
+
+def _error_kind(message: str) -> str:
+    """Group error messages by their stable prefix (before any row-specific detail)."""
+    return message.split(":")[0].split("(")[0].strip()[:80]
+
+
+def tau_distribution(taus: list[float]) -> dict[str, Any]:
+    if not taus:
+        return {"count": 0}
+    ordered = sorted(taus)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    edges = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+    hist = Counter()
+    for t in ordered:
+        label = next((f"<{e}" for e in edges if t < e), f">={edges[-1]}")
+        hist[label] += 1
+    return {"count": len(ordered), "mean": statistics.mean(ordered), "p10": pct(0.1), "p50": pct(0.5),
+            "p90": pct(0.9), "min": ordered[0], "max": ordered[-1], "histogram": dict(hist)}
+
+
+def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: int, duplicates: dict,
+                  output_totals: dict[str, Any]) -> dict[str, Any]:
+    wall = tally.elapsed
+    return {
+        "run_id": run_id,
+        "wall_s": wall,
+        "this_run": {
+            "rows": tally.rows,
+            "rows_ok": tally.rows - tally.failed,
+            "rows_failed": tally.failed,
+            "rows_skipped_as_done": resumed_rows,
+            "generated_tokens": tally.tokens,
+            "rows_per_s": tally.rows / wall,
+            "tokens_per_s": tally.tokens / wall,
+            "tau": tau_distribution(tally.taus),
+            "finish_reasons": dict(tally.finish_reasons),
+            "errors_by_kind": dict(tally.errors.most_common(20)),
+            "per_mode": {
+                mode: {"rows": m["rows"], "tokens": m["tokens"],
+                       "mean_tau": m["tau_sum"] / m["tau_rows"] if m["tau_rows"] else None,
+                       "mean_tree_size": m["tree_sum"] / m["tau_rows"] if m["tau_rows"] else None}
+                for mode, m in tally.per_mode.items()
+            },
+        },
+        "duplicate_ids": {"count": len(duplicates), "examples": sorted(map(str, duplicates))[:10]},
+        "output": output_totals,
+        "config": config,
+    }

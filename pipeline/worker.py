@@ -1,0 +1,191 @@
+"""The Ray Data actor that turns prompt rows into completion rows with one decoding engine.
+
+Each actor builds one `DecodingEngine` at start-up (target, draft head, the node's shared
+N-gram trie) and reuses it for every batch. Every input row yields exactly one output row:
+rows that arrive with an error pass through, a request the engine rejects gets its message,
+and an unexpected failure of a whole batch is retried row by row so that one bad prompt
+cannot take its neighbours down with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+import pyarrow as pa
+
+from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.engine import DecodingEngine, GenerationResult, TreeConfig
+from dart_worker.fingerprint import tokenizer_fingerprint
+from dart_worker.loading import load_target
+from dart_worker.prompt_format import encode_prompt, format_messages, format_user_prompt
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from pipeline.config import PipelineConfig, from_dict
+from pipeline.ngram_store import acquire_trie
+from pipeline.outputs import rows_to_table
+
+log = logging.getLogger(__name__)
+
+# Test hook: when set to a file path that does not exist yet, the first batch this process
+# sees creates the file and kills the process, as a crashed worker would (see tests).
+CRASH_ONCE_ENV = "DART_PIPELINE_CRASH_ONCE"
+
+
+def row_seed(base_seed: int, row_key: str) -> int:
+    """Per-row sampling seed: reproducible whatever the batching, distinct across rows."""
+    digest = hashlib.sha256(f"{base_seed}:{row_key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def eos_ids_of(model, tokenizer) -> list[int]:
+    """Every EOS id the target declares (generation config, model config, tokenizer)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return sorted(ids)
+
+
+class GenerationWorker:
+    """Callable class for `Dataset.map_batches`: one engine per actor."""
+
+    def __init__(self, config: dict[str, Any], resolved: dict[str, Any]):
+        """`resolved` carries what the driver already fixed: the head dir, the trie URL and the
+        artifact fingerprints stamped on every output row."""
+        self.cfg: PipelineConfig = from_dict(config)
+        self.resolved = resolved
+        model_cfg, decoding = self.cfg.model, self.cfg.decoding
+        device = resolve_device(model_cfg.device)
+        if device.type == "cpu":
+            configure_cpu_threads(max(1, int(self.cfg.resources.num_cpus_per_worker)))
+        model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),
+                                            device=device)
+        target = TargetAdapter(model, model_cfg.tap_layers)
+        head = None
+        if decoding.mode != "ar":
+            head = load_draft_head(resolved["head_dir"], model.config, model.get_input_embeddings(),
+                                   device=target.device, dtype=target.dtype)
+        trie = None
+        if decoding.mode == "dart":
+            trie = acquire_trie(resolved["trie_url"], tokenizer_fingerprint(self.tokenizer))
+        tree = TreeConfig(budget=decoding.budget, top_k=decoding.tree_top_k, beam_width=decoding.beam_width,
+                          depth_decay=decoding.depth_decay, draft_decay=decoding.draft_decay,
+                          ngram_weight=decoding.ngram_weight, max_depth=decoding.max_depth)
+        self.engine = DecodingEngine(target, self.tokenizer, draft_head=head, trie=trie, mode=decoding.mode,
+                                     tree=tree, eos_token_ids=eos_ids_of(model, self.tokenizer))
+        self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
+
+    # ------------------------------------------------------------------ batch
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        _maybe_crash_for_test()
+        rows = batch.to_pylist()
+        outputs: list[dict | None] = [None] * len(rows)
+        requests = []  # (row index, token ids, params)
+        for k, row in enumerate(rows):
+            if row.get("error"):
+                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=row["error"]))
+                continue
+            try:
+                requests.append((k, self._encode(row), self._params(row)))
+            except (ValueError, TypeError) as exc:
+                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)))
+        for k, result in self._generate(requests):
+            outputs[k] = self._row(rows[k], result)
+        return rows_to_table(outputs)
+
+    def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:
+        if not requests:
+            return []
+        try:
+            results = self.engine.generate([r[1] for r in requests], [r[2] for r in requests])
+            return [(r[0], res) for r, res in zip(requests, results)]
+        except Exception:  # one bad request must not fail its neighbours: retry one by one
+            log.exception("batch of %d failed; retrying its rows one at a time", len(requests))
+        out = []
+        for k, ids, params in requests:
+            try:
+                out.append((k, self.engine.generate([ids], [params])[0]))
+            except Exception as exc:  # recorded in the row; the job goes on
+                out.append((k, GenerationResult(finish_reason="error", error=f"internal error: {exc!r}")))
+        return out
+
+    def _encode(self, row: dict) -> list[int]:
+        use_template = self.cfg.input.apply_chat_template
+        if row.get("prompt_kind") == "messages":
+            messages = json.loads(row["prompt"])
+            if not isinstance(messages, list):
+                raise ValueError("messages must be a JSON list of {role, content} objects")
+            text = format_messages(self.tokenizer, messages, use_template)
+            return encode_prompt(self.tokenizer, text, templated=True)
+        if use_template:
+            return encode_prompt(self.tokenizer, format_user_prompt(self.tokenizer, row["prompt"]), templated=True)
+        return encode_prompt(self.tokenizer, row["prompt"], templated=False)
+
+    def _params(self, row: dict) -> SamplingParams:
+        d = self.cfg.decoding
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                              seed=row_seed(d.seed, row["row_key"]), max_new_tokens=d.max_new_tokens,
+                              stop_token_ids=tuple(d.stop_token_ids))
+
+    def _row(self, row: dict, result: GenerationResult) -> dict:
+        d, s = self.cfg.decoding, result.stats
+        stage = s.stage_seconds
+        ok = result.error is None
+        return {
+            "row_key": row["row_key"],
+            "id": row.get("id"),
+            "source": row.get("source"),
+            "text": result.text if ok else None,
+            "token_ids": result.token_ids if ok and self.cfg.output.include_token_ids else None,
+            "finish_reason": result.finish_reason,
+            "error": result.error,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generated_tokens": len(result.token_ids),
+            "rounds": s.rounds,
+            "tau": s.tau,
+            "acceptance_histogram": s.acceptance_histogram(),
+            "per_position_acceptance": s.per_position_acceptance(),
+            "mean_tree_size": s.mean_tree_size,
+            "prefill_s": stage["prefill"],
+            "draft_s": stage["draft"],
+            "tree_s": stage["tree"],
+            "verify_s": stage["verify"],
+            "commit_s": stage["commit"],
+            "wall_s": s.wall_seconds,
+            "tokens_per_s": s.tokens_per_second,
+            "mode": d.mode,
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "top_k": d.top_k,
+            "seed": row_seed(d.seed, row["row_key"]),
+            "max_new_tokens": d.max_new_tokens,
+            "target_fingerprint": self.resolved.get("target_fingerprint"),
+            "head_fingerprint": self.resolved.get("head_fingerprint"),
+            "trie_fingerprint": self.resolved.get("trie_fingerprint"),
+            "run_id": self.resolved["run_id"],
+            "worker": self.worker_name,
+        }
+
+
+def _maybe_crash_for_test() -> None:
+    marker = os.environ.get(CRASH_ONCE_ENV)
+    if marker and not os.path.exists(marker):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        log.error("test hook %s: killing worker process %d mid-batch", CRASH_ONCE_ENV, os.getpid())
+        os._exit(1)
+
+
