@@ -148,11 +148,11 @@ def plan_night(jobs: list[dict[str, Any]], day: dt.date, max_attempts: int) -> P
 class KubeApi:
     """Just enough of the Kubernetes REST API for RayJobs, with in-cluster credentials."""
 
-    def __init__(self, base_url: str, namespace: str, token_path: Path, ca_path: Path):
+    def __init__(self, base_url: str, namespace: str, token_path: Path, ca_path: Path | None = None):
         self.base_url = base_url.rstrip("/")
         self.namespace = namespace
         self.token_path = token_path
-        self.context = ssl.create_default_context(cafile=str(ca_path))
+        self.context = ssl.create_default_context(cafile=str(ca_path) if ca_path else None)
 
     @classmethod
     def in_cluster(cls, namespace: str | None = None) -> KubeApi:
