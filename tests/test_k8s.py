@@ -378,6 +378,9 @@ def test_raycronjob_runs_daily_in_utc_and_cannot_overlap():
     job = spec["jobTemplate"]
     # No concurrencyPolicy in this CRD: a run ends (deadline, then TTL) before the next tick.
     assert job["activeDeadlineSeconds"] + job["ttlSecondsAfterFinished"] < DAY_S
+    # The entrypoint takes its date from the clock: a KubeRay retry after midnight UTC would
+    # run the next night, so there is none.
+    assert "date=" not in job["entrypoint"] and job.get("backoffLimit", 0) == 0
 
 
 def test_cronjob_forbids_overlap_and_outlives_its_rayjob():
