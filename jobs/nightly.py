@@ -22,6 +22,7 @@ nightly.max_failed_fraction (or the night had no rows and allow_empty is false);
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import re
@@ -40,8 +41,6 @@ from pipeline.config import ConfigError, PipelineConfig, from_dict, to_dict, val
 REPORT_JSON = "_nightly_report.json"
 REPORT_MD = "_nightly_report.md"
 DATE_ARG = "date"
-# Fields whose strings may hold date placeholders (dotted paths into the pipeline section).
-DATED_FIELDS = ("input.urls", "output.url")
 RUNNER_OWNED = ("run_id", "resume")  # run.* keys the runner derives from the date
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
@@ -189,16 +188,18 @@ def load_night(path: str | Path, args: list[str] | None = None, now: dt.datetime
 
 
 def apply_date(pipeline: dict[str, Any], day: dt.date) -> dict[str, Any]:
-    """Fill the date placeholders of DATED_FIELDS; output.url must hold at least one."""
-    out = json.loads(json.dumps(pipeline))  # a deep copy of plain data
-    inputs = out.get("input", {})
-    urls = inputs.get("urls")
-    if isinstance(urls, str):
-        urls = [urls]
-    if isinstance(urls, list):
-        inputs["urls"] = [fill_placeholders(str(u), day, "input.urls") if isinstance(u, str) else u for u in urls]
-    output = out.get("output", {})
-    url = output.get("url")
+    """Fill the date placeholders of input.urls and output.url (the only fields that take
+    them); output.url must hold at least one. Anything malformed is left to the validator."""
+    out = copy.deepcopy(pipeline)
+    inputs = out.get("input")
+    if isinstance(inputs, dict):
+        urls = inputs.get("urls")
+        if isinstance(urls, str):
+            urls = [urls]
+        if isinstance(urls, list):
+            inputs["urls"] = [fill_placeholders(u, day, "input.urls") if isinstance(u, str) else u for u in urls]
+    output = out.get("output")
+    url = output.get("url") if isinstance(output, dict) else None
     if isinstance(url, str):
         filled = fill_placeholders(url, day, "output.url")
         if filled == url:
