@@ -1,0 +1,445 @@
+"""Output rows: the schema, atomic part files with deterministic names, and resume.
+
+One Parquet "part" file holds one batch of output rows. Its name is derived from the batch's
+row keys (part-<sha256 of the sorted keys>[:20].parquet), so a batch that is retried or redone
+after a crash rewrites the same file instead of adding a second copy of its rows.
+
+A part is never visible half-written:
+- local files are written to a hidden temporary name in the same directory, flushed to disk,
+  then renamed with os.replace (atomic on POSIX within one filesystem);
+- on object stores (S3, GCS, Azure) the file is uploaded with one call under its final name.
+  An object store makes a new object visible only once its upload has completed (a single PUT,
+  or CompleteMultipartUpload for large ones), and a failed upload leaves nothing behind. A
+  temporary key plus copy+delete would add a window with two copies and no atomicity, so
+  uploading in place is both simpler and safer.
+Readers (and resume) only consider names matching PART_NAME_PATTERN; the temporary names start
+with "." so Ray Data and Spark skip them as well.
+
+Resume: `existing_row_keys` reads only the row_key column of every part; `filter_done` drops
+those rows from the input. A part that cannot be read (damaged outside this code: parts are
+written atomically) is moved to `<output>/_corrupt/` and logged, so its rows are generated again
+and the evidence is kept; it is never silently counted as done.
+
+The columns and the definition of tau are documented in docs/output_schema.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+import ray.data
+
+from pipeline.storage import StorageError, describe_error, filesystem_for, get_once, is_local, url_of
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = "1"
+OUTPUT_SCHEMA = pa.schema(
+    [
+        pa.field("row_key", pa.string(), nullable=False),
+        pa.field("id", pa.string()),
+        pa.field("text", pa.string()),
+        pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("finish_reason", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("num_prompt_tokens", pa.int64()),
+        pa.field("num_generated_tokens", pa.int64()),
+        pa.field("rounds", pa.int64()),
+        pa.field("tau", pa.float64()),
+        pa.field("acceptance_histogram", pa.list_(pa.int64())),
+        pa.field("per_position_acceptance", pa.list_(pa.float64())),
+        pa.field("mean_tree_size", pa.float64()),
+        pa.field("prefill_s", pa.float64()),
+        pa.field("draft_s", pa.float64()),
+        pa.field("tree_s", pa.float64()),
+        pa.field("verify_s", pa.float64()),
+        pa.field("commit_s", pa.float64()),
+        pa.field("wall_s", pa.float64()),
+        pa.field("tokens_per_s", pa.float64()),
+        pa.field("mode", pa.string()),
+        pa.field("temperature", pa.float64()),
+        pa.field("top_p", pa.float64()),
+        pa.field("top_k", pa.int64()),
+        pa.field("seed", pa.int64()),
+        pa.field("max_new_tokens", pa.int64()),
+        pa.field("target_fingerprint", pa.string()),
+        pa.field("head_fingerprint", pa.string()),
+        pa.field("trie_fingerprint", pa.string()),
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("worker", pa.string()),
+        pa.field("source", pa.string()),
+    ],
+    metadata={"dart.output_schema_version": SCHEMA_VERSION},
+)
+
+PART_NAME_PATTERN = re.compile(r"part-[0-9a-f]{20}\.parquet")
+TEMP_PREFIX = ".tmp-"
+CORRUPT_DIR = "_corrupt"
+# Object stores make an upload visible only when it completes; see the module docstring.
+_OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
+_LIST_THREADS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows -> table
+
+
+def _floats_in(value: Any) -> bool:
+    if isinstance(value, (float, np.floating)):
+        return True
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind == "f"
+    return isinstance(value, (list, tuple)) and any(isinstance(v, (float, np.floating)) for v in value)
+
+
+def _convert_column(name: str, values: list, field: pa.Field, row_keys: list) -> pa.Array:
+    value_type = field.type.value_type if pa.types.is_list(field.type) else field.type
+    if pa.types.is_integer(value_type):  # pyarrow would silently truncate 1.5 to 1 here
+        for i, value in enumerate(values):
+            if _floats_in(value):
+                raise ValueError(
+                    f"output column {name!r} is {field.type}, but row {i} (row_key {row_keys[i]!r}) holds "
+                    f"{value!r}: floats are not accepted for integers"
+                )
+    try:
+        array = pa.array(values, type=field.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+        for i, value in enumerate(values):  # find the first offending row to name it
+            try:
+                pa.array([value], type=field.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+                raise ValueError(
+                    f"output column {name!r} is {field.type}, but row {i} (row_key {row_keys[i]!r}) holds "
+                    f"{value!r} of type {type(value).__name__}: {e}"
+                ) from None
+        raise
+    if not field.nullable and array.null_count:
+        i = values.index(None)
+        raise ValueError(f"output column {name!r} must not be null (row {i}, row_key {row_keys[i]!r})")
+    return array
+
+
+def _check_unique_keys(keys: Sequence[str]) -> None:
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        repeated = sorted({k for k in keys if k in seen or seen.add(k)})  # type: ignore[func-returns-value]
+        raise ValueError(f"row_key must be unique within a part; repeated: {repeated[:5]}")
+
+
+def rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """The rows as a table with exactly OUTPUT_SCHEMA; a column absent from a row is null.
+
+    Raises ValueError naming the column, row and value when a row has an unknown column, a value
+    of the wrong type (e.g. 1.5 for an integer column), a null row_key or run_id, or when two
+    rows share a row_key.
+    """
+    known = set(OUTPUT_SCHEMA.names)
+    for i, row in enumerate(rows):
+        unknown = set(row) - known
+        if unknown:
+            raise ValueError(f"row {i} has columns not in the output schema: {sorted(unknown)}")
+    row_keys = [row.get("row_key") for row in rows]
+    arrays = [
+        _convert_column(field.name, [row.get(field.name) for row in rows], field, row_keys) for field in OUTPUT_SCHEMA
+    ]
+    _check_unique_keys(row_keys)
+    return pa.Table.from_arrays(arrays, schema=OUTPUT_SCHEMA)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """`table` with OUTPUT_SCHEMA's metadata after checking that its columns are exactly OUTPUT_SCHEMA's."""
+    if not table.schema.equals(OUTPUT_SCHEMA, check_metadata=False):
+        expected = {f.name: f for f in OUTPUT_SCHEMA}
+        got = {f.name: f for f in table.schema}
+        missing = [n for n in expected if n not in got]
+        extra = [n for n in got if n not in expected]
+        differing = [
+            f"{n}: {got[n].type} (nullable={got[n].nullable}) instead of {expected[n].type} "
+            f"(nullable={expected[n].nullable})"
+            for n in expected
+            if n in got and not got[n].equals(expected[n])
+        ]
+        order = "" if missing or extra or differing else "; column order differs"
+        raise ValueError(
+            f"table does not match the output schema: missing {missing}, unexpected {extra}, "
+            f"different types {differing}{order}"
+        )
+    for name in ("row_key", "run_id"):
+        if table.column(name).null_count:
+            raise ValueError(f"output column {name!r} must not be null")
+    return table.replace_schema_metadata(OUTPUT_SCHEMA.metadata)
+
+
+def part_name(row_keys: Iterable[str]) -> str:
+    """part-<first 20 hex digits of sha256 over the sorted keys>.parquet (keys length-prefixed, so unambiguous)."""
+    digest = hashlib.sha256()
+    for key in sorted(row_keys):
+        encoded = key.encode("utf-8")
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    return f"part-{digest.hexdigest()[:20]}.parquet"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def _write_local_atomic(directory: str, name: str, data: bytes) -> None:
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, name)
+    temp = os.path.join(directory, f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex}")
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+        raise
+
+
+def _write_via_rename(fs: fsspec.AbstractFileSystem, directory: str, name: str, data: bytes) -> None:
+    """Other filesystems (HDFS, SFTP, ...): temporary name, then rename, as locally."""
+    temp = posixpath.join(directory, f"{TEMP_PREFIX}{name}.{uuid.uuid4().hex}")
+    fs.makedirs(directory, exist_ok=True)
+    try:
+        fs.pipe_file(temp, data)
+        fs.mv(temp, posixpath.join(directory, name))
+    except BaseException:
+        try:
+            fs.rm_file(temp)
+        except Exception:
+            logger.warning("could not remove temporary file %s", url_of(fs, temp))
+        raise
+
+
+def _is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _OBJECT_STORE_PROTOCOLS)
+
+
+def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options: dict[str, Any] | None = None) -> str:
+    """Write one batch of output rows as a part file of `output_url`; returns the part's URL.
+
+    The name depends only on the row keys, and the file appears atomically (see the module
+    docstring), so writing the same batch again replaces the file with identical rows.
+    Every row's run_id must equal `run_id`, which is also stored in the file's metadata.
+    """
+    table = conform(table)
+    if table.num_rows == 0:
+        raise ValueError("refusing to write an empty part: there are no rows to name it by")
+    keys = table.column("row_key").to_pylist()
+    _check_unique_keys(keys)
+    other_runs = pc.unique(table.column("run_id")).to_pylist()
+    if other_runs != [run_id]:
+        raise ValueError(f"rows carry run_id {sorted(set(other_runs) - {run_id})}, expected only {run_id!r}")
+    name = part_name(keys)
+    metadata = {**OUTPUT_SCHEMA.metadata, b"dart.run_id": run_id.encode()}
+    # Sorted rows: the same batch gives the same file whatever order its rows arrived in.
+    data = _parquet_bytes(table.sort_by("row_key").replace_schema_metadata(metadata))
+    fs, directory = filesystem_for(output_url, storage_options)
+    path = posixpath.join(directory, name)
+    try:
+        if is_local(fs):
+            _write_local_atomic(directory, name, data)
+        elif _is_object_store(fs):
+            fs.pipe_file(path, data)  # one upload under the final name: visible only when complete
+        else:
+            _write_via_rename(fs, directory, name, data)
+    except Exception as e:  # OSError, or botocore's own errors (endpoint unreachable, ...)
+        raise StorageError(describe_error("write", url_of(fs, path), e)) from e
+    return url_of(fs, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing, resume, reading back
+
+
+def _list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
+    """Paths of the part files directly under `directory`, sorted; [] if the directory does not exist yet."""
+    try:
+        fs.invalidate_cache(directory)  # other processes write here; a cached listing would be stale
+        entries = fs.ls(directory, detail=False)
+    except FileNotFoundError:
+        if not is_local(fs):
+            bucket = directory.split("/", 1)[0]
+            try:
+                bucket_exists = fs.exists(bucket)
+            except Exception as e:
+                raise StorageError(describe_error("reach", output_url, e)) from e
+            if not bucket_exists:
+                raise StorageError(f"cannot list {output_url}: bucket {bucket!r} does not exist") from None
+        return []
+    except Exception as e:
+        raise StorageError(describe_error("list", output_url, e)) from e
+    return sorted(p for p in entries if PART_NAME_PATTERN.fullmatch(posixpath.basename(p)))
+
+
+class _CorruptPart(Exception):
+    pass
+
+
+def _read_part(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | None) -> pa.Table:
+    """The part's columns; _CorruptPart if the file's content is not a readable part.
+
+    A read error while opening may be the network or the file: on any failure the whole file is
+    fetched again (errors there are storage errors and propagate) and parsed from memory, where a
+    failure can only be the content.
+    """
+    try:
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f, columns=columns)
+    except Exception:
+        pass
+    try:
+        data = fs.cat_file(path)
+    except Exception as e:
+        raise StorageError(describe_error("read", url_of(fs, path), e)) from e
+    try:
+        return pq.read_table(pa.BufferReader(data), columns=columns)
+    except Exception as e:
+        raise _CorruptPart(f"{type(e).__name__}: {e}") from e
+
+
+def _quarantine(fs: fsspec.AbstractFileSystem, directory: str, path: str, reason: str) -> None:
+    target_dir = posixpath.join(directory, CORRUPT_DIR)
+    target = posixpath.join(target_dir, posixpath.basename(path))
+    try:
+        fs.makedirs(target_dir, exist_ok=True)
+        fs.mv(path, target)
+        where = f"moved to {url_of(fs, target)}"
+    except Exception as e:
+        fs.rm_file(path)
+        where = f"deleted (could not move it: {type(e).__name__})"
+    logger.warning("corrupt output part %s (%s): %s; its rows will be generated again", url_of(fs, path), reason, where)
+
+
+def existing_row_keys(output_url: str, *, storage_options: dict[str, Any] | None = None) -> set[str]:
+    """Row keys already written under `output_url` (empty if it does not exist yet).
+
+    Reads only the row_key column of each part file, in parallel threads. Temporary files are
+    ignored; a corrupt part is moved to <output_url>/_corrupt/ and logged, so its rows count as
+    not done.
+    """
+    fs, directory = filesystem_for(output_url, storage_options)
+    parts = _list_parts(fs, directory, output_url)
+
+    def keys_of(path: str) -> list[str] | _CorruptPart:
+        try:
+            return _read_part(fs, path, ["row_key"]).column("row_key").to_pylist()
+        except _CorruptPart as e:
+            return e
+
+    done: set[str] = set()
+    with ThreadPoolExecutor(_LIST_THREADS) as pool:
+        for path, keys in zip(parts, pool.map(keys_of, parts)):
+            if isinstance(keys, _CorruptPart):
+                _quarantine(fs, directory, path, str(keys))
+            else:
+                done.update(keys)
+    return done
+
+
+def remove_temp_files(output_url: str, *, storage_options: dict[str, Any] | None = None) -> int:
+    """Delete leftover temporary files of crashed writers; returns how many. Call only while no worker writes."""
+    fs, directory = filesystem_for(output_url, storage_options)
+    try:
+        fs.invalidate_cache(directory)
+        entries = fs.ls(directory, detail=False)
+    except FileNotFoundError:
+        return 0
+    temps = [p for p in entries if posixpath.basename(p).startswith(TEMP_PREFIX)]
+    for path in temps:
+        fs.rm_file(path)
+    return len(temps)
+
+
+def filter_done(ds: ray.data.Dataset, done_keys: Iterable[str]) -> ray.data.Dataset:
+    """`ds` without the rows whose row_key is in `done_keys` (a lazy map_batches filter).
+
+    The keys travel once through the object store (ray.put) and each worker process builds its
+    lookup set once, so the cost per batch is one set lookup per row.
+    """
+    done = frozenset(done_keys)
+    if not done:
+        return ds
+    ref = ray.put(done)
+
+    def drop_done(batch: pa.Table) -> pa.Table:
+        keys = get_once(ref)
+        mask = [key not in keys for key in batch.column("row_key").to_pylist()]
+        return batch.filter(pa.array(mask, pa.bool_()))
+
+    return ds.map_batches(drop_done, batch_format="pyarrow", zero_copy_batch=True)
+
+
+def read_output(
+    output_url: str, columns: list[str] | None = None, *, storage_options: dict[str, Any] | None = None
+) -> pa.Table:
+    """All rows under `output_url` as one table (OUTPUT_SCHEMA, or `columns` of it), sorted by row_key.
+
+    For tests and the job summary: it reads everything into the driver. A corrupt part is a
+    StorageError here (this function never modifies the output). Should a row_key appear in two
+    parts (only possible if batches were formed differently on a retry), the row from the first
+    part by name is kept and a warning logged.
+    """
+    fs, directory = filesystem_for(output_url, storage_options)
+    read_columns = None if columns is None else list(dict.fromkeys(["row_key", *columns]))
+    schema = OUTPUT_SCHEMA if read_columns is None else pa.schema([OUTPUT_SCHEMA.field(c) for c in read_columns])
+    tables = []
+    for path in _list_parts(fs, directory, output_url):
+        try:
+            table = _read_part(fs, path, read_columns)
+        except _CorruptPart as e:
+            raise StorageError(f"corrupt output part {url_of(fs, path)}: {e}") from None
+        try:
+            names = schema.names if read_columns is not None else OUTPUT_SCHEMA.names
+            tables.append(table.select(names).replace_schema_metadata(None).cast(schema.remove_metadata()))
+        except (pa.ArrowInvalid, KeyError, ValueError) as e:
+            raise StorageError(f"output part {url_of(fs, path)} does not match the output schema: {e}") from e
+    if not tables:
+        return schema.empty_table()
+    table = pa.concat_tables(tables)
+    keys = table.column("row_key")
+    if pc.count_distinct(keys).as_py() != len(table):
+        first = pc.equal(pa.array(range(len(table))), pa.array(_first_index(keys.to_pylist())))
+        logger.warning(
+            "output under %s holds %d repeated row keys; keeping the first copy",
+            output_url,
+            len(table) - pc.sum(first).as_py(),
+        )
+        table = table.filter(first)
+    table = table.sort_by("row_key").replace_schema_metadata(schema.metadata)
+    if columns is not None:
+        table = table.select(columns)
+    return table
+
+
+def _first_index(keys: list[str]) -> list[int]:
+    """For each position, the position of the first occurrence of its key."""
+    first: dict[str, int] = {}
+    return [first.setdefault(key, i) for i, key in enumerate(keys)]
