@@ -17,7 +17,7 @@ only the rows not yet written.
 Exit codes, so that a scheduler (RayJob, CronJob) sees a bad night as a failed job:
 0 the night passed; 1 the failed-row fraction over the whole night's output exceeded
 nightly.max_failed_fraction (or the night had no rows and allow_empty is false);
-2 a config or start-up error (nothing was generated).
+2 a config, start-up or storage error (e.g. the night's input is not there).
 """
 
 from __future__ import annotations
@@ -313,11 +313,14 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """The pipeline itself (imported here: it pulls in Ray). Tests replace this function."""
     from pipeline.run import StartupError
     from pipeline.run import run_pipeline as run
+    from pipeline.storage import StorageError
 
     try:
         return run(config)
     except StartupError as exc:
         raise NightlyError(f"start-up: {exc}") from None
+    except StorageError as exc:  # e.g. tonight's input partition is not there (yet)
+        raise NightlyError(f"storage: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -257,3 +257,20 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(config_path, fake_p
     out = capsys.readouterr().out
     assert "run_id: nightly-2026-11-20" in out and "/prompts/2026-11-20/*.jsonl" in out
     assert calls == []
+
+
+def test_pipeline_start_up_and_storage_errors_become_nightly_errors(config_path, monkeypatch):
+    try:
+        import pipeline.run as pipeline_run
+        from pipeline.storage import StorageError
+    except Exception as exc:  # the pipeline package is still being assembled elsewhere
+        pytest.skip(f"pipeline.run does not import: {exc}")
+    night = _night(config_path)
+    for error, prefix in ((pipeline_run.StartupError("model.trie: missing"), "start-up"),
+                          (StorageError("no files match s3://b/2026-11-20/*.jsonl"), "storage")):
+        def fail(config, error=error):
+            raise error
+
+        monkeypatch.setattr(pipeline_run, "run_pipeline", fail)
+        with pytest.raises(NightlyError, match=f"^{prefix}: "):
+            nightly.run_pipeline(night.config)
