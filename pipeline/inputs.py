@@ -484,7 +484,11 @@ def read_prompts_with_report(
     """
     fields = PromptFields(id_column, prompt_column, messages_column, max_prompt_chars)
     datasource = prompt_datasource(urls, format, fields, storage_options)
-    repeated = find_repeated_keys(datasource)
+    try:
+        repeated = find_repeated_keys(datasource)  # reads every input file: unreadable ones fail here
+    except InputError as e:  # raised in a Ray task: keep our one-line message, not Ray's notes and traceback
+        cause = getattr(e, "cause", e)
+        raise InputError(str(cause).split("\n", 1)[0]) from None
     if repeated:
         logger.warning("duplicate ids in the input: %s", describe_duplicates(repeated))
     duplicates = {key[3:]: n for key, (_, n) in repeated.items() if key.startswith("id:")}

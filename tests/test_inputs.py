@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from pipeline import inputs
 from pipeline.inputs import (
     INPUT_SCHEMA,
+    InputError,
     PromptFields,
     find_duplicate_ids,
     iter_lines,
@@ -396,8 +397,10 @@ def test_input_errors(ray_session, tmp_path):
     with pytest.raises(ValueError, match="'jsonl' or 'parquet'"):
         read_prompts([str(tmp_path)], "csv")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(Exception, match=r"cannot read Parquet file .*bad\.parquet"):
-        read_prompts([str(tmp_path / "bad.parquet")], "parquet").take_all()
+    with pytest.raises(InputError) as excinfo:  # at start-up, as a plain one-line error
+        read_prompts([str(tmp_path / "bad.parquet")], "parquet")
+    assert str(excinfo.value).startswith(f"cannot read Parquet file {(tmp_path / 'bad.parquet').as_uri()}: ")
+    assert "\n" not in str(excinfo.value) and type(excinfo.value) is InputError
 
 
 def test_expand_inputs_is_sorted_and_skips_metadata(tmp_path):
