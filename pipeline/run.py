@@ -27,10 +27,10 @@ import ray
 
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
-from pipeline.inputs import find_duplicate_ids, mark_duplicates, read_prompts
-from pipeline.ngram_store import check_trie_url, shutdown_ngram_stores
+from pipeline.inputs import read_prompts_with_report
+from pipeline.ngram_store import TrieUnavailableError, check_trie_url, shutdown_ngram_stores
 from pipeline.outputs import existing_row_keys, filter_done, read_output, write_part
-from pipeline.storage import expand_inputs, filesystem_for
+from pipeline.storage import StorageError, expand_inputs, filesystem_for
 from pipeline.summary import STAT_COLUMNS, RunTally, build_summary
 from pipeline.worker import GenerationWorker
 
@@ -53,7 +53,7 @@ def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
     resolved: dict[str, Any] = {"run_id": run_id}
     try:
         resolved["input_files"] = expand_inputs(cfg.input.urls)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, StorageError) as exc:
         raise StartupError(f"input: {exc}") from None
     if not resolved["input_files"]:
         raise StartupError(f"input: no files match {cfg.input.urls}")
@@ -103,7 +103,7 @@ def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
         spec = str(default_trie_path())
     try:
         header = check_trie_url(spec, tokenizer_fingerprint(tokenizer))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TrieUnavailableError) as exc:
         raise StartupError(f"model.trie {spec!r}: {exc}") from None
     return spec, header.content_key
 
@@ -120,13 +120,11 @@ def write_rows(batch: pa.Table, output_url: str, run_id: str) -> pa.Table:
 def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str]):
     """The lazy Ray Data pipeline; returns (dataset, duplicate ids)."""
     i, r = cfg.input, cfg.resources
-    ds = read_prompts(resolved["input_files"], i.format, id_column=i.id_column, prompt_column=i.prompt_column,
-                      messages_column=i.messages_column, max_prompt_chars=i.max_prompt_chars)
-    duplicates = find_duplicate_ids(ds)
-    if duplicates:
-        log.warning("%d duplicate ids in the input (e.g. %s): extra occurrences become error rows",
-                    len(duplicates), sorted(map(str, duplicates))[:5])
-        ds = mark_duplicates(ds, duplicates)
+    # Duplicate ids are resolved while reading: the first occurrence is generated, the others
+    # become "duplicate id" error rows with keys of their own.
+    ds, duplicates = read_prompts_with_report(
+        resolved["input_files"], i.format, id_column=i.id_column, prompt_column=i.prompt_column,
+        messages_column=i.messages_column, max_prompt_chars=i.max_prompt_chars)
     if done_keys:
         ds = filter_done(ds, done_keys)
     if r.min_workers is not None:

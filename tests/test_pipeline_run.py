@@ -1,0 +1,194 @@
+"""The whole job end to end on tiny artifacts: local files and a real S3 server on loopback.
+
+Every input row yields exactly one output row (result or error) across worker crashes and a
+killed-then-resumed run; greedy results through the pipeline equal plain autoregressive
+decoding of the same prompt; start-up problems are clear errors before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from dart_worker.draft_checkpoint import save_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.engine import DecodingEngine
+from dart_worker.fingerprint import tokenizer_fingerprint
+from dart_worker.loading import load_target
+from dart_worker.prompt_format import encode_prompt, format_user_prompt
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from ngram_native import build_trie
+from pipeline.config import load_config
+from pipeline.outputs import read_output
+from pipeline.run import SUMMARY_NAME, main, run_pipeline
+from pipeline.worker import CRASH_ONCE_ENV
+from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_tokenizer
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """A tiny target dir, a random draft head checkpoint and a trie for its tokenizer."""
+    root = tmp_path_factory.mktemp("artifacts")
+    target_dir = save_tiny_target(root / "target", "llama")
+    model, _ = load_target(str(target_dir), dtype="fp32", device="cpu")
+    torch.manual_seed(0)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3)
+    save_draft_head(head, root / "head")
+    tokenizer = tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, TINY_VOCAB, size=50).astype(np.int32) for _ in range(30)]
+    build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
+               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
+
+
+def word_prompt(rng, n: int) -> str:
+    return " ".join(f"w{int(t)}" for t in rng.integers(4, TINY_VOCAB, size=n))
+
+
+def write_inputs(path: Path, good: int, seed: int = 0) -> dict[str, str]:
+    """JSONL with `good` valid rows plus one of each kind of bad row; returns id -> prompt."""
+    rng = np.random.default_rng(seed)
+    prompts = {f"row-{k}": word_prompt(rng, int(rng.integers(3, 12))) for k in range(good)}
+    lines = [json.dumps({"id": k, "prompt": p}) for k, p in prompts.items()]
+    lines += [
+        '{"id": "broken", "prompt": ',  # malformed JSON
+        json.dumps({"id": "empty", "prompt": ""}),
+        json.dumps({"id": "number", "prompt": 42}),
+        json.dumps({"id": "noprompt"}),
+        json.dumps({"id": "toolong", "prompt": "w5 " * 400}),
+        json.dumps({"id": "row-0", "prompt": "w9 w9"}),  # duplicate id
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return prompts
+
+
+def config_file(tmp_path: Path, artifacts: dict, inputs: list[str], output: str, **extra) -> Path:
+    cfg = {
+        "input": {"urls": inputs, "format": "jsonl", "max_prompt_chars": 1000},
+        "model": {"target": artifacts["target"], "draft_head": artifacts["head"], "trie": artifacts["trie"],
+                  "dtype": "fp32", "device": "cpu"},
+        "decoding": {"mode": "dart", "temperature": 0.0, "max_new_tokens": 12, "budget": 8},
+        "resources": {"num_workers": 2, "num_cpus_per_worker": 0.5, "batch_size": 3},
+        "output": {"url": output, "rows_per_file": 4},
+        "run": {"run_id": "test-run", "progress_interval_s": 1},
+    }
+    for key, value in extra.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def expected_greedy(artifacts: dict, prompts: dict[str, str], max_new_tokens: int = 12) -> dict[str, list[int]]:
+    """Plain autoregressive greedy decoding of the same prompts, outside the pipeline."""
+    model, tokenizer = load_target(artifacts["target"], dtype="fp32", device="cpu")
+    engine = DecodingEngine(TargetAdapter(model), tokenizer, mode="ar", eos_token_ids=[2])
+    ids = [encode_prompt(tokenizer, format_user_prompt(tokenizer, p), templated=True) for p in prompts.values()]
+    results = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+    return {k: r.token_ids for k, r in zip(prompts, results)}
+
+
+@pytest.fixture
+def fresh_ray():
+    ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, fresh_ray, monkeypatch):
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv(CRASH_ONCE_ENV, str(marker))  # one worker dies mid-batch; Ray redoes the batch
+    prompts = write_inputs(tmp_path / "in.jsonl", good=10)
+    cfg = load_config(config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out")))
+    summary = run_pipeline(cfg)
+    assert marker.exists(), "the crash hook never fired"
+
+    table = read_output(str(tmp_path / "out")).to_pylist()
+    keys = [r["row_key"] for r in table]
+    assert len(keys) == len(set(keys)) == 16  # 10 good + 6 bad, each exactly once
+    by_id = {}
+    for r in table:
+        by_id.setdefault(r["id"], []).append(r)
+    errors = {r["id"]: r["error"] for r in table if r["error"]}
+    assert "empty" in errors["empty"] and "not a string" in errors["number"]
+    assert "missing prompt" in errors["noprompt"] and "longer than" in errors["toolong"]
+    assert any("malformed JSON" in (r["error"] or "") for r in table)
+    assert sum("duplicate id" in (r["error"] or "") for r in by_id["row-0"]) == 1
+
+    expected = expected_greedy(artifacts, prompts)
+    for key, tokens in expected.items():
+        ok = [r for r in by_id[key] if not r["error"]]
+        assert len(ok) == 1 and ok[0]["token_ids"] == tokens, key
+        assert ok[0]["mode"] == "dart" and ok[0]["run_id"] == "test-run" and ok[0]["rounds"] >= 1
+    assert summary["this_run"]["rows"] == 16 and summary["this_run"]["rows_failed"] == 6
+    assert summary["duplicate_ids"]["count"] == 1
+    assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["run_id"] == "test-run"
+
+
+def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
+    write_inputs(tmp_path / "in.jsonl", good=24, seed=1)
+    out = tmp_path / "out"
+    cfg = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(out),
+                      output__rows_per_file=2, resources__num_workers=1, resources__batch_size=1,
+                      decoding__max_new_tokens=24)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.run", str(cfg)], cwd=tmp_path, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(out.glob("part-*.parquet"))) < 3 and proc.poll() is None:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+    written = {r for p in out.glob("part-*.parquet") for r in pq.read_table(p, columns=["row_key"])["row_key"]
+               .to_pylist()}
+    assert 0 < len(written) < 30, "kill the run half-way: some but not all rows written"
+
+    ray.shutdown()
+    try:
+        summary = run_pipeline(load_config(cfg, ["run.resume=true"]))
+    finally:
+        ray.shutdown()
+    assert summary["this_run"]["rows_skipped_as_done"] == len(written)
+    assert summary["this_run"]["rows"] == 30 - len(written)
+    keys = read_output(str(out))["row_key"].to_pylist()
+    assert len(keys) == len(set(keys)) == 30
+
+
+def test_startup_errors_are_clear_and_early(tmp_path, artifacts, capsys):
+    write_inputs(tmp_path / "in.jsonl", good=2)
+    base = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out"))
+    corrupt = tmp_path / "corrupt.ngram"
+    corrupt.write_bytes(Path(artifacts["trie"]).read_bytes()[:100])
+    bad_head = tmp_path / "bad_head"
+    bad_head.mkdir()
+    (bad_head / "config.json").write_text("{not json")
+    cases = [
+        (["model.trie=" + str(tmp_path / "missing.ngram")], "model.trie"),
+        (["model.trie=" + str(corrupt)], "model.trie"),
+        (["model.draft_head=" + str(bad_head)], "model.draft_head"),
+        (["input.urls=[" + str(tmp_path / "nothing-*.jsonl") + "]"], "input"),
+        (["model.target=" + str(tmp_path / "no-model")], "model.target"),
+    ]
+    for overrides, where in cases:
+        assert main([str(base), *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and where in err, (overrides, err)
+    assert not (tmp_path / "out" / SUMMARY_NAME).exists()
