@@ -87,7 +87,7 @@ _MISSING = object()
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
-class InputError(RuntimeError):
+class InputError(ValueError):
     """An input file cannot be read at all (not a row-level problem: those become error rows)."""
 
 

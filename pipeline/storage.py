@@ -28,8 +28,11 @@ _GLOB_CHARS = "*?["
 _SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
 
-class StorageError(RuntimeError):
-    """A URL could not be listed, found or reached. The message names the URL, never a credential."""
+class StorageError(OSError):
+    """A URL could not be listed, found, read or written. The message names the URL, never a credential.
+
+    An OSError, so that callers handling I/O failures handle these too.
+    """
 
 
 def redact(text: str) -> str:
@@ -89,11 +92,6 @@ def arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pyarrow.fs.FileSystem:
 def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """The canonical URL of `path` on `fs` (file:///abs/path locally, s3://bucket/key on S3)."""
     return fs.unstrip_protocol(path)
-
-
-def join_url(base: str, name: str) -> str:
-    """`name` inside the directory URL `base`, keeping the scheme (posix separators everywhere)."""
-    return base.rstrip("/") + "/" + name
 
 
 def is_hidden(relative_path: str) -> bool:
