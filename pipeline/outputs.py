@@ -163,27 +163,30 @@ def rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
 
 
 def conform(table: pa.Table) -> pa.Table:
-    """`table` with OUTPUT_SCHEMA's metadata after checking that its columns are exactly OUTPUT_SCHEMA's."""
-    if not table.schema.equals(OUTPUT_SCHEMA, check_metadata=False):
-        expected = {f.name: f for f in OUTPUT_SCHEMA}
-        got = {f.name: f for f in table.schema}
-        missing = [n for n in expected if n not in got]
-        extra = [n for n in got if n not in expected]
-        differing = [
-            f"{n}: {got[n].type} (nullable={got[n].nullable}) instead of {expected[n].type} "
-            f"(nullable={expected[n].nullable})"
-            for n in expected
-            if n in got and not got[n].equals(expected[n])
-        ]
+    """`table` with exactly OUTPUT_SCHEMA (including its nullability flags and metadata).
+
+    The column names, order and types must match; nullability flags and metadata may have been
+    lost on the way (Ray Data blocks, concatenation), so they are restored after checking that the
+    non-nullable columns hold no nulls.
+    """
+    got_names, expected_names = table.schema.names, OUTPUT_SCHEMA.names
+    differing = [
+        f"{f.name}: {table.schema.field(f.name).type} instead of {f.type}"
+        for f in OUTPUT_SCHEMA
+        if f.name in got_names and table.schema.field(f.name).type != f.type
+    ]
+    if got_names != expected_names or differing:
+        missing = [n for n in expected_names if n not in got_names]
+        extra = [n for n in got_names if n not in expected_names]
         order = "" if missing or extra or differing else "; column order differs"
         raise ValueError(
             f"table does not match the output schema: missing {missing}, unexpected {extra}, "
             f"different types {differing}{order}"
         )
-    for name in ("row_key", "run_id"):
-        if table.column(name).null_count:
-            raise ValueError(f"output column {name!r} must not be null")
-    return table.replace_schema_metadata(OUTPUT_SCHEMA.metadata)
+    for field in OUTPUT_SCHEMA:
+        if not field.nullable and table.column(field.name).null_count:
+            raise ValueError(f"output column {field.name!r} must not be null")
+    return table.cast(OUTPUT_SCHEMA)
 
 
 def part_name(row_keys: Iterable[str]) -> str:

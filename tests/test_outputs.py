@@ -127,6 +127,14 @@ def test_conform_names_the_differences():
         conform(table.set_column(table.schema.get_field_index("rounds"), "rounds", pa.array([1], pa.int32())))
     with pytest.raises(ValueError, match="column order differs"):
         conform(table.select(list(reversed(table.column_names))))
+    # Lost nullability flags and metadata (as after some Ray Data concatenations) are restored.
+    loose = pa.schema([f.with_nullable(True) for f in OUTPUT_SCHEMA])
+    restored = conform(table.cast(loose))
+    assert restored.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
+    with pytest.raises(ValueError, match="'run_id' must not be null"):
+        conform(
+            table.cast(loose).set_column(table.schema.get_field_index("run_id"), "run_id", pa.nulls(1, pa.string()))
+        )
 
 
 @settings(max_examples=100, deadline=None)
