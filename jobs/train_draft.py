@@ -104,6 +104,7 @@ class EvalConfig:
     dev_sequences: int = 16
     dev_anchors_per_sequence: int = 64
     tau_prompts: int = 4  # dev prompts decoded with the engine (0 = skip)
+    tau_every_steps: int = 0  # 0: tau only after the last step (real decoding is slow on a CPU)
     tau_max_new_tokens: int = 64
     tau_modes: list[str] = field(default_factory=lambda: ["chain", "dart"])
     trie: str | None = "default"  # for dart mode: a trie path, "default", or null (skip dart)
@@ -595,6 +596,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         gens = ctx.gather(list(generator.get_state().tolist()))
         positions = ctx.gather([stream.epoch, stream.position])
         if not ctx.is_main:
+            if ctx.report is not None:  # ray.train.report is a barrier: every rank calls it
+                ctx.report({"step": step}, None)
             return {}
         state = {"step": step, "tokens_seen": tokens_seen, "data_positions": positions,
                  "generators": [torch.tensor(g, dtype=torch.uint8) for g in gens],
@@ -606,7 +609,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                 metrics.update(evaluate_dev(head, teacher, dev_examples, cfg, device, batch_size=1))
             head.train()
-        if cfg.eval.tau_prompts > 0 and (final or cfg.eval.every_steps > 0):
+        tau_every = cfg.eval.tau_every_steps
+        if cfg.eval.tau_prompts > 0 and (final or (tau_every > 0 and step % tau_every == 0)):
             metrics.update(evaluate_tau(path, model, tokenizer, cfg, eval_cache))
         print(f"eval step {step}: " + json.dumps({k: _round(v) for k, v in metrics.items()}), flush=True)
         history.append(metrics)

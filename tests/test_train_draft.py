@@ -369,3 +369,51 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
     ar = DecodingEngine(adapter, draft_head=None, mode="ar").generate([prompt], params)[0]
     chain = DecodingEngine(adapter, draft_head=head, mode="chain").generate([prompt], params)[0]
     assert chain.error is None and chain.token_ids == ar.token_ids
+
+
+# ------------------------------------------------------------------------ Ray Train backend
+
+
+@pytest.mark.slow
+def test_ray_backend_two_workers(tmp_path):
+    """Two data-parallel Ray Train workers train a head on a tiny Gemma3 target end to end.
+
+    The target directory pairs a tiny random model with the default (Gemma-3) tokenizer, as
+    a user's own target would come: a local Hugging Face directory loaded by each worker.
+    """
+    import json
+
+    ray = pytest.importorskip("ray")
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from dart_worker.corpus import default_tokenizer
+    from jobs.train_draft import main
+
+    tok = default_tokenizer()
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                              max_position_embeddings=256, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    target_dir = tmp_path / "target"
+    Gemma3ForCausalLM(config).save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": c.turns[0].text},
+                                              {"from": "gpt", "value": c.turns[1].text}]}
+            for i, c in enumerate(chats(12))]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        main([f"target={target_dir}", f"data.source={data}", "data.dev_fraction=0.0",
+              f"output_dir={tmp_path / 'run'}", f"export_dir={tmp_path / 'export'}", "save_dtype=fp32",
+              "head.draft_vocab_size=256", "head.draft_length=3", "loss.anchors_per_sequence=4",
+              "eval.dev_sequences=0", "eval.tau_prompts=0", "trainer.backend=ray", "trainer.num_workers=2",
+              "trainer.max_steps=2", "trainer.checkpoint_every=0", "trainer.batch_size=1", "trainer.amp=false",
+              "trainer.target_dtype=fp32", "trainer.threads=1"])
+    finally:
+        ray.shutdown()
+    model = Gemma3ForCausalLM.from_pretrained(target_dir)
+    head = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
+    assert head.config.draft_vocab_size == 256
+    summary = json.loads((tmp_path / "run" / "training_summary.json").read_text())
+    assert summary["steps"] == 2
