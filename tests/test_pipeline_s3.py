@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -83,21 +85,26 @@ def test_ray_job_submit_end_to_end(tmp_path, artifacts):  # noqa: F811
                       resources__num_workers=1)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    temp_dir = tmp_path / "ray"
+    temp_dir = tempfile.mkdtemp(prefix="rj-", dir="/tmp")  # short: Ray's socket paths have a length limit
 
     def ray_cli(*args, check=True, timeout=300):
         return subprocess.run(["ray", *args], env=env, capture_output=True, text=True, check=check, timeout=timeout)
 
     ray_cli("get-auth-token", "--generate", check=False)
-    ray_cli("start", "--head", "--num-cpus=2", "--port=0", "--dashboard-port=8299", "--disable-usage-stats",
-            f"--temp-dir={temp_dir}")
+    ray_cli("start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--port=0", "--dashboard-port=8299",
+            "--disable-usage-stats", f"--temp-dir={temp_dir}")
     try:
-        submitted = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299", "--",
-                            sys.executable, "-m", "pipeline.run", str(cfg), timeout=600, check=False)
+        for _ in range(30):  # the job agent comes up a little after `ray start` returns
+            submitted = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299", "--",
+                                sys.executable, "-m", "pipeline.run", str(cfg), timeout=600, check=False)
+            if "No available agent" not in submitted.stderr:
+                break
+            time.sleep(2)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "succeeded" in submitted.stdout.lower()
     finally:
         ray_cli("stop", "--force", check=False)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     out = read_output(str(tmp_path / "out"))
     assert out.num_rows == 10 and len(set(out["row_key"].to_pylist())) == 10
     assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["this_run"]["rows"] == 10
