@@ -1,0 +1,145 @@
+"""Pipeline benchmark: `python -m jobs.bench_pipeline [key=value ...]`.
+
+Measures, in one run on the same ShareGPT dev prompts:
+- rows/s and tokens/s of the whole pipeline (`python -m pipeline.run` in-process) for `dart` and `ar`;
+- the pipeline's overhead against calling the engine directly on the same prompts, with the
+  same batch size and prompt formatting (aim: under 10%);
+- resident memory per node with 1 and 2 workers (sum of the workers' PSS, and the trie's
+  share of it, which should be counted once however many workers map it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import ray
+from omegaconf import OmegaConf
+
+from dart_worker.corpus import sharegpt_dev_prompts
+from pipeline.config import load_config
+from pipeline.run import run_pipeline
+
+
+@dataclass
+class PipelineBenchConfig:
+    num_prompts: int = 64
+    max_new_tokens: int = 128
+    modes: list[str] = field(default_factory=lambda: ["ar", "dart"])
+    batch_size: int = 4
+    budget: int = 32
+    memory_workers: list[int] = field(default_factory=lambda: [1, 2])  # worker counts for the memory figure
+    memory_prompts: int = 8
+    output: str | None = None  # JSON with all figures
+
+
+def write_prompts(path: Path, n: int) -> int:
+    prompts = sharegpt_dev_prompts(n, max_chars=2000)
+    with path.open("w") as f:
+        for p in prompts:
+            f.write(json.dumps({"id": p.id, "prompt": p.text}) + "\n")
+    return len(prompts)
+
+
+def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
+    return load_config("configs/local.yaml", [
+        f"input.urls=[{work / 'prompts.jsonl'}]", f"output.url={work / ('out-' + tag)}",
+        f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.budget={cfg.budget}",
+        f"resources.num_workers={workers}", f"resources.num_cpus_per_worker={threads}",
+        f"resources.batch_size={cfg.batch_size}", f"run.run_id=bench-{tag}", "run.progress_interval_s=60",
+    ])
+
+
+def engine_direct(pcfg, prompts_path: Path) -> dict:
+    """The same work without Ray Data: one worker object (one engine) called on the same batches,
+    so prompt formatting, decoding and row building are identical; only the dataflow is missing."""
+    from pipeline.config import to_dict
+    from pipeline.run import resolve_artifacts
+    from pipeline.worker import GenerationWorker
+
+    worker = GenerationWorker(to_dict(pcfg), resolve_artifacts(pcfg, "direct"))
+    rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    inputs = [{"row_key": f"id:{r['id']}", "id": r["id"], "prompt": r["prompt"], "prompt_kind": "text",
+               "source": str(prompts_path), "error": None} for r in rows]
+    started = time.perf_counter()
+    tokens = 0
+    for k in range(0, len(inputs), pcfg.resources.batch_size):
+        out = worker(pa.Table.from_pylist(inputs[k : k + pcfg.resources.batch_size]))
+        tokens += sum(out["num_generated_tokens"].to_pylist())
+    wall = time.perf_counter() - started
+    return {"rows": len(rows), "tokens": tokens, "wall_s": wall, "rows_per_s": len(rows) / wall,
+            "tokens_per_s": tokens / wall}
+
+
+class PssSampler:
+    """Samples the summed PSS of Ray worker processes running our actors, every 0.5 s."""
+
+    def __init__(self):
+        self.peak_pss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(proc.info["cmdline"] or [])
+                if "GenerationWorker" in cmd or "MapWorker" in cmd:
+                    with contextlib.suppress(psutil.Error, OSError):
+                        total += proc.memory_full_info().pss
+            self.peak_pss = max(self.peak_pss, total)
+            self._stop.wait(0.5)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg: PipelineBenchConfig = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(PipelineBenchConfig), OmegaConf.from_cli(argv)))
+    report: dict = {"config": asdict(cfg), "pipeline": {}, "engine_direct": {}, "memory": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        work = Path(tmp)
+        n = write_prompts(work / "prompts.jsonl", cfg.num_prompts)
+        print(f"{n} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, batch {cfg.batch_size}")
+        for mode in cfg.modes:
+            pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=mode)
+            summary = run_pipeline(pcfg)
+            ray.shutdown()
+            this = summary["this_run"]
+            report["pipeline"][mode] = {"rows": this["rows"], "tokens": this["generated_tokens"],
+                                        "wall_s": summary["wall_s"], "rows_per_s": this["rows_per_s"],
+                                        "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean")}
+            report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
+        for mode in cfg.modes:
+            p, e = report["pipeline"][mode], report["engine_direct"][mode]
+            p["overhead_vs_engine"] = e["tokens_per_s"] / p["tokens_per_s"] - 1 if p["tokens_per_s"] else None
+        write_prompts(work / "prompts.jsonl", cfg.memory_prompts)
+        for workers in cfg.memory_workers:
+            pcfg = pipeline_config(work, "dart", cfg, workers=workers, threads=max(1, 2 // workers),
+                                   tag=f"mem{workers}")
+            with PssSampler() as sampler:
+                run_pipeline(pcfg)
+            ray.shutdown()
+            report["memory"][f"{workers}_workers"] = {"peak_workers_pss_mb": sampler.peak_pss / 2**20}
+    print(json.dumps({k: report[k] for k in ("pipeline", "engine_direct", "memory")}, indent=1))
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
