@@ -75,25 +75,61 @@ def load_trie(cfg: BenchConfig, tokenizer):
     return NgramTrie.open(path, verify=True, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
 
 
-def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
-    extra = {"prompt_lookup_num_tokens": 10} if mode == "hf_prompt_lookup" else {}
+def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: list[int],
+           temperature: float = 0.0, seed: int = 0) -> tuple[list[int], float]:
+    """transformers' own generate on one prompt: (generated ids, seconds).
+
+    temperature 0 is greedy; above 0 it samples (`do_sample=True`, plain temperature sampling with
+    top-k/top-p off, like the engine's defaults). Prompt lookup (`hf_prompt_lookup`) is greedy only.
+    """
+    extra: dict = {"prompt_lookup_num_tokens": 10} if mode == "hf_prompt_lookup" else {}
+    if temperature > 0:
+        if mode == "hf_prompt_lookup":
+            raise ValueError("hf_prompt_lookup is greedy only; run it at temperature 0")
+        torch.manual_seed(seed)
+        extra |= {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    else:
+        extra["do_sample"] = False
     ids = torch.tensor([prompt_ids], device=model.device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
+                         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
     elapsed = time.perf_counter() - start
     return out[0, len(prompt_ids):].tolist(), elapsed
 
 
+def eos_ids(model) -> list[int]:
+    """The target's end-of-sequence ids from its generation config (one id or a list)."""
+    eos = model.generation_config.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
+
+
+def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """The first `num_prompts` ShareGPT dev prompts that fit `max_prompt_tokens`: (id, token ids)."""
+    prompts = []
+    for p in sharegpt_dev_prompts(num_prompts * 3, max_chars=4 * max_prompt_tokens):
+        ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            prompts.append((p.id, ids))
+        if len(prompts) == num_prompts:
+            break
+    return prompts
+
+
 def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
-    """Medians per mode; speedup = median over prompts of (ar seconds / mode seconds)."""
-    ar = {r["prompt"]: r for r in records.get("ar", [])}
+    """Medians per mode; speedup = median over runs of (ar seconds per token / mode seconds per token).
+
+    Each run is paired with the `ar` run of the same prompt and repeat (runs of one repeat are
+    interleaved, so they saw the same machine load).
+    """
+    ar = {_run_key(r): r for r in records.get("ar", [])}
     summary = {}
     for mode, rows in records.items():
         tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
-        ratios = [(ar[r["prompt"]]["seconds"] / ar[r["prompt"]]["tokens"]) / (r["seconds"] / r["tokens"])
-                  for r in rows if r["prompt"] in ar and r["tokens"] and ar[r["prompt"]]["tokens"]]
-        agree = [r["token_ids"] == ar[r["prompt"]]["token_ids"] for r in rows if r["prompt"] in ar]
+        ratios = [(ar[_run_key(r)]["seconds"] / ar[_run_key(r)]["tokens"]) / (r["seconds"] / r["tokens"])
+                  for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
+                  and ar[_run_key(r)]["tokens"]]
+        agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
         entry = {
             "tokens_per_second": statistics.median(tps) if tps else 0.0,
             "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
@@ -118,6 +154,10 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+def _run_key(record: dict) -> tuple:
+    return record["prompt"], record.get("repeat", 0)
+
+
 def print_table(summary: dict[str, dict]) -> None:
     print(f"{'mode':<18}{'tok/s':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}  ms/round (draft/tree/verify/commit)")
     for mode, s in summary.items():
@@ -131,12 +171,14 @@ def print_table(summary: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
                                                            OmegaConf.from_cli(argv)))
+    if cfg.temperature > 0 and "hf_prompt_lookup" in cfg.modes:
+        print("hf_prompt_lookup is greedy only: skipped at temperature > 0")
+        cfg.modes = [m for m in cfg.modes if m != "hf_prompt_lookup"]
     configure_cpu_threads(cfg.threads)
     device = resolve_device(cfg.device)
     model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
     target = TargetAdapter(model)
-    eos = sorted(set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-                     else [model.generation_config.eos_token_id]) - {None})
+    eos = eos_ids(model)
     engines = {}
     needs_draft = any(m in cfg.modes for m in ("chain", "ddtree", "dart"))
     head = load_head(cfg, target) if needs_draft else None
@@ -146,13 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
             engines[mode] = DecodingEngine(target, tokenizer, draft_head=head, trie=trie, mode=mode,
                                            tree=TreeConfig(budget=cfg.budget), eos_token_ids=eos)
 
-    prompts = []
-    for p in sharegpt_dev_prompts(cfg.num_prompts * 3, max_chars=4 * cfg.max_prompt_tokens):
-        ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
-        if len(ids) <= cfg.max_prompt_tokens:
-            prompts.append((p.id, ids))
-        if len(prompts) == cfg.num_prompts:
-            break
+    prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
           f"modes {cfg.modes}, repeats {cfg.repeats}")
 
@@ -162,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
             params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
             for mode in cfg.modes:
                 if mode in HF_MODES:
-                    token_ids, seconds = run_hf(model, ids, mode, cfg.max_new_tokens, eos)
+                    token_ids, seconds = run_hf(model, ids, mode, cfg.max_new_tokens, eos,
+                                                cfg.temperature, cfg.seed + n)
                     records[mode].append({"prompt": pid, "repeat": repeat, "tokens": len(token_ids),
                                           "seconds": seconds, "token_ids": token_ids})
                     continue

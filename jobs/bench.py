@@ -1,0 +1,345 @@
+"""The benchmark report: `python -m jobs.bench configs/bench.yaml [key=value ...]`.
+
+Every decoding mode runs on the same ShareGPT dev prompts in one process: the engine's `ar`,
+`chain`, `ddtree`, `dart`, and transformers' own `generate` (`hf`: greedy at temperature 0,
+`do_sample=True` above; `hf_prompt_lookup`: prompt-lookup decoding, greedy only), at every
+configured temperature and, for the tree modes, every tree budget. Runs are interleaved prompt
+by prompt (the order of the cells rotates from one prompt to the next) and repeated, so a change
+in machine load hits every mode alike; figures are medians over runs. The report folder gets a
+JSON of every run and summary, PNG plots and a report.md that embeds them (jobs/bench_report.py).
+
+The measuring pieces (prompt selection, head/trie loading, transformers baselines, the per-mode
+summary) live in jobs/bench_engine.py and are reused here, not copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ENGINE_MODES = ("ar", "chain", "ddtree", "dart")
+TREE_MODES = ("chain", "ddtree", "dart")  # the modes whose cost and tau depend on the tree budget
+HF_MODES = ("hf", "hf_prompt_lookup")
+ALL_MODES = ("ar", "hf", "hf_prompt_lookup", "chain", "ddtree", "dart")
+GREEDY_ONLY = ("hf_prompt_lookup",)
+
+
+class BenchConfigError(ValueError):
+    """The benchmark config is invalid; the message names the key and what is wrong."""
+
+
+@dataclass
+class BenchReportConfig:
+    target: str = "default"
+    head: str | None = None  # None: the shipped default head if any, else an untrained head (said so)
+    trie: str | None = None  # None: the default trie (built and cached on first use)
+    dtype: str = "bf16"
+    device: str = "auto"
+    threads: int | None = 2
+    modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
+    headline_budget: int | None = None  # budget shown in the per-mode plots; None = the largest
+    num_prompts: int = 8
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    repeats: int = 1
+    seed: int = 0
+    output_dir: str = "bench_report"
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
+    """Raise BenchConfigError naming the first bad key; return cfg (with headline_budget resolved)."""
+    unknown = [m for m in cfg.modes if m not in ALL_MODES]
+    if unknown:
+        raise BenchConfigError(f"modes: unknown mode(s) {unknown}; expected some of {list(ALL_MODES)}")
+    if not cfg.modes:
+        raise BenchConfigError("modes: empty; expected some of " + str(list(ALL_MODES)))
+    if len(set(cfg.modes)) != len(cfg.modes):
+        raise BenchConfigError(f"modes: {cfg.modes} lists a mode twice")
+    if not cfg.temperatures:
+        raise BenchConfigError("temperatures: empty; expected e.g. [0.0, 1.0]")
+    bad = [t for t in cfg.temperatures if not t >= 0]
+    if bad:
+        raise BenchConfigError(f"temperatures: {bad} must be >= 0")
+    if len(set(cfg.temperatures)) != len(cfg.temperatures):
+        raise BenchConfigError(f"temperatures: {cfg.temperatures} lists a temperature twice")
+    if any(m in TREE_MODES for m in cfg.modes):
+        if not cfg.budgets:
+            raise BenchConfigError("budgets: empty, but tree modes are selected; expected e.g. [16, 32, 60]")
+        bad = [b for b in cfg.budgets if b < 1]
+        if bad:
+            raise BenchConfigError(f"budgets: {bad} must be >= 1 (draft nodes per tree)")
+        if len(set(cfg.budgets)) != len(cfg.budgets):
+            raise BenchConfigError(f"budgets: {cfg.budgets} lists a budget twice")
+        if cfg.headline_budget is None:
+            cfg.headline_budget = max(cfg.budgets)
+        elif cfg.headline_budget not in cfg.budgets:
+            raise BenchConfigError(f"headline_budget: {cfg.headline_budget} is not one of budgets {cfg.budgets}")
+    for key in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "repeats"):
+        if getattr(cfg, key) < 1:
+            raise BenchConfigError(f"{key}: {getattr(cfg, key)} must be >= 1")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise BenchConfigError(f"threads: {cfg.threads} must be >= 1 (or null for the process's CPUs)")
+    if "ar" not in cfg.modes:
+        raise BenchConfigError("modes: `ar` is required (every speedup is measured against it)")
+    if not str(cfg.output_dir).strip():
+        raise BenchConfigError("output_dir: empty; expected a folder for the report")
+    return cfg
+
+
+def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> BenchReportConfig:
+    """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors."""
+    try:
+        merged = OmegaConf.structured(BenchReportConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise BenchConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides or [])))
+        cfg: BenchReportConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise BenchConfigError(f"config {path or '<overrides>'}: {where}{str(exc).splitlines()[0]}") from None
+    return validate_config(cfg)
+
+
+# ------------------------------------------------------------------------------ cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration: a mode at a temperature (and a tree budget for tree modes)."""
+
+    mode: str
+    temperature: float
+    budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.budget is None else f"{self.mode}@{self.budget}"
+
+
+def cells_of(cfg: BenchReportConfig) -> list[Cell]:
+    """Every cell the config asks for, `ar` first at each temperature; greedy-only modes at T=0 only."""
+    cells = []
+    for t in cfg.temperatures:
+        for mode in sorted(cfg.modes, key=ALL_MODES.index):
+            if mode in GREEDY_ONLY and t > 0:
+                continue
+            if mode in TREE_MODES:
+                cells.extend(Cell(mode, t, b) for b in cfg.budgets)
+            else:
+                cells.append(Cell(mode, t))
+    return cells
+
+
+# ------------------------------------------------------------------------------ summary math
+
+
+def summarize_cells(records: list[dict], headline_budget: int | None = None) -> list[dict]:
+    """One summary per cell: medians over runs, speedup against `ar` at the same temperature.
+
+    The per-cell math is bench_engine.summarize (each run paired with the `ar` run of the same
+    prompt and repeat). Agreement with `ar` is only meaningful for greedy runs; it is None above
+    temperature 0.
+    """
+    from jobs.bench_engine import summarize
+
+    cells: dict[tuple, list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["mode"], r["temperature"], r.get("budget")), []).append(r)
+    out = []
+    for (mode, t, budget), rows in cells.items():
+        ar_rows = cells.get(("ar", t, None), [])
+        entry = summarize({"ar": ar_rows, "cell": rows})["cell"] if mode != "ar" else summarize({"ar": rows})["ar"]
+        if t > 0:
+            entry["agreement_with_ar"] = None
+        entry["tau_per_run"] = [r["tau"] for r in rows if r.get("tau")]
+        if rows and "acceptance_histogram" in rows[0]:
+            entry["tokens_per_round_histogram"] = tokens_per_round_histogram(rows)
+        out.append({"mode": mode, "temperature": t, "budget": budget,
+                    "headline": budget is None or budget == headline_budget, **entry})
+    return out
+
+
+def tokens_per_round_histogram(rows: list[dict]) -> list[int]:
+    """Rounds by tokens committed (accepted + bonus): index k counts rounds that committed k tokens."""
+    width = max(len(r["acceptance_histogram"]) for r in rows)
+    hist = [0] * (width + 1)
+    for r in rows:
+        for accepted, count in enumerate(r["acceptance_histogram"]):
+            hist[accepted + 1] += count
+    return hist
+
+
+# ------------------------------------------------------------------------------ conditions
+
+
+def machine_conditions(threads: int) -> dict[str, Any]:
+    """Where the figures were measured; load averages show how shared the machine was."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": threads,
+        "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git_commit": commit,
+    }
+
+
+def _head_and_trie_conditions(cfg: BenchReportConfig, tokenizer) -> dict[str, Any]:
+    from dart_worker import default_head
+    from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+    from jobs.build_ngram import default_trie_path
+    from pipeline.ngram_store import check_trie_url
+
+    out: dict[str, Any] = {}
+    if any(m in TREE_MODES for m in cfg.modes):
+        head_dir = cfg.head or default_head.default_head_dir()
+        out["head"] = str(head_dir) if head_dir else f"untrained (random init, seed {cfg.seed})"
+        out["head_trained"] = head_dir is not None
+        out["head_fingerprint"] = file_fingerprint(Path(head_dir) / "model.safetensors") if head_dir else None
+    if "dart" in cfg.modes:
+        trie = str(cfg.trie or default_trie_path())
+        out["trie"] = trie
+        out["trie_fingerprint"] = check_trie_url(trie, tokenizer_fingerprint(tokenizer)).content_key
+    return out
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def measure(cfg: BenchReportConfig) -> dict[str, Any]:
+    """Load everything once, run every cell on every prompt (interleaved, repeated); all figures."""
+    import time
+
+    from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+    from dart_worker.engine import DecodingEngine, TreeConfig
+    from dart_worker.loading import load_target
+    from dart_worker.sampling import SamplingParams
+    from dart_worker.target import TargetAdapter
+    from jobs.bench_engine import eos_ids, load_head, load_trie, run_hf, select_prompts
+
+    threads = configure_cpu_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    conditions = machine_conditions(threads)
+    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
+    target = TargetAdapter(model)
+    eos = eos_ids(model)
+    cells = cells_of(cfg)
+    head = load_head(cfg, target) if any(c.mode in TREE_MODES for c in cells) else None
+    trie = load_trie(cfg, tokenizer) if any(c.mode == "dart" for c in cells) else None
+    engines = {}
+    for c in cells:
+        if c.mode in ENGINE_MODES and (c.mode, c.budget) not in engines:
+            engines[c.mode, c.budget] = DecodingEngine(
+                target, tokenizer, draft_head=head, trie=trie, mode=c.mode,
+                tree=TreeConfig(budget=c.budget or 1), eos_token_ids=eos)
+    prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
+    if not prompts:
+        raise RuntimeError(f"no ShareGPT dev prompt fits max_prompt_tokens={cfg.max_prompt_tokens}")
+    conditions |= {"target": cfg.target, "dtype": cfg.dtype, "device": str(device),
+                   "prompts": len(prompts), "prompt_ids": [p for p, _ in prompts],
+                   "prompt_tokens": [len(ids) for _, ids in prompts],
+                   "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
+                   **_head_and_trie_conditions(cfg, tokenizer)}
+    print(f"{len(prompts)} ShareGPT dev prompts x {len(cells)} cells x {cfg.repeats} repeats, "
+          f"{cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, {threads} threads", flush=True)
+
+    records: list[dict] = []
+    started = time.perf_counter()
+    for repeat in range(cfg.repeats):
+        for n, (pid, ids) in enumerate(prompts):
+            shift = (n + repeat * len(prompts)) % len(cells)
+            for c in cells[shift:] + cells[:shift]:  # rotate so no cell always runs first
+                seed = cfg.seed + n
+                base = {"mode": c.mode, "temperature": c.temperature, "budget": c.budget,
+                        "prompt": pid, "repeat": repeat}
+                if c.mode in HF_MODES:
+                    token_ids, seconds = run_hf(model, ids, c.mode, cfg.max_new_tokens, eos, c.temperature, seed)
+                    records.append(base | {"tokens": len(token_ids), "seconds": seconds, "token_ids": token_ids})
+                    continue
+                params = SamplingParams(temperature=c.temperature, seed=seed, max_new_tokens=cfg.max_new_tokens)
+                result = engines[c.mode, c.budget].generate([ids], params)[0]
+                if result.error:
+                    raise RuntimeError(f"{c.label} at T={c.temperature} on prompt {pid}: {result.error}")
+                stats = result.stats.to_dict()
+                records.append(base | {"tokens": len(result.token_ids), "seconds": stats.pop("wall_seconds"),
+                                       "token_ids": result.token_ids}
+                               | {k: v for k, v in stats.items() if k != "num_generated_tokens"})
+            print(f"  repeat {repeat + 1}/{cfg.repeats} prompt {n + 1}/{len(prompts)} done "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    conditions["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    conditions["measure_seconds"] = time.perf_counter() - started
+    return {"config": asdict(cfg), "conditions": conditions,
+            "summary": summarize_cells(records, cfg.headline_budget), "records": records}
+
+
+def write_report(figures: dict[str, Any], output_dir: str | os.PathLike) -> Path:
+    """bench.json + PNGs + report.md under output_dir; returns the report.md path."""
+    from jobs.bench_report import render_report
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(figures, indent=1))
+    return render_report(figures, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config (configs/bench.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_prompts=4 budgets=[16,32]")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_bench_config(args.config, args.overrides)
+    except BenchConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    figures = measure(cfg)
+    figures["command"] = " ".join(["python -m jobs.bench", args.config, *args.overrides])
+    from jobs.bench_report import print_summary
+
+    print_summary(figures["summary"])
+    report = write_report(figures, cfg.output_dir)
+    print(f"wrote {report} (figures in {Path(cfg.output_dir) / 'bench.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The benchmark report (jobs/bench.py, jobs/bench_report.py) without a real model.
+
+Summary math on synthetic records against hand-computed medians and ratios; plots and report.md
+from synthetic figures (non-empty PNGs, relative links that resolve); config validation; the
+pipeline job plots from a small output written with pipeline.outputs.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobs.bench import (
+    BenchConfigError,
+    BenchReportConfig,
+    cells_of,
+    load_bench_config,
+    summarize_cells,
+    tokens_per_round_histogram,
+    validate_config,
+)
+from jobs.bench_report import PLOTS, render_job_plots, render_report, throughput_timeline
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _record(mode, t, budget, prompt, repeat, tokens, seconds, tau=None, accept_hist=None, stages=None):
+    r = {"mode": mode, "temperature": t, "budget": budget, "prompt": prompt, "repeat": repeat,
+         "tokens": tokens, "seconds": seconds, "token_ids": list(range(tokens))}
+    if tau is not None:
+        hist = accept_hist or [1]
+        r |= {"tau": tau, "rounds": sum(hist), "acceptance_histogram": hist, "per_position_acceptance": [0.5, 0.25],
+              "mean_tree_size": 0.0 if mode == "ar" else float(budget or 0),
+              "stage_seconds": stages or {"prefill": 0.1, "draft": 0.01, "tree": 0.02, "verify": 0.5, "commit": 0.03}}
+    return r
+
+
+def synthetic_figures() -> dict:
+    records = []
+    for t in (0.0, 1.0):
+        for p in ("a", "b", "c"):
+            records.append(_record("ar", t, None, p, 0, 64, 6.4, tau=1.0, accept_hist=[63]))
+            records.append(_record("hf", t, None, p, 0, 64, 5.0))
+            if t == 0:
+                records.append(_record("hf_prompt_lookup", t, None, p, 0, 64, 3.2))
+            for mode in ("chain", "ddtree", "dart"):
+                for b in (16, 32):
+                    records.append(_record(mode, t, b, p, 0, 64, 4.0 - b / 32, tau=1.5 + b / 64,
+                                           accept_hist=[10, 8, 5, 2, 1]))
+    return {"config": {"repeats": 1}, "summary": summarize_cells(records, headline_budget=32), "records": records,
+            "conditions": {"date_utc": "2026-11-22 01:00 UTC", "cpu": "test cpu", "cpus_visible": 2, "threads": 2,
+                           "load_average_start": [3.0, 3.0, 3.0], "dtype": "bf16", "prompts": 3,
+                           "max_new_tokens": 64, "head": "untrained", "head_trained": False,
+                           "head_fingerprint": None, "trie": "/x.ngram", "trie_fingerprint": "0123456789abcdef"},
+            "command": "python -m jobs.bench configs/bench.yaml"}
+
+
+# ------------------------------------------------------------------------------ summary math
+
+
+def test_speedup_is_median_of_per_run_ratios_against_ar_of_same_prompt_and_repeat():
+    records = [
+        _record("ar", 0.0, None, "a", 0, 10, 1.0, tau=1.0), _record("ar", 0.0, None, "b", 0, 10, 2.0, tau=1.0),
+        _record("ar", 0.0, None, "c", 0, 20, 2.0, tau=1.0),
+        _record("ar", 0.0, None, "a", 1, 10, 4.0, tau=1.0),  # a slow repeat: pairs only with repeat 1
+        _record("dart", 0.0, 60, "a", 0, 10, 0.5, tau=2.0),  # 0.1 s/token vs 0.05 -> 2.0
+        _record("dart", 0.0, 60, "b", 0, 5, 2.0, tau=2.0),  # 0.2 vs 0.4 -> 0.5
+        _record("dart", 0.0, 60, "c", 0, 20, 0.5, tau=3.0),  # 0.1 vs 0.025 -> 4.0
+        _record("dart", 0.0, 60, "a", 1, 10, 1.0, tau=2.0),  # 0.4 vs 0.1 -> 4.0
+    ]
+    by = {(e["mode"], e["budget"]): e for e in summarize_cells(records, 60)}
+    dart = by["dart", 60]
+    assert dart["speedup_vs_ar"] == pytest.approx(statistics.median([2.0, 0.5, 4.0, 4.0]))
+    assert dart["tokens_per_second"] == pytest.approx(statistics.median([20, 2.5, 40, 10]))
+    assert dart["tau"] == pytest.approx(statistics.mean([2.0, 2.0, 3.0, 2.0]))
+    assert dart["runs"] == 4 and dart["headline"]
+    assert by["ar", None]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert dart["agreement_with_ar"] == pytest.approx(0.75)  # synthetic ids are equal iff counts are
+
+
+def test_speedup_compares_against_ar_at_the_same_temperature_and_agreement_is_none_when_sampling():
+    records = [_record("ar", 0.0, None, "a", 0, 10, 1.0, tau=1.0), _record("ar", 1.0, None, "a", 0, 10, 2.0, tau=1.0),
+               _record("hf", 0.0, None, "a", 0, 10, 0.5), _record("hf", 1.0, None, "a", 0, 10, 0.5)]
+    by = {(e["mode"], e["temperature"]): e for e in summarize_cells(records)}
+    assert by["hf", 0.0]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert by["hf", 1.0]["speedup_vs_ar"] == pytest.approx(4.0)
+    assert by["hf", 0.0]["agreement_with_ar"] == 1.0
+    assert by["hf", 1.0]["agreement_with_ar"] is None
+    assert "tau" not in by["hf", 0.0]
+
+
+def test_stage_ms_per_round_is_total_stage_time_over_total_rounds():
+    stages_a = {"prefill": 1.0, "draft": 0.2, "tree": 0.1, "verify": 1.0, "commit": 0.1}
+    stages_b = {"prefill": 1.0, "draft": 0.4, "tree": 0.1, "verify": 3.0, "commit": 0.1}
+    records = [_record("ar", 0.0, None, "a", 0, 10, 1.0, tau=1.0),
+               _record("chain", 0.0, 8, "a", 0, 10, 1.0, tau=2.0, accept_hist=[5, 5], stages=stages_a),
+               _record("chain", 0.0, 8, "a", 1, 10, 1.0, tau=2.0, accept_hist=[20, 10], stages=stages_b)]
+    chain = next(e for e in summarize_cells(records, 8) if e["mode"] == "chain")
+    assert chain["ms_per_round"]["draft"] == pytest.approx(1000 * 0.6 / 40)
+    assert chain["ms_per_round"]["verify"] == pytest.approx(1000 * 4.0 / 40)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=8), min_size=1, max_size=5))
+def test_tokens_per_round_histogram_counts_every_round_and_its_mean_is_tau(hists):
+    rows = [{"acceptance_histogram": h} for h in hists]
+    out = tokens_per_round_histogram(rows)
+    assert out[0] == 0 and sum(out) == sum(map(sum, hists))
+    rounds = sum(map(sum, hists))
+    if rounds:
+        accepted = sum(a * c for h in hists for a, c in enumerate(h))
+        assert sum(k * c for k, c in enumerate(out)) / rounds == pytest.approx(accepted / rounds + 1)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def test_report_writes_non_empty_pngs_and_report_md_linking_them(tmp_path):
+    figures = synthetic_figures()
+    report = render_report(figures, tmp_path / "out")
+    text = report.read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(links) == sorted(PLOTS.values())
+    for link in links:
+        png = report.parent / link
+        data = png.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, link
+    assert "| dart | 32 | 0 |" in text and "0123456789abcdef" in text
+    assert "untrained" in text and "noisy" in text
+    assert "python -m jobs.bench configs/bench.yaml" in text
+
+
+def test_report_handles_a_run_with_only_ar_and_hf(tmp_path):
+    records = [_record("ar", 0.0, None, "a", 0, 8, 1.0, tau=1.0, accept_hist=[7]),
+               _record("hf", 0.0, None, "a", 0, 8, 0.8)]
+    report = render_report({"summary": summarize_cells(records), "conditions": {}}, tmp_path)
+    assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
+    assert "| hf | - | 0 |" in report.read_text()
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_shipped_config_validates_and_lists_every_cell():
+    cfg = load_bench_config(REPO / "configs" / "bench.yaml", ["num_prompts=4", "budgets=[16,32]"])
+    assert cfg.num_prompts == 4 and cfg.headline_budget == 32 and cfg.threads == 2
+    labels = {(c.label, c.temperature) for c in cells_of(cfg)}
+    assert ("hf_prompt_lookup", 0.0) in labels and ("hf_prompt_lookup", 1.0) not in labels
+    assert {("dart@16", 1.0), ("dart@32", 1.0), ("ar", 1.0), ("hf", 1.0)} <= labels
+    assert len(labels) == 17
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["modes=[ar,medusa]"], "unknown mode"),
+    (["modes=[dart]"], "`ar` is required"),
+    (["temperatures=[]"], "temperatures: empty"),
+    (["temperatures=[-1.0]"], "must be >= 0"),
+    (["budgets=[0,16]"], "budgets: [0]"),
+    (["budgets=[16,16]"], "lists a budget twice"),
+    (["headline_budget=99"], "headline_budget: 99"),
+    (["num_prompts=0"], "num_prompts: 0"),
+    (["threads=0"], "threads: 0"),
+    (["no_such_key=1"], "no_such_key"),
+    (["max_new_tokens=lots"], "max_new_tokens"),
+])
+def test_bad_config_is_a_clear_error_naming_the_key(overrides, message):
+    with pytest.raises(BenchConfigError, match=re.escape(message)):
+        load_bench_config(REPO / "configs" / "bench.yaml", overrides)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(BenchConfigError, match="does not exist"):
+        load_bench_config(tmp_path / "nope.yaml")
+
+
+def test_budgets_may_be_empty_without_tree_modes():
+    cfg = validate_config(BenchReportConfig(modes=["ar", "hf"], budgets=[]))
+    assert [c.label for c in cells_of(cfg)] == ["ar", "hf", "ar", "hf"]
+
+
+# ------------------------------------------------------------------------------ job plots
+
+
+def test_throughput_timeline_groups_batches_by_worker_and_wall_time():
+    rows = [{"row_key": "k1", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 10},
+            {"row_key": "k2", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 30},
+            {"row_key": "k3", "worker": "w0", "wall_s": 1.0, "num_generated_tokens": 5},
+            {"row_key": "k4", "worker": "w1", "wall_s": 4.0, "num_generated_tokens": 8},
+            {"row_key": "k5", "worker": "w1", "wall_s": None, "error": "bad prompt"}]
+    tl = throughput_timeline(rows)
+    assert tl["w0"] == [(2.0, 20.0, 40), (3.0, 5.0, 45)]
+    assert tl["w1"] == [(4.0, 2.0, 8)]
+
+
+def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):
+    import json
+
+    from pipeline.outputs import read_output, rows_to_table, write_part
+
+    rows = [{"row_key": f"id:{i}", "id": str(i), "run_id": "r1", "mode": "dart", "worker": f"w{i % 2}",
+             "num_generated_tokens": 32, "tau": 1.5 + 0.1 * i, "rounds": 10, "wall_s": 1.0 + (i // 4),
+             "finish_reason": "length"} for i in range(8)]
+    rows.append({"row_key": "id:bad", "id": "bad", "run_id": "r1", "error": "empty prompt", "finish_reason": "error"})
+    out_url = (tmp_path / "output").as_uri()
+    write_part(rows_to_table(rows), out_url, "r1")
+    assert read_output(out_url).num_rows == 9
+    plots = render_job_plots(out_url, tmp_path / "plots")
+    for png in plots.values():
+        assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 5000
+    summary = tmp_path / "output" / "_job_summary.json"
+    summary.write_text(json.dumps({"config": {"output": {"url": out_url}}, "this_run": {"tau": {}}}))
+    plots = render_job_plots(str(summary), tmp_path / "plots2")
+    assert set(plots) == {"tau", "throughput"} and all(p.stat().st_size > 0 for p in plots.values())
+    bad = tmp_path / "not_a_summary.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match=re.escape("no config.output.url")):
+        render_job_plots(str(bad), tmp_path / "plots3")
