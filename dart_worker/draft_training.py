@@ -112,6 +112,37 @@ class TeacherPass:
         return out
 
 
+def tap_rms(taps: torch.Tensor, lengths: torch.Tensor, num_taps: int = 3) -> torch.Tensor:
+    """Root-mean-square of each tapped layer's hidden states [num_taps] over real positions >= 1.
+
+    Position 0 (BOS) is left out: it is the attention sink of many models, with hidden states
+    one or two orders of magnitude larger than anywhere else.
+    """
+    _, seq, width = taps.shape
+    pos = torch.arange(seq, device=taps.device)
+    valid = (pos[None] >= 1) & (pos[None] < lengths.to(taps.device)[:, None])
+    if not bool(valid.any()):
+        raise ValueError("tap_rms needs at least one sequence with two or more tokens")
+    blocks = taps[valid].float().view(-1, num_taps, width // num_taps)
+    return blocks.pow(2).mean((0, 2)).sqrt()
+
+
+@torch.no_grad()
+def scale_fc_to_taps(head: DartDraftHead, rms: torch.Tensor) -> None:
+    """Divide fc's input columns of tap i by rms[i] (data-dependent init, architecture unchanged).
+
+    Why: fc's output is the residual stream of real rows, and the token embedding of x_{p+1}
+    reaches row 0 only through attention (output rms ~1). Targets with large hidden states
+    (Gemma-3-270M: rms ~35 / ~230 / ~800 at layers 2 / 9 / 15) would make fc(features) ~100x
+    larger than the attention output under the default init, so the draft would mostly ignore
+    the next token until fc had shrunk by two orders of magnitude. After scaling, fc(features)
+    has rms ~ 1/sqrt(3), like a unit-variance input.
+    """
+    width = head.fc.weight.shape[1] // rms.numel()
+    for i, value in enumerate(rms.tolist()):
+        head.fc.weight[:, i * width : (i + 1) * width] /= max(value, 1e-6)
+
+
 # ------------------------------------------------------------------------- rows and mask
 
 

@@ -48,6 +48,8 @@ from dart_worker.draft_training import (
     draft_training_logits,
     most_frequent_ids,
     sample_anchors,
+    scale_fc_to_taps,
+    tap_rms,
 )
 from dart_worker.prompt_format import format_user_prompt
 
@@ -79,6 +81,8 @@ class HeadConfig:
     vocab_conversations: int = 4000  # train conversations counted for the draft vocabulary
     intermediate_size: int | None = None  # None = the target's
     init_lm_head_from_target: bool = True  # rows of the target's output embedding for kept ids
+    scale_fc_to_taps: bool = True  # divide fc's columns by each tap's rms (see draft_training)
+    scale_fc_sequences: int = 8  # first training examples used to measure the taps' rms
     init_from: str | None = None  # start from an existing head checkpoint instead
 
 
@@ -506,7 +510,8 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
 # ------------------------------------------------------------------------------ the loop
 
 
-def make_head(cfg: TrainConfig, model, kept: torch.Tensor, device: torch.device) -> DartDraftHead:
+def make_head(cfg: TrainConfig, model, kept: torch.Tensor, device: torch.device,
+              probe: Callable[[], list[Example]] | None = None) -> DartDraftHead:
     embed = model.get_input_embeddings()
     if cfg.head.init_from:
         head = load_draft_head(cfg.head.init_from, model.config, embed, device=device, dtype=torch.float32)
@@ -519,6 +524,12 @@ def make_head(cfg: TrainConfig, model, kept: torch.Tensor, device: torch.device)
         out_emb = model.get_output_embeddings().weight
         with torch.no_grad():
             head.lm_head.weight.copy_(out_emb[kept.to(out_emb.device)].float())
+    if cfg.head.scale_fc_to_taps and probe is not None:
+        batch = collate(probe())
+        taps = TeacherPass(model, kept[:1])(batch.input_ids.to(device)).taps
+        rms = tap_rms(taps, batch.lengths)
+        scale_fc_to_taps(head, rms)
+        print(f"fc columns scaled by 1/rms of the taps: {[round(v, 1) for v in rms.tolist()]}", flush=True)
     return head.train()
 
 
@@ -556,7 +567,12 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         if conversations is not None:
             first = (c for i, c in zip(range(cfg.head.vocab_conversations), conversations(0)))
         kept, vocab_info = build_draft_vocab(cfg, tokenizer, vocab_size, first)
-        head = make_head(cfg, model, kept, device)
+
+        def probe() -> list[Example]:  # the same examples on every rank: identical initial heads
+            reader = ExampleStream(cfg.data, tokenizer, tc.seed, conversations=conversations)
+            return [reader.next_example() for _ in range(cfg.head.scale_fc_sequences)]
+
+        head = make_head(cfg, model, kept, device, probe)
     if ctx.is_main:
         print(f"draft vocabulary: {vocab_info}", flush=True)
     params = trainable_parameters(head)

@@ -417,3 +417,21 @@ def test_ray_backend_two_workers(tmp_path):
     assert head.config.draft_vocab_size == 256
     summary = json.loads((tmp_path / "run" / "training_summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def test_fc_scaled_to_tap_rms():
+    from dart_worker.draft_training import scale_fc_to_taps, tap_rms
+
+    model = tiny_model("llama", num_layers=4)
+    head = make_head(model)
+    torch.manual_seed(0)
+    h = model.config.hidden_size
+    taps = torch.randn(2, 6, 3 * h) * torch.tensor([1.0] * h + [10.0] * h + [100.0] * h)
+    taps[:, 0] = 1e4  # BOS attention sink: left out
+    lengths = torch.tensor([6, 4])
+    rms = tap_rms(taps, lengths)
+    real = torch.cat([taps[0, 1:6], taps[1, 1:4]]).view(-1, 3, h)
+    torch.testing.assert_close(rms, real.pow(2).mean((0, 2)).sqrt())
+    before = head.fc(taps / rms.repeat_interleave(h))
+    scale_fc_to_taps(head, rms)
+    torch.testing.assert_close(head.fc(taps), before, rtol=1e-4, atol=1e-4)
