@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
 from pipeline.worker import CRASH_ONCE_ENV
+from tests.ray_processes import kill_ray_processes_under, short_temp_dir
 from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -148,7 +150,8 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
     cfg = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(out),
                       output__rows_per_file=2, resources__num_workers=1, resources__batch_size=1,
                       decoding__max_new_tokens=24)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ray_tmp = short_temp_dir("rk-")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.run", str(cfg)], cwd=tmp_path, env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -156,7 +159,8 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+    kill_ray_processes_under(ray_tmp)  # its Ray instance, and nobody else's
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     written = {r for p in out.glob("part-*.parquet") for r in pq.read_table(p, columns=["row_key"])["row_key"]
                .to_pylist()}
     assert 0 < len(written) < 30, "kill the run half-way: some but not all rows written"

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pyarrow as pa
@@ -23,6 +22,7 @@ import ray
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, run_pipeline
+from tests.ray_processes import kill_ray_processes_under, short_temp_dir
 from tests.s3_server import running_s3_server
 from tests.test_pipeline_run import REPO, artifacts, config_file, write_inputs  # noqa: F401 (fixture)
 
@@ -85,7 +85,7 @@ def test_ray_job_submit_end_to_end(tmp_path, artifacts):  # noqa: F811
                       resources__num_workers=1)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    temp_dir = tempfile.mkdtemp(prefix="rj-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    temp_dir = short_temp_dir("rj-")
 
     def ray_cli(*args, check=True, timeout=300):
         return subprocess.run(["ray", *args], env=env, capture_output=True, text=True, check=check, timeout=timeout)
@@ -103,7 +103,7 @@ def test_ray_job_submit_end_to_end(tmp_path, artifacts):  # noqa: F811
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "succeeded" in submitted.stdout.lower()
     finally:
-        ray_cli("stop", "--force", check=False)
+        kill_ray_processes_under(temp_dir)  # `ray stop` would stop every Ray cluster on the machine
         shutil.rmtree(temp_dir, ignore_errors=True)
     out = read_output(str(tmp_path / "out"))
     assert out.num_rows == 10 and len(set(out["row_key"].to_pylist())) == 10
