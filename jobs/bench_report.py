@@ -72,7 +72,7 @@ def plot_speedup(summary: list[dict], path: Path) -> Path:
     """Bars of speedup over `ar` (per token), one group per temperature, one bar per mode."""
     temps = _temps(summary)
     modes = [m for m in MODE_ORDER if any(e["mode"] == m for e in summary)]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(modes) * len(temps) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(modes) * len(temps) + 3), 4.2))
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
         xs, ys, labels = [], [], []
@@ -107,9 +107,15 @@ def plot_tau_histograms(summary: list[dict], path: Path) -> Path:
     temps = _temps(summary)
     modes = [m for m in MODE_ORDER if any(e["mode"] == m and e.get("tokens_per_round_histogram")
                                           and m != "ar" for e in summary)]
-    ncols = max(len(modes), 1)
+    if not modes:
+        fig, ax = plt.subplots(figsize=(6, 2.5))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no speculative mode measured", ha="center", va="center")
+        return _save(fig, path)
+    ncols = len(modes)
     fig, axes = plt.subplots(1, ncols, figsize=(4.2 * ncols, 3.6), squeeze=False, sharey=True)
     width = 0.8 / max(len(temps), 1)
+    peak = 0.0
     for ax, mode in zip(axes[0], modes):
         titles = []
         top = 1
@@ -121,17 +127,18 @@ def plot_tau_histograms(summary: list[dict], path: Path) -> Path:
             total = sum(hist) or 1
             ks = [k for k in range(1, len(hist))]
             top = max(top, max((k for k in ks if hist[k]), default=1))
+            peak = max(peak, max(hist) / total)
             ax.bar([k + (j - (len(temps) - 1) / 2) * width for k in ks], [hist[k] / total for k in ks],
                    width * 0.92, label=f"T={t:g} (tau {entry.get('tau', 0):.2f})", alpha=0.85)
             titles.append(_label(entry))
+        top = max(top, 3)  # keep some room to the right even when nothing is accepted
         ax.set_xticks(range(1, top + 1))
         ax.set_xlim(0.4, top + 0.6)
         ax.set_xlabel("tokens committed per round")
         ax.set_title(titles[0] if titles else mode)
         ax.legend(fontsize=8)
-    if not modes:
-        axes[0][0].text(0.5, 0.5, "no speculative mode measured", ha="center", va="center")
     axes[0][0].set_ylabel("share of rounds")
+    axes[0][0].set_ylim(0, max(peak, 0.1) * 1.35)  # headroom keeps the legends off the bars
     fig.suptitle("Acceptance: tokens per verification round (accepted draft tokens + 1)", fontsize=10)
     return _save(fig, path)
 
@@ -152,6 +159,11 @@ def plot_budget_sweep(summary: list[dict], path: Path) -> Path:
                   "label": f"{mode} T={t:g}"}
             ax_s.plot([b for b, _ in pts], [e["speedup_vs_ar"] for _, e in pts], **kw)
             ax_t.plot([b for b, _ in pts], [e.get("tau", 0.0) for _, e in pts], **kw)
+    for e in summary:  # budget-free baselines as horizontal references
+        if e["mode"] in ("hf", "hf_prompt_lookup") and budgets:
+            ax_s.axhline(e["speedup_vs_ar"], color=MODE_COLORS[e["mode"]], lw=1.2, ls=":")
+            ax_s.annotate(f"{e['mode']} T={e['temperature']:g}", (max(budgets), e["speedup_vs_ar"]), fontsize=7,
+                          ha="right", va="bottom", color=MODE_COLORS[e["mode"]])
     for ax, ylabel in ((ax_s, "speedup over ar"), (ax_t, "tau (tokens per round)")):
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xlabel("tree budget (draft nodes per round)")
@@ -248,8 +260,9 @@ def render_markdown(figures: dict[str, Any], plots: dict[str, Path], out_dir: Pa
     rel = {k: os.path.relpath(p, out_dir) for k, p in plots.items()}
     notes = []
     if cond.get("head_trained") is False:
-        notes.append("The draft head is **untrained** (random init): chain/ddtree acceptance is near zero and "
-                     "dart's comes from the N-gram trie alone. These figures exercise the machinery only.")
+        notes.append("The draft head is **untrained** (random init): its candidates are noise, so chain, ddtree "
+                     "and dart accept almost nothing (the N-gram trie only re-scores the draft's candidates) and "
+                     "pay the draft and tree cost for nothing. These figures exercise the machinery only.")
     load = cond.get("load_average_start")
     if load and cond.get("cpus_visible") and load[0] > 0.5 * cond["cpus_visible"]:
         notes.append(f"The machine was shared (1-minute load average {load[0]:.1f} on {cond['cpus_visible']} CPUs "
@@ -418,3 +431,25 @@ def render_job_plots(summary_json_or_output_url: str, out_dir: str | os.PathLike
     out.mkdir(parents=True, exist_ok=True)
     return {"tau": plot_job_tau(rows, out / "job_tau.png", summary),
             "throughput": plot_job_throughput(rows, out / "job_throughput.png")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render a report from its bench.json, or plot a pipeline job (--job)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench_report", description=main.__doc__)
+    parser.add_argument("source", help="bench.json of a benchmark run, or with --job a job summary / output URL")
+    parser.add_argument("out_dir", nargs="?", help="where to write (default: the folder of bench.json)")
+    parser.add_argument("--job", action="store_true", help="plot a pipeline job instead of a benchmark")
+    args = parser.parse_args(argv)
+    if args.job:
+        for name, path in render_job_plots(args.source, args.out_dir or ".").items():
+            print(f"{name}: {path}")
+        return 0
+    figures = json.loads(Path(args.source).read_text())
+    print(f"wrote {render_report(figures, args.out_dir or Path(args.source).parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -168,6 +168,8 @@ def test_shipped_config_validates_and_lists_every_cell():
     (["threads=0"], "threads: 0"),
     (["no_such_key=1"], "no_such_key"),
     (["max_new_tokens=lots"], "max_new_tokens"),
+    (["omp_wait_policy=spin"], "omp_wait_policy: 'spin'"),
+    (["warmup_tokens=-1"], "warmup_tokens: -1"),
 ])
 def test_bad_config_is_a_clear_error_naming_the_key(overrides, message):
     with pytest.raises(BenchConfigError, match=re.escape(message)):
@@ -221,3 +223,14 @@ def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match=re.escape("no config.output.url")):
         render_job_plots(str(bad), tmp_path / "plots3")
+
+
+def test_report_can_be_rerendered_from_bench_json(tmp_path):
+    import json
+
+    from jobs.bench_report import main as report_main
+
+    (tmp_path / "bench.json").write_text(json.dumps(synthetic_figures()))
+    assert report_main([str(tmp_path / "bench.json")]) == 0
+    assert (tmp_path / "report.md").is_file()
+    assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
