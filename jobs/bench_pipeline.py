@@ -52,7 +52,7 @@ def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: in
     return load_config("configs/local.yaml", [
         f"input.urls=[{work / 'prompts.jsonl'}]", f"output.url={work / ('out-' + tag)}",
         f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.budget={cfg.budget}",
-        f"resources.num_workers={workers}", f"resources.num_cpus_per_worker={threads}",
+        f"resources.num_workers={workers}", "resources.num_cpus_per_worker=1", f"resources.torch_threads={threads}",
         f"resources.batch_size={cfg.batch_size}", f"run.run_id=bench-{tag}", "run.progress_interval_s=60",
     ])
 

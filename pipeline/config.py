@@ -70,7 +70,11 @@ class ResourcesConfig:
     num_workers: int = 1  # fixed actor pool size ...
     min_workers: int | None = None  # ... or an autoscaling range (both set)
     max_workers: int | None = None
-    num_cpus_per_worker: float = 1.0  # also the worker's torch thread count on CPU
+    num_cpus_per_worker: float = 1.0  # Ray's CPU reservation per worker actor
+    # torch threads per worker on CPU (null: the reservation, rounded down). May exceed the
+    # reservation: the reading and writing stages need CPU slots too, and leaving them one
+    # while the engine's threads use every core keeps a small machine from deadlocking.
+    torch_threads: int | None = None
     num_gpus_per_worker: float = 0.0  # > 0 puts one engine per GPU share
     batch_size: int = 4  # prompts decoded together by one engine
 
@@ -166,6 +170,7 @@ def validate(cfg: PipelineConfig) -> None:
     if r.min_workers is not None and r.max_workers is not None:
         check(1 <= r.min_workers <= r.max_workers, "resources.min_workers", "need 1 <= min_workers <= max_workers")
     check(r.num_cpus_per_worker > 0, "resources.num_cpus_per_worker", "must be > 0")
+    check(r.torch_threads is None or r.torch_threads >= 1, "resources.torch_threads", "must be >= 1 or null")
     check(r.num_gpus_per_worker >= 0, "resources.num_gpus_per_worker", "must be >= 0")
     check(r.batch_size >= 1, "resources.batch_size", "must be >= 1")
     check(o.rows_per_file >= 1, "output.rows_per_file", "must be >= 1")

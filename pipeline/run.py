@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,24 @@ def output_totals(output_url: str) -> dict[str, Any]:
             "rows_failed": failed, "generated_tokens": int(sum(n or 0 for n in data["num_generated_tokens"]))}
 
 
+def check_cpu_budget(cfg: PipelineConfig) -> None:
+    """Workers that reserve every CPU leave none for the read and write tasks: Ray Data then
+    waits forever. On a cluster started here that is certain, so it is an error; on an external
+    cluster the autoscaler may add nodes, so it is a warning."""
+    r = cfg.resources
+    reserved = (r.min_workers or r.num_workers) * r.num_cpus_per_worker
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if total >= reserved + 1:
+        return
+    message = (f"resources: {r.min_workers or r.num_workers} workers x num_cpus_per_worker={r.num_cpus_per_worker} "
+               f"reserve {reserved:g} of the cluster's {total:g} CPUs and leave none for reading and writing; "
+               f"lower num_cpus_per_worker (resources.torch_threads still sets the engine's threads)")
+    if os.environ.get("RAY_ADDRESS"):
+        log.warning("%s (waiting for the autoscaler to add CPUs)", message)
+    else:
+        raise StartupError(message)
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     run_id = cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
     resolved = resolve_artifacts(cfg, run_id)
@@ -166,6 +185,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     if done_keys:
         print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
     ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
+    check_cpu_budget(cfg)
     tally = RunTally()
     try:
         ds, duplicates = build_dataset(cfg, resolved, done_keys)

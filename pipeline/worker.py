@@ -65,7 +65,8 @@ class GenerationWorker:
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
         device = resolve_device(model_cfg.device)
         if device.type == "cpu":
-            configure_cpu_threads(max(1, int(self.cfg.resources.num_cpus_per_worker)))
+            resources = self.cfg.resources
+            configure_cpu_threads(resources.torch_threads or max(1, int(resources.num_cpus_per_worker)))
         model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),
                                             device=device)
         target = TargetAdapter(model, model_cfg.tap_layers)
