@@ -196,3 +196,17 @@ def test_startup_errors_are_clear_and_early(tmp_path, artifacts, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and where in err, (overrides, err)
     assert not (tmp_path / "out" / SUMMARY_NAME).exists()
+
+
+def test_cpu_budget_that_would_deadlock_is_refused(tmp_path, artifacts, monkeypatch):
+    from pipeline.run import StartupError, check_cpu_budget
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = config_file(tmp_path, artifacts, ["x.jsonl"], str(tmp_path / "out"))
+    check_cpu_budget(load_config(path, ["resources.num_workers=1", "resources.num_cpus_per_worker=1"]))
+    tight = load_config(path, ["resources.num_workers=2", "resources.num_cpus_per_worker=1"])
+    with pytest.raises(StartupError, match="leave none for reading"):
+        check_cpu_budget(tight)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # an external cluster may autoscale: only a warning
+    check_cpu_budget(tight)
