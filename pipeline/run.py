@@ -30,7 +30,7 @@ from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.inputs import read_prompts_with_report
 from pipeline.ngram_store import TrieUnavailableError, check_trie_url, shutdown_ngram_stores
-from pipeline.outputs import existing_row_keys, filter_done, read_output, write_part
+from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
 from pipeline.storage import StorageError, expand_inputs, filesystem_for
 from pipeline.summary import STAT_COLUMNS, RunTally, build_summary
 from pipeline.worker import GenerationWorker
@@ -181,6 +181,9 @@ def check_cpu_budget(cfg: PipelineConfig) -> None:
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     run_id = cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
     resolved = resolve_artifacts(cfg, run_id)
+    removed = remove_temp_files(cfg.output.url)  # leftovers of writers killed mid-write
+    if removed:
+        log.info("removed %d temporary files left by an interrupted run", removed)
     done_keys = existing_row_keys(cfg.output.url) if cfg.run.resume else set()
     if done_keys:
         print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
