@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     figures = measure(cfg)
-    figures["command"] = " ".join(["python -m jobs.bench", args.config, *args.overrides])
+    figures["command"] = "python -m jobs.bench " + shlex.join([args.config, *args.overrides])
     from jobs.bench_report import print_summary
 
     print_summary(figures["summary"])

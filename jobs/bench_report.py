@@ -159,11 +159,12 @@ def plot_budget_sweep(summary: list[dict], path: Path) -> Path:
                   "label": f"{mode} T={t:g}"}
             ax_s.plot([b for b, _ in pts], [e["speedup_vs_ar"] for _, e in pts], **kw)
             ax_t.plot([b for b, _ in pts], [e.get("tau", 0.0) for _, e in pts], **kw)
-    for e in summary:  # budget-free baselines as horizontal references
+    baselines = []
+    for e in sorted(summary, key=lambda e: (_mode_key(e), e["temperature"])):  # budget-free baselines
         if e["mode"] in ("hf", "hf_prompt_lookup") and budgets:
-            ax_s.axhline(e["speedup_vs_ar"], color=MODE_COLORS[e["mode"]], lw=1.2, ls=":")
-            ax_s.annotate(f"{e['mode']} T={e['temperature']:g}", (max(budgets), e["speedup_vs_ar"]), fontsize=7,
-                          ha="right", va="bottom", color=MODE_COLORS[e["mode"]])
+            ls = styles[_temps(summary).index(e["temperature"]) % len(styles)]
+            baselines.append(ax_s.axhline(e["speedup_vs_ar"], color=MODE_COLORS[e["mode"]], lw=1.2, ls=ls,
+                                          label=f"{e['mode']} T={e['temperature']:g}"))
     for ax, ylabel in ((ax_s, "speedup over ar"), (ax_t, "tau (tokens per round)")):
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xlabel("tree budget (draft nodes per round)")
@@ -173,8 +174,11 @@ def plot_budget_sweep(summary: list[dict], path: Path) -> Path:
         ax.grid(alpha=0.3)
     ax_s.set_title("Speedup vs tree budget")
     ax_t.set_title("tau vs tree budget")
-    if budgets:
-        ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    taus = [e.get("tau", 1.0) for e in summary if e.get("budget") is not None]
+    ax_t.set_ylim(0.9, max([*taus, 1.4]) * 1.1)  # a flat tau = 1 line should look flat, not zoomed noise
+    if budgets:  # one legend outside the panels: lines never hide behind it
+        handles = ax_t.get_legend_handles_labels()[0] + baselines
+        ax_t.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     else:
         ax_s.text(0.5, 0.5, "no tree mode measured", ha="center", va="center", transform=ax_s.transAxes)
     return _save(fig, path)
@@ -238,8 +242,8 @@ def summary_table(summary: list[dict]) -> list[str]:
 
 
 def conditions_table(conditions: dict[str, Any]) -> list[str]:
-    keys = ("date_utc", "host", "cpu", "cpus_visible", "threads", "load_average_start", "load_average_end",
-            "target", "dtype", "device", "prompts", "prompt_tokens", "max_new_tokens", "repeats",
+    keys = ("date_utc", "host", "cpu", "cpus_visible", "threads", "omp_wait_policy", "load_average_start",
+            "load_average_end", "target", "dtype", "device", "prompts", "prompt_tokens", "max_new_tokens", "repeats",
             "head", "head_fingerprint", "trie", "trie_fingerprint", "torch", "transformers", "git_commit",
             "measure_seconds")
     lines = ["| condition | value |", "|---|---|"]
@@ -276,7 +280,7 @@ def render_markdown(figures: dict[str, Any], plots: dict[str, Path], out_dir: Pa
         "same temperature. `hf` is transformers' `generate` (greedy at T=0, `do_sample=True` above); "
         "`hf_prompt_lookup` is greedy only. tau = tokens committed per verification round.",
         "",
-        *[f"> {n}" for n in notes],
+        "\n>\n".join(f"> {n}" for n in notes),
         "",
         "## Figures",
         "",
