@@ -234,3 +234,58 @@ def test_report_can_be_rerendered_from_bench_json(tmp_path):
     assert report_main([str(tmp_path / "bench.json")]) == 0
     assert (tmp_path / "report.md").is_file()
     assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
+
+
+# ------------------------------------------------------------------------------ end to end (tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny_artifacts(tmp_path_factory):
+    """A tiny fp32 target dir, a random draft head checkpoint and a trie for its tokenizer."""
+    import numpy as np
+    import torch
+
+    from dart_worker.draft_checkpoint import save_draft_head
+    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.loading import load_target
+    from ngram_native import build_trie
+    from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("bench_artifacts")
+    target_dir = save_tiny_target(root / "target", "llama")
+    model, _ = load_target(str(target_dir), dtype="fp32", device="cpu")
+    torch.manual_seed(0)
+    save_draft_head(DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3),
+                    root / "head")
+    tokenizer = tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, TINY_VOCAB, size=50).astype(np.int32) for _ in range(30)]
+    build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
+               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
+
+
+def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):
+    """Every cell runs on every prompt; in fp32 every greedy mode reproduces `ar` token for token."""
+    from jobs.bench import main as bench_main
+
+    out = tmp_path / "report"
+    overrides = [f"target={tiny_artifacts['target']}", f"head={tiny_artifacts['head']}",
+                 f"trie={tiny_artifacts['trie']}", "dtype=fp32", "device=cpu", "threads=1", "num_prompts=2",
+                 "max_prompt_tokens=64", "max_new_tokens=6", "budgets=[4,8]", "repeats=2", "warmup_tokens=1",
+                 f"output_dir={out}"]
+    assert bench_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
+    import json
+
+    figures = json.loads((out / "bench.json").read_text())
+    cells = {(e["mode"], e["temperature"], e["budget"]) for e in figures["summary"]}
+    assert len(cells) == 17 and len(figures["records"]) == 17 * 2 * 2
+    for e in figures["summary"]:
+        assert e["runs"] == 4 and e["speedup_vs_ar"] > 0
+        if e["temperature"] == 0:
+            assert e["agreement_with_ar"] == 1.0, e["mode"]
+    cond = figures["conditions"]
+    assert cond["head_trained"] and len(cond["head_fingerprint"]) > 8 and len(cond["trie_fingerprint"]) == 16
+    assert cond["prompts"] == 2 and cond["max_new_tokens"] == 6
+    assert (out / "report.md").is_file() and all((out / p).stat().st_size > 0 for p in PLOTS.values())
