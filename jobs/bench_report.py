@@ -319,7 +319,7 @@ def print_summary(summary: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------ pipeline job plots
 
-JOB_COLUMNS = ["row_key", "id", "error", "mode", "worker", "num_generated_tokens", "tau", "rounds", "wall_s"]
+JOB_COLUMNS = ["row_key", "run_id", "id", "error", "mode", "worker", "num_generated_tokens", "tau", "rounds", "wall_s"]
 
 
 def _is_summary_json(src: str) -> bool:
@@ -342,10 +342,12 @@ def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, 
     row_key order (the actual processing order is not recorded).
     """
     batches: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    several_runs = len({r.get("run_id") for r in rows}) > 1  # a resumed job: workers of each attempt apart
     for r in rows:
         if r.get("error") or not r.get("wall_s"):
             continue
-        batches[r.get("worker") or "?", float(r["wall_s"])].append(r)
+        worker = r.get("worker") or "?"
+        batches[f"{r.get('run_id')}/{worker}" if several_runs else worker, float(r["wall_s"])].append(r)
     per_worker: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
     clock: dict[str, float] = defaultdict(float)

@@ -198,6 +198,8 @@ def test_throughput_timeline_groups_batches_by_worker_and_wall_time():
     tl = throughput_timeline(rows)
     assert tl["w0"] == [(2.0, 20.0, 40), (3.0, 5.0, 45)]
     assert tl["w1"] == [(4.0, 2.0, 8)]
+    resumed = [r | {"run_id": "run-a"} for r in rows[:2]] + [rows[2] | {"run_id": "run-b"}]
+    assert set(throughput_timeline(resumed)) == {"run-a/w0", "run-b/w0"}
 
 
 def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):
