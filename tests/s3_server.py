@@ -182,3 +182,17 @@ def use_s3_server(monkeypatch: pytest.MonkeyPatch, server: S3Server) -> None:
         monkeypatch.setenv(name, value)
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+
+
+@contextlib.contextmanager
+def local_ray_for(server: S3Server, num_cpus: int = 2) -> Iterator[None]:
+    """A local Ray instance whose workers see the server's variables (they start with ray.init's env)."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": server.env})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield
+    finally:
+        ray.shutdown()

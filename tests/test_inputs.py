@@ -16,7 +16,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +34,7 @@ from pipeline.inputs import (
     read_prompts_with_report,
 )
 from pipeline.storage import StorageError, expand_inputs
-from tests.s3_server import running_s3_server
+from tests.s3_server import local_ray_for, running_s3_server
 
 TEXT = PromptFields()
 
@@ -161,17 +160,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def ray_session(s3):
-    # The S3 variables must reach the workers: they are started with the environment of ray.init.
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        runtime_env={"env_vars": s3.env},
-    )
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+    with local_ray_for(s3):
+        yield
 
 
 def rows_of(ds) -> list[dict]:

@@ -30,7 +30,7 @@ from pipeline.outputs import (
     write_part,
 )
 from pipeline.storage import StorageError, filesystem_for
-from tests.s3_server import running_s3_server
+from tests.s3_server import local_ray_for, running_s3_server
 
 RUN = "run-1"
 
@@ -284,16 +284,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def ray_session(s3):
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        runtime_env={"env_vars": s3.env},
-    )
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+    with local_ray_for(s3):
+        yield
 
 
 def test_filter_done(ray_session):
