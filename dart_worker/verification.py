@@ -355,7 +355,9 @@ def verify_batch(
 
     greedy = [b for b in range(batch) if params[b].is_greedy]
     if greedy:
-        argmax = torch.cat([logits[b, : sizes[b] + 1].argmax(dim=-1) for b in greedy]).cpu().numpy()
+        # max().indices is argmax with the same tie rule (first maximum) and about twice as fast
+        # on CPU over a 262k vocabulary, where this is the largest cost of a round after verify.
+        argmax = torch.cat([logits[b, : sizes[b] + 1].max(dim=-1).indices for b in greedy]).cpu().numpy()
         offset = 0
         for b in greedy:
             results[b] = _greedy_walk(trees[b], argmax[offset : offset + sizes[b] + 1])
