@@ -142,6 +142,9 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
         num_gpus=r.num_gpus_per_worker or None,
         max_restarts=-1,  # a crashed worker is restarted ...
         max_task_retries=-1,  # ... and its batch redone
+        # Idle OpenMP threads sleep instead of spinning: on a CPU shared with the read/write
+        # tasks and Ray's own processes, spinning threads made decoding steps >10x slower.
+        runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
     )
     ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"]},
                         batch_size=cfg.output.rows_per_file, batch_format="pyarrow", num_cpus=0.25)
