@@ -52,7 +52,9 @@ def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: in
     return load_config("configs/local.yaml", [
         f"input.urls=[{work / 'prompts.jsonl'}]", f"output.url={work / ('out-' + tag)}",
         f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.budget={cfg.budget}",
-        f"resources.num_workers={workers}", "resources.num_cpus_per_worker=1", f"resources.torch_threads={threads}",
+        # Reserve at most one CPU for all workers: the read and write stages need the other.
+        f"resources.num_workers={workers}", f"resources.num_cpus_per_worker={1 / workers}",
+        f"resources.torch_threads={threads}",
         f"resources.batch_size={cfg.batch_size}", f"run.run_id=bench-{tag}", "run.progress_interval_s=60",
     ])
 
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         "wall_s": summary["wall_s"], "rows_per_s": this["rows_per_s"],
                                         "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean")}
             report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
+            print(mode, "pipeline", report["pipeline"][mode], "engine", report["engine_direct"][mode], flush=True)
         for mode in cfg.modes:
             p, e = report["pipeline"][mode], report["engine_direct"][mode]
             p["overhead_vs_engine"] = e["tokens_per_s"] / p["tokens_per_s"] - 1 if p["tokens_per_s"] else None
