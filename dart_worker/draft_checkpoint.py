@@ -57,6 +57,11 @@ def _write_atomically(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp creates 0600 files; a checkpoint is meant to be read by other users and
+        # processes (package data, shared model dirs), so give it the usual umask-based mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
