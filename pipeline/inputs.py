@@ -540,13 +540,3 @@ def find_duplicate_ids(ds: ray.data.Dataset) -> dict[str, int]:
         .filter(expr=col("n") > 1)
     )
     return {row["id"]: int(row["n"]) for row in groups.iter_rows()}
-
-
-def mark_duplicates(ds: ray.data.Dataset, duplicates: dict[str, int]) -> ray.data.Dataset:
-    """Returns `ds` unchanged: read_prompts has already turned every later occurrence into an error row.
-
-    Kept so that callers written for a separate find/mark step stay correct; new code should use
-    read_prompts_with_report (the marking itself is resolve_repeated_keys, on parsed rows).
-    """
-    del duplicates
-    return ds

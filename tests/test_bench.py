@@ -243,29 +243,9 @@ def test_report_can_be_rerendered_from_bench_json(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_artifacts(tmp_path_factory):
-    """A tiny fp32 target dir, a random draft head checkpoint and a trie for its tokenizer."""
-    import numpy as np
-    import torch
+    from tests.tiny_models import save_tiny_artifacts
 
-    from dart_worker.draft_checkpoint import save_draft_head
-    from dart_worker.draft_head import DartDraftHead
-    from dart_worker.fingerprint import tokenizer_fingerprint
-    from dart_worker.loading import load_target
-    from ngram_native import build_trie
-    from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("bench_artifacts")
-    target_dir = save_tiny_target(root / "target", "llama")
-    model, _ = load_target(str(target_dir), dtype="fp32", device="cpu")
-    torch.manual_seed(0)
-    save_draft_head(DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3),
-                    root / "head")
-    tokenizer = tiny_tokenizer()
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(4, TINY_VOCAB, size=50).astype(np.int32) for _ in range(30)]
-    build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
-               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
-    return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
+    return save_tiny_artifacts(tmp_path_factory.mktemp("bench_artifacts"))
 
 
 def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):

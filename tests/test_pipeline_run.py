@@ -20,23 +20,18 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
-import torch
 
-from dart_worker.draft_checkpoint import save_draft_head
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine import DecodingEngine
-from dart_worker.fingerprint import tokenizer_fingerprint
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_user_prompt
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
-from ngram_native import build_trie
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
 from pipeline.worker import CRASH_ONCE_ENV
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
-from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_tokenizer
+from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -45,18 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """A tiny target dir, a random draft head checkpoint and a trie for its tokenizer."""
-    root = tmp_path_factory.mktemp("artifacts")
-    target_dir = save_tiny_target(root / "target", "llama")
-    model, _ = load_target(str(target_dir), dtype="fp32", device="cpu")
-    torch.manual_seed(0)
-    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3)
-    save_draft_head(head, root / "head")
-    tokenizer = tiny_tokenizer()
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(4, TINY_VOCAB, size=50).astype(np.int32) for _ in range(30)]
-    build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
-               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
-    return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
+    return save_tiny_artifacts(tmp_path_factory.mktemp("artifacts"))
 
 
 def word_prompt(rng, n: int) -> str:

@@ -83,3 +83,26 @@ def save_tiny_target(directory: Path, family: str = "llama", tokenizer_vocab: in
     tiny_model(family, **kwargs).save_pretrained(directory)
     tiny_tokenizer(tokenizer_vocab).save_pretrained(directory)
     return directory
+
+
+def save_tiny_artifacts(root: Path) -> dict[str, str]:
+    """A tiny fp32 target dir, a random draft head checkpoint and a trie for its tokenizer:
+    everything a pipeline or benchmark config names, small enough for fast tests."""
+    import numpy as np
+
+    from dart_worker.draft_checkpoint import save_draft_head
+    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.fingerprint import tokenizer_fingerprint
+    from ngram_native import build_trie
+
+    target_dir = save_tiny_target(root / "target", "llama")
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    save_draft_head(DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3),
+                    root / "head")
+    tokenizer = tiny_tokenizer()
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, TINY_VOCAB, size=50).astype(np.int32) for _ in range(30)]
+    build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
+               tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
