@@ -137,7 +137,7 @@ class NgramTrie(_core.NgramTrie):
         to length 1, a candidate not yet scored gets count(suffix + candidate) / count(suffix);
         a candidate never seen after any suffix gets 0.
         """
-        return self._score(_int32_ids(context, "context"), _int32_ids(candidates, "candidates"))
+        return _core._ngram_probs(self, _int32_ids(context, "context"), _int32_ids(candidates, "candidates"))
 
     def count(self, ngram: Any) -> int:
         """Occurrences of `ngram` in the corpus (0 if not stored; the empty n-gram: all tokens)."""

@@ -77,25 +77,6 @@ void bind_trie(py::module_& m) {
       .def("verify", &NgramTrie::verify, py::call_guard<py::gil_scoped_release>())
       .def("close", &NgramTrie::close)
       .def(
-          "_score",
-          [](const NgramTrie& t, const IdArray& context, const IdArray& candidates) {
-            if (context.ndim() != 1 || candidates.ndim() != 1) {
-              throw std::invalid_argument("context and candidates must be 1-D arrays");
-            }
-            py::array_t<float> out(candidates.shape(0));
-            const int32_t* ctx = context.data();
-            const int32_t* cand = candidates.data();
-            float* probs = out.mutable_data();
-            const size_t ctx_len = static_cast<size_t>(context.shape(0));
-            const size_t n = static_cast<size_t>(candidates.shape(0));
-            {
-              py::gil_scoped_release release;
-              t.score(ctx, ctx_len, cand, n, probs);
-            }
-            return out;
-          },
-          py::arg("context"), py::arg("candidates"))
-      .def(
           "_count",
           [](const NgramTrie& t, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& ngram) {
             if (ngram.ndim() != 1) throw std::invalid_argument("ngram must be a 1-D sequence of token ids");
