@@ -409,9 +409,15 @@ def _user_class():
                 return type(exc).__name__, str(exc), time.monotonic() - start
             return None, "", time.monotonic() - start
 
-        def touch_and_measure(self):
+        def touch(self):
             self.trie.verify()  # reads every page through this process's mapping
+
+        def measure(self):
             return trie_memory_usage(self.trie.path)
+
+        def touch_and_measure(self):
+            self.touch()
+            return self.measure()
 
     return TrieUser
 
@@ -457,7 +463,11 @@ def test_one_store_and_one_shared_copy_per_node(cluster):
     size = os.path.getsize(next(iter(paths["node_a"])))
     assert size > 2 << 20
     for node, us in users.items():
-        mems = ray.get([u.touch_and_measure.remote() for u in us], timeout=60)
+        # Every worker touches before any measures: PSS splits a page only among processes
+        # that have it mapped at that moment, so measuring one worker before the other has
+        # touched would charge it the whole file.
+        ray.get([u.touch.remote() for u in us], timeout=60)
+        mems = ray.get([u.measure.remote() for u in us], timeout=60)
         assert all(m.rss >= 0.95 * size for m in mems), (node, mems, size)
         assert sum(m.pss for m in mems) <= 1.05 * size, (node, mems, size)  # 2 private copies: 2x
     for u in users["node_a"] + users["node_b"]:
