@@ -436,9 +436,15 @@ def iter_conversations(
             return
 
 
-def sharegpt_dev_prompts(
+def sharegpt_dev_prompts(n: int | None, **kwargs: Any) -> list[DevPrompt]:
+    """The first user turn of the first ``n`` dev conversations: the benchmarks' prompts."""
+    return first_user_prompts(n, split="dev", **kwargs)
+
+
+def first_user_prompts(
     n: int | None,
     *,
+    split: str = "dev",
     source: str = DEFAULT_CORPUS,
     tokenizer: Any = None,
     chat_template: bool = False,
@@ -448,7 +454,7 @@ def sharegpt_dev_prompts(
     report: CorpusReport | None = None,
     **read_kwargs: Any,
 ) -> list[DevPrompt]:
-    """The first user turn of the first ``n`` dev conversations (all of them if ``n`` is None).
+    """The first user turn of the first ``n`` conversations of ``split`` (all of them if ``n`` is None).
 
     With ``chat_template=True`` the prompt is the tokenizer's chat template applied to that one
     turn with a generation prompt; a tokenizer without a template is an error, not a silent
@@ -463,9 +469,9 @@ def sharegpt_dev_prompts(
     if n is not None and n <= 0:
         return prompts
     seen_chats: set[str] = set()
-    for conv in iter_conversations(source, split="dev", dev_fraction=dev_fraction, report=report, **read_kwargs):
+    for conv in iter_conversations(source, split=split, dev_fraction=dev_fraction, report=report, **read_kwargs):
         first = next((t for t in conv.turns if t.role in ("user", TEXT_ROLE)), None)
-        if first is None or (max_chars is not None and len(first.text) > max_chars):
+        if first is None or not first.text.strip() or (max_chars is not None and len(first.text) > max_chars):
             continue
         if one_per_chat:
             if conv.split_key in seen_chats:

@@ -111,6 +111,9 @@ class EvalConfig:
     tau_every_steps: int = 0  # 0: tau only after the last step (real decoding is slow on a CPU)
     tau_max_new_tokens: int = 64
     tau_modes: list[str] = field(default_factory=lambda: ["chain", "dart"])
+    # Where tau's dev prompts come from (its dev split); null = data.source. Set "default" to
+    # compare heads trained on different data on the same ShareGPT dev prompts.
+    tau_source: str | None = None
     trie: str | None = "default"  # for dart mode: a trie path, "default", or null (skip dart)
 
 
@@ -473,7 +476,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     if "adapter" not in adapter_cache:
         adapter_cache["adapter"] = TargetAdapter(model)
         prompts = []
-        for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=cfg.data.source,
+        for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=ev.tau_source or cfg.data.source,
                                       dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens):
             ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
             if len(ids) <= cfg.data.max_prompt_tokens:
@@ -508,6 +511,11 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
 
 
 # ------------------------------------------------------------------------------ the loop
+
+
+def head_vocab(head: DartDraftHead) -> torch.Tensor:
+    """The target ids of a head's draft vocabulary, in draft-id order (what the teacher keeps)."""
+    return head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device)).cpu()
 
 
 def make_head(cfg: TrainConfig, model, kept: torch.Tensor, device: torch.device,
@@ -560,8 +568,12 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
     if resume_from is not None:
         head = load_draft_head(resume_from, model.config, model.get_input_embeddings(), device=device,
                                dtype=torch.float32).train()
-        kept = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device)).cpu()
+        kept = head_vocab(head)
         vocab_info = load_trainer_state(resume_from).get("vocab_info", {})
+    elif cfg.head.init_from:  # fine-tuning: the head's own draft vocabulary, whatever the new data
+        head = make_head(cfg, model, torch.empty(0, dtype=torch.long), device)
+        kept = head_vocab(head)
+        vocab_info = {"draft_vocab_size": len(kept), "from": str(cfg.head.init_from)}
     else:
         first = None
         if conversations is not None:

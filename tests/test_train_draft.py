@@ -30,6 +30,7 @@ from dart_worker.draft_training import (
 from dart_worker.engine import DecodingEngine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
+from jobs import train_draft
 from jobs.train_draft import (
     TrainConfig,
     WorkerContext,
@@ -369,6 +370,37 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
     ar = DecodingEngine(adapter, draft_head=None, mode="ar").generate([prompt], params)[0]
     chain = DecodingEngine(adapter, draft_head=head, mode="chain").generate([prompt], params)[0]
     assert chain.error is None and chain.token_ids == ar.token_ids
+
+
+def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tmp_path, monkeypatch):
+    """init_from on other data (e.g. self-distilled replies): the teacher must keep the head's
+    own draft ids, not a vocabulary counted on the new data."""
+    model = tiny_model("gemma3", num_layers=4)
+    first = tiny_config(tmp_path / "first", 2)
+    first.export_dir, first.save_dtype = str(tmp_path / "export"), "fp32"
+    run(first, model, chats(6))
+    initial = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
+
+    seen_kept = []
+    real_teacher = train_draft.TeacherPass
+
+    def recording_teacher(target, kept):
+        seen_kept.append(kept.tolist())
+        return real_teacher(target, kept)
+
+    monkeypatch.setattr(train_draft, "TeacherPass", recording_teacher)
+    other = [Conversation(f"o{i}", (Turn("user", "zzz yyy"), Turn("assistant", "QQQ WWW XXX " * 5)), f"o{i}")
+             for i in range(6)]
+    tuned = tiny_config(tmp_path / "tuned", 2)
+    tuned.head.init_from = str(tmp_path / "export")
+    tuned.head.draft_vocab_size = 32  # ignored: the vocabulary is the initial head's
+    tuned.export_dir, tuned.save_dtype = str(tmp_path / "export2"), "fp32"
+    run(tuned, model, other)
+    expected = initial.to_target_ids(torch.arange(64)).tolist()
+    assert seen_kept == [expected]
+    head = load_draft_head(tmp_path / "export2", model.config, model.get_input_embeddings())
+    assert head.to_target_ids(torch.arange(64)).tolist() == expected
+    assert not torch.equal(head.fc.weight, initial.fc.weight)
 
 
 # ------------------------------------------------------------------------ Ray Train backend
