@@ -44,7 +44,11 @@ LABEL org.opencontainers.image.title="dart-batch" \
       org.opencontainers.image.licenses="Apache-2.0"
 
 USER 1000:100
+# OMP_WAIT_POLICY: idle OpenMP threads sleep instead of spinning. On CPU workers that share cores
+# with Ray's own processes and the read/write tasks, spinning made decoding steps >10x slower
+# (docs/benchmarks.md); GPU runs do not care.
 ENV DART_CACHE_DIR=/home/ray/.cache/dart-batch \
+    OMP_WAIT_POLICY=PASSIVE \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -67,6 +67,7 @@ class _Sequence:
     generator: torch.Generator
     stats: RequestStats
     finish_reason: str = ""
+    text_end: int | None = None  # where a stop string starts in the generated text
 
     @property
     def generated(self) -> list[int]:
@@ -127,7 +128,7 @@ class DecodingEngine:
                 seq.stats.num_generated_tokens = len(seq.generated)
                 results[seq.index] = GenerationResult(
                     token_ids=seq.generated,
-                    text=self._detokenize(seq.generated),
+                    text=self._detokenize(seq.generated)[: seq.text_end],
                     finish_reason=seq.finish_reason,
                     stats=seq.stats,
                 )
@@ -153,6 +154,8 @@ class DecodingEngine:
             )
         if params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
         stats = RequestStats(num_prompt_tokens=len(token_ids))
         return _Sequence(
             index=index,
@@ -312,6 +315,30 @@ class DecodingEngine:
                 seq.finish_reason = "length"
             new_tokens = new_tokens[:room]
         seq.tokens.extend(new_tokens)
+        if seq.params.stop and new_tokens:
+            self._cut_at_stop_string(seq, len(new_tokens))
+
+    def _cut_at_stop_string(self, seq: _Sequence, num_new: int) -> None:
+        """End the sequence at the first token that completes a stop string.
+
+        Only an occurrence that ends in the text of the `num_new` tokens just committed is new
+        (earlier text was checked on earlier rounds); the committed tokens after the completing
+        one are dropped, exactly as if decoding had stopped there.
+        """
+        generated = seq.generated
+        start = len(generated) - num_new
+        before = len(self._detokenize(generated[:start]))
+        longest = max(len(s) for s in seq.params.stop)
+        for end in range(start + 1, len(generated) + 1):
+            text = self._detokenize(generated[:end])
+            window_start = max(0, before - longest + 1)
+            hits = [i for s in seq.params.stop if (i := text.find(s, window_start)) >= 0]
+            if hits:
+                del seq.tokens[seq.num_prompt + end :]
+                seq.text_end = min(hits)
+                seq.finish_reason = "stop"
+                return
+            before = len(text)
 
     def _finish_at_context_limit(self, live: list[_Sequence], state) -> None:
         """Stop sequences whose committed tokens (cached + root) fill the target's context."""

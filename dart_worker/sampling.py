@@ -28,7 +28,9 @@ class SamplingParams:
     """How one request samples. temperature 0 means greedy (argmax, top-k/top-p irrelevant).
 
     top_k = 0 and top_p = 1.0 switch those filters off; seed None draws a nondeterministic
-    seed; stop_token_ids end generation after the stop token is emitted (the engine's job).
+    seed; stop_token_ids end generation after the stop token is emitted; a stop string ends it
+    once the generated text contains it, and the returned text stops before it (the engine's job,
+    which needs a tokenizer for it).
     """
 
     temperature: float = 1.0
@@ -37,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -57,8 +60,14 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entry", token, minimum=0)
+        if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, Sequence):
+            raise TypeError(f"stop must be a sequence of strings, got {self.stop!r}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
         # Normalise lists to a tuple so the dataclass stays hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 

@@ -3,7 +3,11 @@
 Measures, in one run on the same ShareGPT dev prompts:
 - rows/s and tokens/s of the whole pipeline (`python -m pipeline.run` in-process) for `dart` and `ar`;
 - the pipeline's overhead against calling the engine directly on the same prompts, with the
-  same batch size and prompt formatting (aim: under 10%);
+  same batch size and prompt formatting (aim: under 10%), twice: end to end (the pipeline's wall
+  time against the direct worker's construction plus decoding) and in steady state (the span
+  from the first batch's start to the last batch's end, from the rows' `finished_at` and
+  `wall_s`, against the direct decoding time: what start-up costs aside, Ray Data's reading,
+  scheduling and writing add between batches);
 - resident memory per node with 1 and 2 workers (sum of the workers' PSS, and the trie's
   share of it, which should be counted once however many workers map it).
 """
@@ -25,6 +29,7 @@ from omegaconf import OmegaConf
 
 from dart_worker.corpus import sharegpt_dev_prompts
 from pipeline.config import load_config
+from pipeline.outputs import read_output
 from pipeline.run import run_pipeline
 
 
@@ -66,7 +71,9 @@ def engine_direct(pcfg, prompts_path: Path) -> dict:
     from pipeline.run import resolve_artifacts
     from pipeline.worker import GenerationWorker
 
+    started = time.perf_counter()
     worker = GenerationWorker(to_dict(pcfg), resolve_artifacts(pcfg, "direct"))
+    construct_s = time.perf_counter() - started
     rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
     inputs = [{"row_key": f"id:{r['id']}", "id": r["id"], "prompt": r["prompt"], "prompt_kind": "text",
                "source": str(prompts_path), "error": None} for r in rows]
@@ -76,8 +83,20 @@ def engine_direct(pcfg, prompts_path: Path) -> dict:
         out = worker(pa.Table.from_pylist(inputs[k : k + pcfg.resources.batch_size]))
         tokens += sum(out["num_generated_tokens"].to_pylist())
     wall = time.perf_counter() - started
-    return {"rows": len(rows), "tokens": tokens, "wall_s": wall, "rows_per_s": len(rows) / wall,
-            "tokens_per_s": tokens / wall}
+    return {"rows": len(rows), "tokens": tokens, "construct_s": construct_s, "wall_s": wall,
+            "rows_per_s": len(rows) / wall, "tokens_per_s": tokens / wall}
+
+
+def steady_state(output_url: str) -> dict:
+    """Decoding span of a pipeline run from its rows: first batch start to last batch end."""
+    table = read_output(output_url, columns=["finished_at", "wall_s", "num_generated_tokens"]).to_pylist()
+    ends = [r["finished_at"].timestamp() for r in table if r["finished_at"] is not None and r["wall_s"] is not None]
+    starts = [r["finished_at"].timestamp() - r["wall_s"] for r in table if r["finished_at"] is not None
+              and r["wall_s"] is not None]
+    span = max(ends) - min(starts)
+    tokens = sum(r["num_generated_tokens"] or 0 for r in table)
+    return {"span_s": span, "tokens_per_s": tokens / span, "rows_per_s": len(table) / span,
+            "first_batch_start_unix": min(starts)}
 
 
 class PssSampler:
@@ -118,17 +137,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{n} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, batch {cfg.batch_size}")
         for mode in cfg.modes:
             pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=mode)
+            launched = time.time()
             summary = run_pipeline(pcfg)
             ray.shutdown()
             this = summary["this_run"]
+            steady = steady_state(pcfg.output.url)
             report["pipeline"][mode] = {"rows": this["rows"], "tokens": this["generated_tokens"],
                                         "wall_s": summary["wall_s"], "rows_per_s": this["rows_per_s"],
-                                        "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean")}
+                                        "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean"),
+                                        "startup_s": steady.pop("first_batch_start_unix") - launched,
+                                        "steady": steady}
             report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
             print(mode, "pipeline", report["pipeline"][mode], "engine", report["engine_direct"][mode], flush=True)
         for mode in cfg.modes:
             p, e = report["pipeline"][mode], report["engine_direct"][mode]
-            p["overhead_vs_engine"] = e["tokens_per_s"] / p["tokens_per_s"] - 1 if p["tokens_per_s"] else None
+            p["overhead_end_to_end"] = p["wall_s"] / (e["construct_s"] + e["wall_s"]) - 1
+            p["overhead_steady_state"] = p["steady"]["span_s"] / e["wall_s"] - 1
+            print(f"{mode}: pipeline {p['tokens_per_s']:.1f} tok/s end to end, {p['steady']['tokens_per_s']:.1f} "
+                  f"steady; direct {e['tokens_per_s']:.1f}; overhead {p['overhead_end_to_end']:+.1%} end to end, "
+                  f"{p['overhead_steady_state']:+.1%} steady state", flush=True)
         write_prompts(work / "prompts.jsonl", cfg.memory_prompts)
         for workers in cfg.memory_workers:
             pcfg = pipeline_config(work, "dart", cfg, workers=workers, threads=max(1, 2 // workers),

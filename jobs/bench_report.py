@@ -320,7 +320,8 @@ def print_summary(summary: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------ pipeline job plots
 
-JOB_COLUMNS = ["row_key", "run_id", "id", "error", "mode", "worker", "num_generated_tokens", "tau", "rounds", "wall_s"]
+JOB_COLUMNS = ["row_key", "run_id", "id", "error", "mode", "worker", "num_generated_tokens", "tau", "rounds", "wall_s",
+               "finished_at"]
 
 
 def _is_summary_json(src: str) -> bool:
@@ -334,28 +335,44 @@ def _read_json_url(url: str) -> dict:
         return json.load(f)
 
 
-def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, int]]]:
-    """Per worker: (busy seconds at batch end, batch tokens/s, cumulative tokens) per batch.
+def _ok_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r.get("error") and r.get("wall_s")]
 
-    The output rows carry no timestamps: a row holds its batch's wall time (`wall_s`, equal for
-    every row of one engine batch). So a batch is the rows of one worker sharing one wall_s; its
-    throughput is exact, and the worker's time axis is the running sum of its batch times, in
-    row_key order (the actual processing order is not recorded).
+
+def _timed(rows: list[dict]) -> bool:
+    """Whether every successful row has `finished_at` (then the job's real clock is known)."""
+    ok = _ok_rows(rows)
+    return bool(ok) and all(r.get("finished_at") is not None for r in ok)
+
+
+def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, int]]]:
+    """Per worker: (seconds at batch end, batch tokens/s, cumulative tokens) per engine batch.
+
+    Rows with `finished_at` (output schema 2) are grouped by (worker, finished_at) and placed on
+    the job's clock: seconds since the first batch began (`finished_at - wall_s`), the same axis
+    for every worker. Older rows have only their batch's wall time (`wall_s`, equal for every row
+    of one batch): a batch is then the rows of one worker sharing one wall_s, and the worker's
+    axis is the running sum of its batch times in row_key order (its busy time).
     """
-    batches: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    several_runs = len({r.get("run_id") for r in rows}) > 1  # a resumed job: workers of each attempt apart
-    for r in rows:
-        if r.get("error") or not r.get("wall_s"):
-            continue
+    ok, timed = _ok_rows(rows), _timed(rows)
+    several_runs = len({r.get("run_id") for r in ok}) > 1  # a resumed job: workers of each attempt apart
+    batches: dict[tuple[str, Any], list[dict]] = defaultdict(list)
+    for r in ok:
         worker = r.get("worker") or "?"
-        batches[f"{r.get('run_id')}/{worker}" if several_runs else worker, float(r["wall_s"])].append(r)
+        worker = f"{r.get('run_id')}/{worker}" if several_runs else worker
+        batches[worker, r["finished_at"] if timed else float(r["wall_s"])].append(r)
+    origin = min((r["finished_at"].timestamp() - float(r["wall_s"]) for r in ok), default=0.0) if timed else 0.0
     per_worker: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
-    order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
+    if timed:
+        order = sorted(batches.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+    else:
+        order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
     clock: dict[str, float] = defaultdict(float)
     total: dict[str, int] = defaultdict(int)
-    for (worker, wall), batch in order:
+    for (worker, key), batch in order:
+        wall = float(batch[0]["wall_s"])
         tokens = sum(int(r.get("num_generated_tokens") or 0) for r in batch)
-        clock[worker] += wall
+        clock[worker] = key.timestamp() - origin if timed else clock[worker] + wall
         total[worker] += tokens
         per_worker[worker].append((clock[worker], tokens / wall, total[worker]))
     return dict(per_worker)
@@ -401,7 +418,8 @@ def plot_job_throughput(rows: list[dict], path: Path) -> Path:
     ax_r.set_ylabel("tokens/s per batch")
     ax_c.set_ylabel("generated tokens (cumulative)")
     for ax in (ax_r, ax_c):
-        ax.set_xlabel("worker busy time (s, reconstructed from wall_s)")
+        ax.set_xlabel("seconds since the first batch began" if _timed(rows)
+                      else "worker busy time (s, reconstructed from wall_s)")
         ax.grid(alpha=0.3)
     ax_r.set_title("Throughput over time")
     ax_c.set_title("Tokens generated")

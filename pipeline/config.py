@@ -56,6 +56,7 @@ class DecodingConfig:
     seed: int = 0  # per-row seeds derive from (seed, row key): reproducible whatever the batching
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
+    stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
     budget: int = 60  # draft tree nodes per round
     tree_top_k: int = 25
     beam_width: int = 20
@@ -158,6 +159,7 @@ def validate(cfg: PipelineConfig) -> None:
     check(d.top_k >= 0, "decoding.top_k", "must be >= 0 (0 = off)")
     check(d.seed >= 0, "decoding.seed", "must be >= 0")
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
+    check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.budget >= 1, "decoding.budget", "must be >= 1")
     check(d.tree_top_k >= 1 and d.beam_width >= 1, "decoding.tree_top_k", "tree_top_k and beam_width must be >= 1")
     check(d.depth_decay >= 0 and d.draft_decay >= 0 and d.ngram_weight >= 0, "decoding.ngram_weight",

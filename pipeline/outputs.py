@@ -49,7 +49,10 @@ from pipeline.storage import StorageError, describe_error, filesystem_for, get_o
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+# Columns added after version 1: parts written before them read back with nulls there, so a
+# resumed run, the job summary and the nightly report keep working across the upgrade.
+ADDED_COLUMNS = {"finished_at": "2"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
@@ -72,6 +75,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("commit_s", pa.float64()),
         pa.field("wall_s", pa.float64()),
         pa.field("tokens_per_s", pa.float64()),
+        pa.field("finished_at", pa.timestamp("us", tz="UTC")),
         pa.field("mode", pa.string()),
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
@@ -315,7 +319,7 @@ def _read_part(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | No
     """
     try:
         with fs.open(path, "rb") as f:
-            return pq.read_table(f, columns=columns)
+            return _read_parquet(f, columns)
     except Exception:
         pass
     try:
@@ -323,9 +327,30 @@ def _read_part(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | No
     except Exception as e:
         raise StorageError(describe_error("read", url_of(fs, path), e)) from e
     try:
-        return pq.read_table(pa.BufferReader(data), columns=columns)
+        return _read_parquet(pa.BufferReader(data), columns)
     except Exception as e:
         raise _CorruptPart(f"{type(e).__name__}: {e}") from e
+
+
+def _read_parquet(source: Any, columns: list[str] | None) -> pa.Table:
+    """`columns` of the file; one added since the part was written is skipped, any other missing
+    column is an error (the part is not ours)."""
+    parquet = pq.ParquetFile(source)
+    if columns is not None:
+        present = set(parquet.schema_arrow.names)
+        missing = [c for c in columns if c not in present and c not in ADDED_COLUMNS]
+        if missing:
+            raise ValueError(f"no column(s) {missing}")
+        columns = [c for c in columns if c in present]
+    return parquet.read(columns=columns)
+
+
+def _with_added_columns(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Null columns for the schema's columns added after the part was written."""
+    for name in ADDED_COLUMNS:
+        if name in schema.names and name not in table.schema.names:
+            table = table.append_column(schema.field(name), pa.nulls(len(table), schema.field(name).type))
+    return table
 
 
 def _quarantine(fs: fsspec.AbstractFileSystem, directory: str, path: str, reason: str) -> None:
@@ -416,7 +441,7 @@ def read_output(
     tables = []
     for path in _list_parts(fs, directory, output_url):
         try:
-            table = _read_part(fs, path, read_columns)
+            table = _with_added_columns(_read_part(fs, path, read_columns), schema)
         except _CorruptPart as e:
             raise StorageError(f"corrupt output part {url_of(fs, path)}: {e}") from None
         try:

@@ -128,6 +128,10 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
         messages_column=i.messages_column, max_prompt_chars=i.max_prompt_chars)
     if done_keys:
         ds = filter_done(ds, done_keys)
+    # One batch per block: the read side makes blocks of thousands of rows, and an actor task
+    # returns its output only when its whole block is done. Small blocks spread the rows over
+    # every worker, let results be written as they come, and make a crash cost one batch.
+    ds = ds.repartition(target_num_rows_per_block=r.batch_size)
     if r.min_workers is not None:
         pool = ray.data.ActorPoolStrategy(min_size=r.min_workers, max_size=r.max_workers)
     else:

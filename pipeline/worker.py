@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -102,6 +103,9 @@ class GenerationWorker:
                 outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)))
         for k, result in self._generate(requests):
             outputs[k] = self._row(rows[k], result)
+        finished_at = datetime.now(UTC)
+        for out in outputs:
+            out["finished_at"] = finished_at
         return rows_to_table(outputs)
 
     def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:
@@ -136,7 +140,7 @@ class GenerationWorker:
         d = self.cfg.decoding
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
                               seed=row_seed(d.seed, row["row_key"]), max_new_tokens=d.max_new_tokens,
-                              stop_token_ids=tuple(d.stop_token_ids))
+                              stop_token_ids=tuple(d.stop_token_ids), stop=tuple(d.stop))
 
     def _row(self, row: dict, result: GenerationResult) -> dict:
         d, s = self.cfg.decoding, result.stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,21 @@ def test_throughput_timeline_groups_batches_by_worker_and_wall_time():
     assert tl["w1"] == [(4.0, 2.0, 8)]
     resumed = [r | {"run_id": "run-a"} for r in rows[:2]] + [rows[2] | {"run_id": "run-b"}]
     assert set(throughput_timeline(resumed)) == {"run-a/w0", "run-b/w0"}
+
+
+def test_throughput_timeline_on_the_jobs_clock_with_finished_at():
+    t = datetime(2026, 11, 22, 3, 0, 0, tzinfo=UTC)
+    rows = [{"row_key": "k1", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 10, "finished_at": t},
+            {"row_key": "k2", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 30, "finished_at": t},
+            # the same wall time, another batch: told apart by finished_at
+            {"row_key": "k0", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 4,
+             "finished_at": t + timedelta(seconds=5)},
+            {"row_key": "k4", "worker": "w1", "wall_s": 4.0, "num_generated_tokens": 8,
+             "finished_at": t + timedelta(seconds=3)},
+            {"row_key": "k5", "worker": "w1", "wall_s": None, "error": "bad prompt", "finished_at": t}]
+    tl = throughput_timeline(rows)  # the job began at t - 2 s (w0's first batch)
+    assert tl["w0"] == [(2.0, 20.0, 40), (7.0, 2.0, 44)]
+    assert tl["w1"] == [(5.0, 2.0, 8)]
 
 
 def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from dart_worker.draft_head import DartDraftHead
@@ -18,7 +20,7 @@ from dart_worker.engine import DecodingEngine, TreeConfig
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import NgramTrie, build_trie
-from tests.tiny_models import FAMILIES, tiny_model
+from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
 SPEC_MODES = ("chain", "ddtree", "dart")
 VOCAB = 32  # small enough that top-25 drafts often contain the target's choice
@@ -108,6 +110,49 @@ def test_stop_token_inside_an_accepted_path(models, self_trie, family):
         result = make_engine(model, mode, trie=self_trie).generate([prompt], greedy(40, stop=(stop,)))[0]
         assert result.token_ids == free[:cut], mode
         assert result.finish_reason == "stop"
+
+
+def reference_stop_cut(tokenizer, free: list[int], stops: list[str]) -> tuple[list[int], str]:
+    """Brute force: the shortest prefix of the free run whose text contains a stop string."""
+    for end in range(1, len(free) + 1):
+        text = tokenizer.decode(free[:end], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return free[:end], text[: min(hits)]
+    return free, tokenizer.decode(free, skip_special_tokens=True)
+
+
+@settings(max_examples=12, deadline=None)
+@given(start=st.integers(0, 30), span=st.integers(1, 3), partial=st.booleans(), mode=st.sampled_from(("ar",
+       *SPEC_MODES)), family=st.sampled_from(FAMILIES))
+def test_stop_strings_end_the_text_where_plain_decoding_would(models, self_trie, start, span, partial, mode,
+                                                              family):
+    tokenizer = tiny_tokenizer(VOCAB)
+    model = models[family]
+    prompt = random_prompts(1, seed=7)[0]
+    free = make_engine(model, "ar").generate([prompt], greedy(40))[0].token_ids
+    stop = tokenizer.decode(free[start : start + span], skip_special_tokens=True) or "w"
+    if partial:  # a stop string that ends inside a token ("w1" in "w17")
+        stop = stop[:-1] or stop
+    stops = [stop, "never w0 w0 w0"]
+    expected_ids, expected_text = reference_stop_cut(tokenizer, free, stops)
+    engine = make_engine(model, mode, trie=self_trie)
+    engine.tokenizer = tokenizer
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop=tuple(stops))
+    result = engine.generate([prompt, random_prompts(1, seed=8)[0]], params)[0]
+    assert result.token_ids == expected_ids
+    assert result.text == expected_text and stop not in result.text
+    assert result.finish_reason == ("stop" if len(expected_ids) < 40 or stop in tokenizer.decode(
+        free, skip_special_tokens=True) else "length")
+
+
+def test_stop_strings_need_a_tokenizer_and_non_empty_strings(models):
+    with pytest.raises(ValueError, match="non-empty"):
+        SamplingParams(stop=("",))
+    with pytest.raises(TypeError, match="sequence of strings"):
+        SamplingParams(stop="User:")
+    result = make_engine(models["llama"], "ar").generate([[5, 6, 7]], SamplingParams(stop=("x",)))[0]
+    assert result.error == "stop strings need a tokenizer"
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7])

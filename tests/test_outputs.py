@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
@@ -75,6 +76,7 @@ def test_rows_to_table_full_row_and_nulls():
         "commit_s": 0.001,
         "wall_s": 0.4,
         "tokens_per_s": 7.5,
+        "finished_at": datetime(2026, 11, 22, 3, 0, 1, 250000, tzinfo=UTC),
         "mode": "dart",
         "temperature": 0,  # an int where a float is expected is fine
         "top_p": 1.0,
@@ -93,6 +95,7 @@ def test_rows_to_table_full_row_and_nulls():
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=True)
     first, second = table.to_pylist()
     assert first["token_ids"] == [1, 2, 3] and first["temperature"] == 0.0 and first["seed"] == 7
+    assert first["finished_at"] == full["finished_at"]
     assert second["text"] is None and second["token_ids"] is None and second["error"] == "empty prompt"
     assert rows_to_table([]).schema.equals(OUTPUT_SCHEMA)
 
@@ -166,7 +169,8 @@ def test_write_part_atomic_and_idempotent(tmp_path):
     assert files_in(out) == [name]  # no temporary file left behind
     first_bytes = (out / name).read_bytes()
     metadata = pq.read_schema(out / name).metadata
-    assert metadata[b"dart.run_id"] == RUN.encode() and metadata[b"dart.output_schema_version"] == b"1"
+    assert metadata[b"dart.run_id"] == RUN.encode()
+    assert metadata[b"dart.output_schema_version"] == outputs.SCHEMA_VERSION.encode()
 
     # The same batch again (e.g. a retried task), even in another row order: same single file.
     assert write_part(table_of("a", "b"), f"file://{out}", RUN) == url
@@ -287,6 +291,24 @@ def ray_session(s3):
     with local_ray_for(s3):
         yield
 
+
+
+def test_parts_of_schema_version_1_read_back_with_null_added_columns(tmp_path):
+    """A run resumed after an upgrade finds parts without `finished_at`: they still count."""
+    out = tmp_path / "out"
+    now = datetime(2026, 11, 22, 3, 0, tzinfo=UTC)
+    write_part(rows_to_table([output_row("a", finished_at=now)]), str(out), RUN)
+    old = table_of("b", "c").drop_columns(["finished_at"])
+    (out / part_name(["b", "c"])).write_bytes(pq_bytes(old))
+    assert existing_row_keys(str(out)) == {"a", "b", "c"}
+    table = read_output(str(out))
+    assert table.schema.equals(OUTPUT_SCHEMA.remove_metadata(), check_metadata=False)
+    assert table.column("finished_at").to_pylist() == [now, None, None]
+    assert read_output(str(out), columns=["finished_at"]).column("finished_at").null_count == 2
+    # Any other missing column still marks a part that is not ours.
+    (out / part_name(["d"])).write_bytes(pq_bytes(table_of("d").drop_columns(["text"])))
+    with pytest.raises(StorageError, match="does not match the output schema"):
+        read_output(str(out))
 
 def test_filter_done(ray_session):
     keys = [f"id:{i}" for i in range(500)]

@@ -43,6 +43,7 @@ def test_defaults_and_overrides(minimal):
         (["model.trie=null"], "needs an N-gram trie"),
         (["run.run_id=a/b"], "run.run_id"),
         (["model.tap_layers=[1,2]"], "model.tap_layers"),
+        (["decoding.stop=['User:','']"], "decoding.stop: stop strings must not be empty"),
     ],
 )
 def test_bad_values_are_clear_errors(minimal, overrides, message):

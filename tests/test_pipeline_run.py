@@ -123,6 +123,7 @@ def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, fr
         ok = [r for r in by_id[key] if not r["error"]]
         assert len(ok) == 1 and ok[0]["token_ids"] == tokens, key
         assert ok[0]["mode"] == "dart" and ok[0]["run_id"] == "test-run" and ok[0]["rounds"] >= 1
+    assert all(r["finished_at"] is not None and r["finished_at"].tzinfo is not None for r in table)
     assert summary["this_run"]["rows"] == 16 and summary["this_run"]["rows_failed"] == 6
     assert summary["duplicate_ids"]["count"] == 1
     assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["run_id"] == "test-run"
