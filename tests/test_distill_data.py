@@ -42,6 +42,9 @@ def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path)
     }))
     out = tmp_path / "distilled.jsonl"
     ray.shutdown()
+    # A private local Ray for this test (the pipeline's own ray.init then reuses it): the first
+    # Ray start of a session must not go looking for, or collide with, another cluster.
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         assert distill_main([f"source={tmp_path / 'chats.jsonl'}", "num_prompts=6", "max_new_tokens=5",
                              f"pipeline_config={tmp_path / 'job.yaml'}", f"work_dir={tmp_path / 'work'}",
