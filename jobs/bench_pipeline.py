@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from dart_worker.corpus import sharegpt_dev_prompts
 from pipeline.config import load_config
+from pipeline.ngram_store import shm_dir, trie_memory_usage
 from pipeline.outputs import read_output
 from pipeline.run import run_pipeline
 
@@ -100,22 +101,31 @@ def steady_state(output_url: str) -> dict:
 
 
 class PssSampler:
-    """Samples the summed PSS of Ray worker processes running our actors, every 0.5 s."""
+    """Samples, every 0.5 s, the summed PSS of the Ray worker processes running our actors and the
+    part of it that is their mappings of trie files in the node's store directory; keeps the
+    sample with the largest total. With N workers sharing one store file the trie part stays at
+    one file's size; N private copies would make it N times that."""
 
     def __init__(self):
         self.peak_pss = 0
+        self.trie_pss_at_peak = 0
+        self.trie_file_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = 0
+            tries = [p for p in shm_dir().glob("ngram-*.trie") if p.is_file()]
+            total = trie_total = 0
             for proc in psutil.process_iter(["cmdline"]):
                 cmd = " ".join(proc.info["cmdline"] or [])
                 if "GenerationWorker" in cmd or "MapWorker" in cmd:
                     with contextlib.suppress(psutil.Error, OSError):
                         total += proc.memory_full_info().pss
-            self.peak_pss = max(self.peak_pss, total)
+                        trie_total += sum(trie_memory_usage(t, proc.pid).pss for t in tries)
+            if total > self.peak_pss:
+                self.peak_pss, self.trie_pss_at_peak = total, trie_total
+                self.trie_file_bytes = sum(t.stat().st_size for t in tries if t.exists())
             self._stop.wait(0.5)
 
     def __enter__(self):
@@ -163,7 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
             with PssSampler() as sampler:
                 run_pipeline(pcfg)
             ray.shutdown()
-            report["memory"][f"{workers}_workers"] = {"peak_workers_pss_mb": sampler.peak_pss / 2**20}
+            report["memory"][f"{workers}_workers"] = {
+                "peak_workers_pss_mb": sampler.peak_pss / 2**20,
+                "trie_pss_mb_at_peak": sampler.trie_pss_at_peak / 2**20,
+                "trie_file_mb": sampler.trie_file_bytes / 2**20}
     print(json.dumps({k: report[k] for k in ("pipeline", "engine_direct", "memory")}, indent=1))
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)

@@ -144,8 +144,8 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
         compute=pool,
         num_cpus=r.num_cpus_per_worker,
         num_gpus=r.num_gpus_per_worker or None,
-        max_restarts=-1,  # a crashed worker is restarted ...
-        max_task_retries=-1,  # ... and its batch redone
+        # A crashed worker is restarted and its batch redone: Ray Data's actor pools default to
+        # max_restarts=-1 and max_task_retries=-1 (tests/test_pipeline_run.py crashes one).
         # Idle OpenMP threads sleep instead of spinning: on a CPU shared with the read/write
         # tasks and Ray's own processes, spinning threads made decoding steps >10x slower.
         runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
