@@ -28,6 +28,8 @@ import ray
 from omegaconf import OmegaConf
 
 from dart_worker.corpus import sharegpt_dev_prompts
+from dart_worker.device import resolve_device, resolve_dtype
+from jobs.bench import machine_conditions
 from pipeline.config import load_config
 from pipeline.ngram_store import shm_dir, trie_memory_usage
 from pipeline.outputs import read_output
@@ -140,7 +142,10 @@ class PssSampler:
 def main(argv: list[str] | None = None) -> dict:
     cfg: PipelineBenchConfig = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(PipelineBenchConfig), OmegaConf.from_cli(argv)))
-    report: dict = {"config": asdict(cfg), "pipeline": {}, "engine_direct": {}, "memory": {}}
+    device = resolve_device("auto")
+    conditions = machine_conditions(threads=2) | {"device": str(device), "dtype": str(resolve_dtype("auto", device))}
+    print(f"conditions: {conditions}", flush=True)
+    report: dict = {"config": asdict(cfg), "conditions": conditions, "pipeline": {}, "engine_direct": {}, "memory": {}}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         work = Path(tmp)
         n = write_prompts(work / "prompts.jsonl", cfg.num_prompts)
