@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 import threading
 import time
@@ -31,7 +32,7 @@ from dart_worker.corpus import sharegpt_dev_prompts
 from dart_worker.device import resolve_device, resolve_dtype
 from jobs.bench import machine_conditions
 from pipeline.config import load_config
-from pipeline.ngram_store import shm_dir, trie_memory_usage
+from pipeline.ngram_store import trie_memory_usage
 from pipeline.outputs import read_output
 from pipeline.run import run_pipeline
 
@@ -102,9 +103,17 @@ def steady_state(output_url: str) -> dict:
             "first_batch_start_unix": min(starts)}
 
 
+def mapped_tries(pid: int) -> set[str]:
+    """Trie files (a store's copy in shared memory, or a local trie opened in place) that process
+    `pid` has mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+    return {p for p in paths if p.endswith((".trie", ".ngram"))}
+
+
 class PssSampler:
     """Samples, every 0.5 s, the summed PSS of the Ray worker processes running our actors and the
-    part of it that is their mappings of trie files in the node's store directory; keeps the
+    part of it that is their mappings of trie files; keeps the
     sample with the largest total. With N workers sharing one store file the trie part stays at
     one file's size; N private copies would make it N times that."""
 
@@ -117,17 +126,19 @@ class PssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            tries = [p for p in shm_dir().glob("ngram-*.trie") if p.is_file()]
             total = trie_total = 0
+            tries: set[str] = set()
             for proc in psutil.process_iter(["cmdline"]):
                 cmd = " ".join(proc.info["cmdline"] or [])
                 if "GenerationWorker" in cmd or "MapWorker" in cmd:
                     with contextlib.suppress(psutil.Error, OSError):
                         total += proc.memory_full_info().pss
-                        trie_total += sum(trie_memory_usage(t, proc.pid).pss for t in tries)
+                        mapped = mapped_tries(proc.pid)
+                        trie_total += sum(trie_memory_usage(t, proc.pid).pss for t in mapped)
+                        tries |= mapped
             if total > self.peak_pss:
                 self.peak_pss, self.trie_pss_at_peak = total, trie_total
-                self.trie_file_bytes = sum(t.stat().st_size for t in tries if t.exists())
+                self.trie_file_bytes = sum(os.path.getsize(t) for t in tries if os.path.exists(t))
             self._stop.wait(0.5)
 
     def __enter__(self):
