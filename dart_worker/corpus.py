@@ -492,6 +492,18 @@ def first_user_prompts(
 # Conversations -> token documents for N-gram counting
 
 
+def write_prompts_jsonl(prompts: Iterable[DevPrompt], path: str | os.PathLike) -> int:
+    """Prompts as the pipeline's JSONL input (`id`, `prompt`); returns how many were written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with path.open("w") as f:
+        for p in prompts:
+            f.write(json.dumps({"id": p.id, "prompt": p.text}) + "\n")
+            count += 1
+    return count
+
+
 def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, without special tokens, batched through the Rust tokenizer if any.
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 import ray
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import sharegpt_dev_prompts
+from dart_worker.corpus import sharegpt_dev_prompts, write_prompts_jsonl
 from dart_worker.device import resolve_device, resolve_dtype
 from jobs.bench import machine_conditions
 from pipeline.config import load_config
@@ -50,11 +50,7 @@ class PipelineBenchConfig:
 
 
 def write_prompts(path: Path, n: int) -> int:
-    prompts = sharegpt_dev_prompts(n, max_chars=2000)
-    with path.open("w") as f:
-        for p in prompts:
-            f.write(json.dumps({"id": p.id, "prompt": p.text}) + "\n")
-    return len(prompts)
+    return write_prompts_jsonl(sharegpt_dev_prompts(n, max_chars=2000), path)
 
 
 def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
@@ -94,28 +90,28 @@ def engine_direct(pcfg, prompts_path: Path) -> dict:
 def steady_state(output_url: str) -> dict:
     """Decoding span of a pipeline run from its rows: first batch start to last batch end."""
     table = read_output(output_url, columns=["finished_at", "wall_s", "num_generated_tokens"]).to_pylist()
-    ends = [r["finished_at"].timestamp() for r in table if r["finished_at"] is not None and r["wall_s"] is not None]
-    starts = [r["finished_at"].timestamp() - r["wall_s"] for r in table if r["finished_at"] is not None
-              and r["wall_s"] is not None]
-    span = max(ends) - min(starts)
+    timed = [(r["finished_at"].timestamp(), r["wall_s"]) for r in table
+             if r["finished_at"] is not None and r["wall_s"] is not None]
+    first_start = min(end - wall for end, wall in timed)
+    span = max(end for end, _ in timed) - first_start
     tokens = sum(r["num_generated_tokens"] or 0 for r in table)
     return {"span_s": span, "tokens_per_s": tokens / span, "rows_per_s": len(table) / span,
-            "first_batch_start_unix": min(starts)}
+            "first_batch_start_unix": first_start}
 
 
 def mapped_tries(pid: int) -> set[str]:
     """Trie files (a store's copy in shared memory, or a local trie opened in place) that process
     `pid` has mapped."""
     with open(f"/proc/{pid}/maps") as f:
-        paths = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+        paths = {parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6}
     return {p for p in paths if p.endswith((".trie", ".ngram"))}
 
 
 class PssSampler:
     """Samples, every 0.5 s, the summed PSS of the Ray worker processes running our actors and the
-    part of it that is their mappings of trie files; keeps the
-    sample with the largest total. With N workers sharing one store file the trie part stays at
-    one file's size; N private copies would make it N times that."""
+    part of it that is their mappings of trie files; keeps the sample with the largest total.
+    With N workers sharing one trie file the trie part stays at most one file's size; N private
+    copies would make it N times that."""
 
     def __init__(self):
         self.peak_pss = 0

@@ -363,9 +363,9 @@ def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, 
         batches[worker, r["finished_at"] if timed else float(r["wall_s"])].append(r)
     origin = min((r["finished_at"].timestamp() - float(r["wall_s"]) for r in ok), default=0.0) if timed else 0.0
     per_worker: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
-    if timed:
-        order = sorted(batches.items(), key=lambda kv: (kv[0][0], kv[0][1]))
-    else:
+    if timed:  # by worker, then finishing time
+        order = sorted(batches.items(), key=lambda kv: kv[0])
+    else:  # by worker, then row_key (the processing order is not recorded)
         order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
     clock: dict[str, float] = defaultdict(float)
     total: dict[str, int] = defaultdict(int)

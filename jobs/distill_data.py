@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import first_user_prompts
+from dart_worker.corpus import first_user_prompts, write_prompts_jsonl
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import run_pipeline
@@ -48,11 +48,7 @@ class DistillConfig:
 
 def write_prompts(cfg: DistillConfig, path: Path) -> int:
     prompts = first_user_prompts(cfg.num_prompts, split="train", source=cfg.source, max_chars=cfg.max_prompt_chars)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for p in prompts:
-            f.write(json.dumps({"id": p.id, "prompt": p.text}) + "\n")
-    return len(prompts)
+    return write_prompts_jsonl(prompts, path)
 
 
 def generate(cfg: DistillConfig, prompts_path: Path, output_url: str) -> dict:
