@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from dart_worker.draft_head import (
     check_d2t,
     target_text_config,
 )
+from dart_worker.target import default_tap_layers
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -85,18 +87,23 @@ def read_draft_config(directory: str | os.PathLike) -> DraftHeadConfig:
 
 def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfig, embed_tokens: nn.Module,
                     device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> DartDraftHead:
+                    dtype: torch.dtype | None = None,
+                    tap_layers: Sequence[int] | None = None) -> DartDraftHead:
     """Load and verify a draft head for the target described by `target_config` / `embed_tokens`.
 
     `embed_tokens` is the target's input embedding module (used by the head, never copied).
     device/dtype default to those of the embedding. Raises DraftHeadLoadError on: missing files,
     a non-safetensors weights file, missing config fields, a vocab_size or target_hidden_size
     that does not match the target, missing or unexpected tensors, wrong shapes or dtypes, and a
-    d2t that maps outside the target vocabulary.
+    d2t that maps outside the target vocabulary; and, when `tap_layers` (the taps the target
+    adapter will feed) is given, a head trained on other taps.
     """
     directory = Path(directory)
     config = read_draft_config(directory)
-    _check_config_fits_target(config, target_text_config(target_config), embed_tokens, directory)
+    text_config = target_text_config(target_config)
+    _check_config_fits_target(config, text_config, embed_tokens, directory)
+    if tap_layers is not None:
+        check_tap_layers(config, tap_layers, text_config.num_hidden_layers, f"draft head {directory / CONFIG_NAME}")
     tensors = _read_safetensors(directory)
     reference = next(iter(embed_tokens.parameters()), None)
     device = device if device is not None else (reference.device if reference is not None else "cpu")
@@ -121,6 +128,18 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
     if "t2d" in tensors:
         head.t2d = tensors["t2d"].bool()
     return head.to(device=device, dtype=dtype).eval()
+
+
+def check_tap_layers(config: DraftHeadConfig, tap_layers: Sequence[int], num_layers: int, where: str) -> None:
+    """A head reads the taps it was trained on: refuse one recorded (or, if unrecorded, the
+    reference taps) that differ from the taps the target adapter feeds."""
+    trained = tuple(config.tap_layers) if config.tap_layers is not None else default_tap_layers(num_layers)
+    if trained != tuple(tap_layers):
+        source = "recorded in its config" if config.tap_layers is not None else "the reference taps (none recorded)"
+        raise DraftHeadLoadError(
+            f"{where}: the head was trained on the inputs of target layers {list(trained)} ({source}), but "
+            f"the target is tapped at {list(tap_layers)}: set model.tap_layers to {list(trained)} or use a "
+            f"head trained on these taps")
 
 
 def _check_config_fits_target(config: DraftHeadConfig, target: PretrainedConfig, embed_tokens: nn.Module,

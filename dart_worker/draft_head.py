@@ -41,6 +41,8 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dart_worker.target import default_tap_layers
+
 
 class DraftHeadConfigError(ValueError):
     """A draft-head config.json that is incomplete or inconsistent."""
@@ -52,6 +54,10 @@ _DEFAULTS_FROM_REFERENCE = {
     "rope_scaling": None,
     "hidden_act": "silu",  # LlamaConfig default
 }
+
+
+# Fields a config.json may omit without a reference default (None = "as the reference").
+_OPTIONAL_FIELDS = ("tap_layers",)
 
 
 @dataclass
@@ -76,6 +82,9 @@ class DraftHeadConfig:
     draft_length: int
     draft_vocab_size: int
     target_hidden_size: int
+    # Target layers whose inputs the head reads (low, mid, high). Published heads omit it: they
+    # were trained on the reference taps (`default_tap_layers`), which is what None means.
+    tap_layers: list[int] | None = None
     extras: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +109,12 @@ class DraftHeadConfig:
                 f"draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})")
         if self.hidden_act not in ACT2FN:
             raise DraftHeadConfigError(f"unknown hidden_act {self.hidden_act!r}")
+        if self.tap_layers is not None:
+            taps = self.tap_layers
+            if (not isinstance(taps, (list, tuple)) or len(taps) != 3
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in taps)):
+                raise DraftHeadConfigError(f"tap_layers must list 3 layer indices >= 0, got {taps!r}")
+            self.tap_layers = list(taps)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise DraftHeadConfigError(f"rope_scaling must be null or an object, got {self.rope_scaling!r}")
 
@@ -136,7 +151,7 @@ class DraftHeadConfig:
                     values["head_dim"] = hidden // heads
         if "hidden_size" in values:
             values.setdefault("target_hidden_size", values["hidden_size"])
-        missing = [name for name in names if name not in values]
+        missing = [name for name in names if name not in values and name not in _OPTIONAL_FIELDS]
         if missing:
             raise DraftHeadConfigError(f"config is missing required field(s) {missing}")
         extras = {k: v for k, v in data.items() if k not in names}
@@ -145,7 +160,8 @@ class DraftHeadConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config.json object: kept unknown keys first, then every field of the architecture."""
         data = dict(self.extras)
-        data.update({k: v for k, v in asdict(self).items() if k != "extras"})
+        data.update({k: v for k, v in asdict(self).items()
+                     if k != "extras" and not (k in _OPTIONAL_FIELDS and v is None)})
         return data
 
     def llama_config(self) -> LlamaConfig:
@@ -426,11 +442,13 @@ class DartDraftHead(nn.Module):
                     rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                     max_position_embeddings: int | None = None, rms_norm_eps: float = 1e-6,
                     seed: int | None = None, device: torch.device | str | None = None,
-                    dtype: torch.dtype | None = None) -> DartDraftHead:
+                    dtype: torch.dtype | None = None,
+                    tap_layers: Sequence[int] | None = None) -> DartDraftHead:
         """An untrained head shaped after the target (for tests and as the start of training).
 
-        Sizes default to the target's. Without a reduced vocabulary the draft vocabulary is the
-        target's and d2t is all zeros; `kept_target_ids` builds d2t/t2d (`make_d2t`).
+        Sizes default to the target's; `tap_layers` (recorded in the config) to the reference
+        taps. Without a reduced vocabulary the draft vocabulary is the target's and d2t is all
+        zeros; `kept_target_ids` builds d2t/t2d (`make_d2t`).
         """
         text = target_text_config(target_config)
         if kept_target_ids is not None:
@@ -455,6 +473,7 @@ class DartDraftHead(nn.Module):
             draft_length=draft_length,
             draft_vocab_size=draft_vocab_size or text.vocab_size,
             target_hidden_size=text.hidden_size,
+            tap_layers=list(tap_layers if tap_layers is not None else default_tap_layers(text.num_hidden_layers)),
         )
         with torch.random.fork_rng(devices=[]):
             if seed is not None:

@@ -6,10 +6,11 @@ One round for a batch of sequences (see docs/DESIGN.md):
     target.verify(tree) --> logits + taps --> verification (greedy / rejection sampling)
     commit accepted rows (KV compaction) --> draft head over the new rows --> draft logits
 
-Modes: `ar` (no draft; a one-row "tree", same KV machinery), `chain` (top-1 per position),
-`ddtree` (best-first over draft log-probs) and `dart` (draft + N-gram beam search).
-Every mode is lossless: greedy output equals the target's greedy output, sampled output
-is distributed as the target's.
+The engine owns the loop (prefill, verify, commit, stop rules); a `Drafter` (dart_worker.drafters)
+owns its proposal state and returns one tree per live sequence per round. Engines are made by
+`dart_worker.engine_factory.build_engine`, which picks the drafter by name from the registry.
+Every drafter is lossless: greedy output equals the target's greedy output, sampled output is
+distributed as the target's, whatever the trees hold.
 """
 
 from __future__ import annotations
@@ -18,30 +19,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import verify_batch
-from ngram_native.trees import DraftTree, build_chain_trees, build_dart_trees, build_ddtree_trees
-
-MODES = ("ar", "chain", "ddtree", "dart")
-
-
-@dataclass(frozen=True)
-class TreeConfig:
-    """How draft trees are built; defaults follow the DART reference implementation."""
-
-    budget: int = 60  # draft nodes per tree (root excluded)
-    top_k: int = 25  # candidates per draft position
-    beam_width: int = 20
-    depth_decay: float = 0.7  # (l+1)^-depth_decay level weight
-    draft_decay: float = 0.9  # draft log-prob weight decay per level
-    ngram_weight: float = 0.5
-    max_depth: int | None = None  # None = every position the draft head predicts
+from ngram_native.trees import DraftTree
 
 
 @dataclass
@@ -75,28 +61,18 @@ class _Sequence:
 
 
 class DecodingEngine:
-    """Owns one target (and optionally a draft head and N-gram trie) on one device."""
+    """Owns one target and one drafter on one device; decodes batches of requests."""
 
     def __init__(
         self,
         target: TargetAdapter,
+        drafter: Drafter,
         tokenizer=None,
-        draft_head=None,
-        trie=None,
-        mode: str = "dart",
-        tree: TreeConfig | None = None,
         eos_token_ids: Sequence[int] = (),
     ):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-        if mode != "ar" and draft_head is None:
-            raise ValueError(f"mode {mode!r} needs a draft head")
         self.target = target
+        self.drafter = drafter
         self.tokenizer = tokenizer
-        self.draft_head = draft_head
-        self.trie = trie if mode == "dart" else None
-        self.mode = mode
-        self.tree = tree or TreeConfig()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = target.device
 
@@ -175,9 +151,9 @@ class DecodingEngine:
     # ------------------------------------------------------------- main loop
 
     def _decode(self, live: list[_Sequence]) -> None:
-        target = self.target
+        target, drafter = self.target, self.drafter
         state = target.new_state(len(live))
-        draft_cache = self.draft_head.new_cache(len(live)) if self.mode != "ar" else None
+        drafter.start(len(live))
 
         t0 = self._now()
         out = target.prefill(state, [s.tokens for s in live])
@@ -186,17 +162,7 @@ class DecodingEngine:
         for seq, token in zip(live, first):
             self._append(seq, [token])
         self._finish_at_context_limit(live, state)
-
-        draft_logits = None
-        if self.mode != "ar":
-            t0 = self._now()
-            prompt_len = max(s.num_prompt for s in live)
-            next_tokens = torch.zeros(len(live), prompt_len, dtype=torch.long, device=self.device)
-            for b, seq in enumerate(live):
-                next_tokens[b, : seq.num_prompt] = torch.as_tensor(seq.tokens[1 : seq.num_prompt + 1])
-            num_new = torch.tensor([s.num_prompt for s in live], device=self.device)
-            draft_logits = self.draft_head.propose(out.taps, next_tokens, num_new, draft_cache)
-            self._charge(live, "draft", t0)
+        self._observe(live, out.taps, [range(s.num_prompt) for s in live])
 
         while True:
             keep = [b for b, s in enumerate(live) if not s.finish_reason]
@@ -205,14 +171,13 @@ class DecodingEngine:
             if len(keep) < len(live):
                 index = torch.tensor(keep, device=self.device)
                 state.select(index)
-                if draft_cache is not None:
-                    draft_cache.select(index)
-                    draft_logits = draft_logits[index]
+                drafter.select(index)
                 live = [live[b] for b in keep]
 
             t0 = self._now()
-            trees = self._build_trees(live, draft_logits, state)
-            batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device)
+            trees = self._propose(live, state)
+            batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
+                                         vocab_size=target.vocab_size)
             self._charge(live, "tree", t0)
 
             t0 = self._now()
@@ -222,36 +187,29 @@ class DecodingEngine:
 
             t0 = self._now()
             acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.generator for s in live])
-            rows = []
             for seq, tree, acc in zip(live, trees, acceptances):
-                accepted_tokens = [int(tree.tokens[i]) for i in acc.accepted]
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)))
-                self._append(seq, [*accepted_tokens, int(acc.bonus)])
-                rows.append([0] + [i + 1 for i in acc.accepted])
+                self._append(seq, acc.tokens.tolist())
+            rows = [acc.committed_rows.tolist() for acc in acceptances]
             target.commit(state, block_start, rows)
             self._finish_at_context_limit(live, state)
             self._charge(live, "commit", t0)
+            self._observe(live, out.taps, rows)
 
-            if self.mode != "ar" and any(not s.finish_reason for s in live):
-                t0 = self._now()
-                draft_logits = self._draft_step(live, out.taps, rows, draft_cache)
-                self._charge(live, "draft", t0)
+    def _observe(self, live: list[_Sequence], taps: torch.Tensor, rows) -> None:
+        """Hand the drafter the rows just committed, unless every sequence is done."""
+        if all(s.finish_reason for s in live):
+            return
+        t0 = self._now()
+        self.drafter.observe(CommittedBlock(taps=taps, rows=rows, tokens=[s.tokens for s in live]))
+        self._charge(live, "draft", t0)
 
-    def _draft_step(self, live, taps: torch.Tensor, rows: list[list[int]], draft_cache) -> torch.Tensor:
-        """Feed the committed rows (fused taps paired with the next committed token) to the draft."""
-        width = max(len(r) for r in rows)
-        row_index = torch.zeros(len(live), width, dtype=torch.long, device=self.device)
-        next_tokens = torch.zeros(len(live), width, dtype=torch.long, device=self.device)
-        for b, (seq, r) in enumerate(zip(live, rows)):
-            row_index[b, : len(r)] = torch.as_tensor(r)
-            # Row k of the committed block carries the features of token k and the embedding of
-            # token k + 1 (shifted pairing): the last row pairs with the bonus token.
-            next_tokens[b, : len(r)] = torch.as_tensor(seq.tokens[len(seq.tokens) - len(r) :])
-        features = torch.gather(taps, 1, row_index[:, :, None].expand(-1, -1, taps.shape[-1]))
-        num_new = torch.tensor([len(r) for r in rows], device=self.device)
-        return self.draft_head.propose(features, next_tokens, num_new, draft_cache)
-
-    # ------------------------------------------------------------------ trees
+    def _propose(self, live: list[_Sequence], state) -> list[DraftTree]:
+        """The drafter's trees within each sequence's depth cap (no call when no sequence has room)."""
+        caps = self._depth_caps(live, state)
+        if max(caps) == 0:
+            return [empty_tree() for _ in live]
+        return self.drafter.propose([s.tokens for s in live], caps)
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:
         """Deepest draft node worth verifying per sequence: tokens left and context room."""
@@ -263,31 +221,6 @@ class DecodingEngine:
             context_room = self.target.max_positions - 2 - int(state.lengths[b])
             caps.append(max(0, min(remaining - 1, context_room)))
         return caps
-
-    def _build_trees(self, live: list[_Sequence], draft_logits, state) -> list[DraftTree]:
-        caps = self._depth_caps(live, state)
-        if self.mode == "ar" or max(caps) == 0:
-            return [_empty_tree() for _ in live]
-        cfg = self.tree
-        logits = draft_logits[:, : min(max(caps), cfg.max_depth or draft_logits.shape[1])]
-        top_k = min(cfg.top_k, logits.shape[-1])
-        common = dict(budget=cfg.budget, eos_ids=sorted(self.eos_token_ids), max_depths=caps)
-        if self.mode == "chain":
-            values, ids = logits.topk(1, dim=-1)
-            return build_chain_trees(self._to_target(ids), values.float().cpu().numpy(), **common)
-        if self.mode == "ddtree":
-            values, ids = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-            return build_ddtree_trees(self._to_target(ids), values.cpu().numpy(), **common)
-        values, ids = logits.float().topk(top_k, dim=-1)
-        contexts = [s.tokens[-8:] for s in live]
-        return build_dart_trees(
-            self._to_target(ids), values.cpu().numpy(), contexts, self.trie,
-            top_k=top_k, beam_width=cfg.beam_width, depth_decay=cfg.depth_decay,
-            draft_decay=cfg.draft_decay, ngram_weight=cfg.ngram_weight, **common,
-        )  # fmt: skip
-
-    def _to_target(self, draft_ids: torch.Tensor) -> np.ndarray:
-        return self.draft_head.to_target_ids(draft_ids).to(torch.int32).cpu().numpy()
 
     # ---------------------------------------------------------------- helpers
 
@@ -356,7 +289,3 @@ class DecodingEngine:
         for seq in live:
             seq.stats.stage_seconds[stage] += elapsed
 
-
-def _empty_tree() -> DraftTree:
-    empty = np.zeros(0, dtype=np.int32)
-    return DraftTree(tokens=empty, parents=empty, depths=empty)

@@ -11,6 +11,23 @@ from dataclasses import dataclass, field
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
 
+# The one serialisation of a request's statistics: column name -> value type ("int", "float",
+# "list[int]", "list[float]"), in output order. `RequestStats.to_row` fills exactly these; the
+# pipeline's Parquet schema derives its statistics columns from this table, and the benchmarks
+# record the same dict, so a new statistic is added here and in `to_row`, nowhere else.
+STAT_COLUMNS: dict[str, str] = {
+    "num_prompt_tokens": "int",
+    "num_generated_tokens": "int",
+    "rounds": "int",
+    "tau": "float",
+    "acceptance_histogram": "list[int]",
+    "per_position_acceptance": "list[float]",
+    "mean_tree_size": "float",
+    **{f"{stage}_s": "float" for stage in STAGES},
+    "wall_s": "float",
+    "tokens_per_s": "float",
+}
+
 
 @dataclass
 class RequestStats:
@@ -63,7 +80,8 @@ class RequestStats:
     def tokens_per_second(self) -> float:
         return self.num_generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
-    def to_dict(self) -> dict:
+    def to_row(self) -> dict:
+        """The statistics as one flat row: exactly the keys of STAT_COLUMNS, in that order."""
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
@@ -72,7 +90,7 @@ class RequestStats:
             "acceptance_histogram": self.acceptance_histogram(),
             "per_position_acceptance": self.per_position_acceptance(),
             "mean_tree_size": self.mean_tree_size,
-            "stage_seconds": dict(self.stage_seconds),
-            "wall_seconds": self.wall_seconds,
-            "tokens_per_second": self.tokens_per_second,
+            **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},
+            "wall_s": self.wall_seconds,
+            "tokens_per_s": self.tokens_per_second,
         }

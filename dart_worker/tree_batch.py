@@ -13,7 +13,9 @@ softmax row has at least one unmasked key and padding never leaks into real rows
 row has a padding row as an ancestor).
 
 Everything is built on the host with numpy (trees are small: N <= ~64, called every round)
-and moved to the device in one copy per tensor.
+and moved to the device in one copy per tensor. This is where trees enter the engine, so it is
+also the one place they are checked (`check_tree`): a broken drafter fails loudly here, and
+nothing downstream (verification, KV compaction) checks them again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
+from ngram_native.trees import ancestor_masks
 
 
 class TreeLike(Protocol):
@@ -124,8 +128,7 @@ class TreeBatch:
         tokens = np.full((batch, width), pad_token_id, dtype=np.int64)
         depth = np.zeros((batch, width), dtype=np.int64)
         valid = np.zeros((batch, width), dtype=bool)
-        # parent_row[b, r]: the row of r's parent; root and padding rows point at themselves,
-        # which makes them fixed points of the pointer chase below.
+        # parent_row[b, r]: the row of r's parent; root and padding rows point at themselves.
         parent_row = np.broadcast_to(np.arange(width), (batch, width)).copy()
         tokens[:, 0] = roots
         valid[:, 0] = True
@@ -134,17 +137,7 @@ class TreeBatch:
             depth[b, 1 : n + 1] = tree.depths
             valid[b, 1 : n + 1] = True
             parent_row[b, 1 : n + 1] = np.asarray(tree.parents, dtype=np.int64) + 1
-
-        # Chase parent pointers for max-depth steps, all rows of all trees at once: after step
-        # k, `cursor` holds each row's k-th ancestor (or the root, a fixed point).
-        ancestor = np.zeros((batch, width, width), dtype=bool)
-        b_index = np.arange(batch)[:, None]
-        r_index = np.arange(width)[None, :]
-        cursor = parent_row.copy()
-        ancestor[b_index, r_index, r_index] = True
-        for _ in range(int(depth.max())):
-            ancestor[b_index, r_index, cursor] = True
-            cursor = np.take_along_axis(parent_row, cursor, axis=1)
+        ancestor = ancestor_masks(parent_row)
 
         device = torch.device(device)
         return cls(

@@ -334,6 +334,9 @@ def verify_batch(
 ) -> list[Acceptance]:
     """Verify B trees against the target logits of one verify forward.
 
+    The trees must be well-formed (`check_tree`); the engine checks them once, when it builds
+    the verify block from them (`TreeBatch.from_trees`), and they are not checked again here.
+
     logits: [B, S, V] (S >= 1 + N_b, padded; any float dtype, computed in float32), row 0 = root.
     params[b] / generators[b]: request b's sampling parameters and its own generator (None is
     allowed for greedy requests). Returns one Acceptance per tree, in order.
@@ -346,8 +349,8 @@ def verify_batch(
             f"batch sizes differ: {batch} trees, logits batch {logits.shape[0]}, "
             f"{len(params)} params, {len(generators)} generators"
         )
-    width, vocab = int(logits.shape[1]), int(logits.shape[2])
-    sizes = [check_tree(t, vocab_size=vocab, name=f"trees[{b}]") for b, t in enumerate(trees)]
+    width = int(logits.shape[1])
+    sizes = [int(np.shape(t.tokens)[0]) for t in trees]  # trees were checked where they entered
     for b, n in enumerate(sizes):
         if n + 1 > width:
             raise ValueError(f"trees[{b}] has {n} nodes but logits have only {width} rows (need N + 1)")

@@ -29,11 +29,20 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-ENGINE_MODES = ("ar", "chain", "ddtree", "dart")
-TREE_MODES = ("chain", "ddtree", "dart")  # the modes whose cost and tau depend on the tree budget
-HF_MODES = ("hf", "hf_prompt_lookup")
-ALL_MODES = ("ar", "hf", "hf_prompt_lookup", "chain", "ddtree", "dart")
+from dart_worker.drafters import drafter_names, drafter_spec
+
+HF_MODES = ("hf", "hf_prompt_lookup")  # transformers' own generate: outside baselines
 GREEDY_ONLY = ("hf_prompt_lookup",)
+
+
+def all_modes() -> tuple[str, ...]:
+    """Every mode the benchmark knows, in report order: `ar`, the baselines, then the drafters."""
+    return ("ar", *HF_MODES, *(m for m in drafter_names() if m != "ar"))
+
+
+def tree_modes() -> tuple[str, ...]:
+    """The drafters whose cost and tau depend on the tree parameters: they run once per budget."""
+    return tuple(m for m in drafter_names() if drafter_spec(m).uses_tree)
 
 
 class BenchConfigError(ValueError):
@@ -53,7 +62,7 @@ class BenchReportConfig:
     # Applied only if torch is not imported yet (it is read at OpenMP start-up); null = leave as is.
     omp_wait_policy: str | None = "PASSIVE"
     warmup_tokens: int = 4  # every cell decodes this many tokens once, unrecorded, before measuring
-    modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
+    modes: list[str] = field(default_factory=lambda: list(all_modes()))
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
     headline_budget: int | None = None  # budget shown in the per-mode plots; None = the largest
@@ -70,11 +79,12 @@ class BenchReportConfig:
 
 def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
     """Raise BenchConfigError naming the first bad key; return cfg (with headline_budget resolved)."""
-    unknown = [m for m in cfg.modes if m not in ALL_MODES]
+    known = all_modes()
+    unknown = [m for m in cfg.modes if m not in known]
     if unknown:
-        raise BenchConfigError(f"modes: unknown mode(s) {unknown}; expected some of {list(ALL_MODES)}")
+        raise BenchConfigError(f"modes: unknown mode(s) {unknown}; expected some of {list(known)}")
     if not cfg.modes:
-        raise BenchConfigError("modes: empty; expected some of " + str(list(ALL_MODES)))
+        raise BenchConfigError("modes: empty; expected some of " + str(list(known)))
     if len(set(cfg.modes)) != len(cfg.modes):
         raise BenchConfigError(f"modes: {cfg.modes} lists a mode twice")
     if not cfg.temperatures:
@@ -84,7 +94,7 @@ def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
         raise BenchConfigError(f"temperatures: {bad} must be >= 0")
     if len(set(cfg.temperatures)) != len(cfg.temperatures):
         raise BenchConfigError(f"temperatures: {cfg.temperatures} lists a temperature twice")
-    if any(m in TREE_MODES for m in cfg.modes):
+    if any(m in tree_modes() for m in cfg.modes):
         if not cfg.budgets:
             raise BenchConfigError("budgets: empty, but tree modes are selected; expected e.g. [16, 32, 60]")
         bad = [b for b in cfg.budgets if b < 1]
@@ -149,10 +159,10 @@ def cells_of(cfg: BenchReportConfig) -> list[Cell]:
     """Every cell the config asks for, `ar` first at each temperature; greedy-only modes at T=0 only."""
     cells = []
     for t in cfg.temperatures:
-        for mode in sorted(cfg.modes, key=ALL_MODES.index):
+        for mode in sorted(cfg.modes, key=all_modes().index):
             if mode in GREEDY_ONLY and t > 0:
                 continue
-            if mode in TREE_MODES:
+            if mode in tree_modes():
                 cells.extend(Cell(mode, t, b) for b in cfg.budgets)
             else:
                 cells.append(Cell(mode, t))
@@ -241,12 +251,13 @@ def _head_and_trie_conditions(cfg: BenchReportConfig, tokenizer) -> dict[str, An
     from pipeline.ngram_store import check_trie_url
 
     out: dict[str, Any] = {}
-    if any(m in TREE_MODES for m in cfg.modes):
+    specs = [drafter_spec(m) for m in cfg.modes if m in drafter_names()]
+    if any(s.needs_head for s in specs):
         head_dir = cfg.head or default_head.default_head_dir()
         out["head"] = str(head_dir) if head_dir else f"untrained (random init, seed {cfg.seed})"
         out["head_trained"] = head_dir is not None
         out["head_fingerprint"] = file_fingerprint(Path(head_dir) / "model.safetensors") if head_dir else None
-    if "dart" in cfg.modes:
+    if any(s.needs_trie for s in specs):
         trie = str(cfg.trie or default_trie_path())
         out["trie"] = trie
         out["trie_fingerprint"] = check_trie_url(trie, tokenizer_fingerprint(tokenizer)).content_key
@@ -266,28 +277,21 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
         else:
             os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
 
-    from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-    from dart_worker.engine import DecodingEngine, TreeConfig
-    from dart_worker.loading import load_target
+    from dart_worker.device import configure_cpu_threads
+    from dart_worker.engine_factory import build_engine
     from dart_worker.sampling import SamplingParams
-    from dart_worker.target import TargetAdapter
-    from jobs.bench_engine import eos_ids, load_head, load_trie, run_hf, select_prompts
+    from jobs.bench_engine import load_parts, run_hf, run_record, select_prompts
+    from ngram_native.trees import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)
-    device = resolve_device(cfg.device)
     conditions = machine_conditions(threads)
-    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
-    target = TargetAdapter(model)
-    eos = eos_ids(model)
     cells = cells_of(cfg)
-    head = load_head(cfg, target) if any(c.mode in TREE_MODES for c in cells) else None
-    trie = load_trie(cfg, tokenizer) if any(c.mode == "dart" for c in cells) else None
+    parts = load_parts(cfg, {c.mode for c in cells})
+    tokenizer, model, device, eos = parts.tokenizer, parts.target.model, parts.target.device, list(parts.eos_token_ids)
     engines = {}
     for c in cells:
-        if c.mode in ENGINE_MODES and (c.mode, c.budget) not in engines:
-            engines[c.mode, c.budget] = DecodingEngine(
-                target, tokenizer, draft_head=head, trie=trie, mode=c.mode,
-                tree=TreeConfig(budget=c.budget or 1), eos_token_ids=eos)
+        if c.mode in drafter_names() and (c.mode, c.budget) not in engines:
+            engines[c.mode, c.budget] = build_engine(parts, c.mode, TreeParams(budget=c.budget or 1))
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     if not prompts:
         raise RuntimeError(f"no ShareGPT dev prompt fits max_prompt_tokens={cfg.max_prompt_tokens}")
@@ -308,9 +312,8 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
         result = engines[c.mode, c.budget].generate([ids], params)[0]
         if result.error:
             raise RuntimeError(f"{c.label} at T={c.temperature} on prompt {pid}: {result.error}")
-        stats = result.stats.to_dict()
-        return ({"tokens": len(result.token_ids), "seconds": stats.pop("wall_seconds"), "token_ids": result.token_ids}
-                | {k: v for k, v in stats.items() if k != "num_generated_tokens"})
+        record = run_record(pid, 0, result)
+        return {k: v for k, v in record.items() if k not in ("prompt", "repeat")}
 
     started = time.perf_counter()
     if cfg.warmup_tokens:  # first calls pay one-time costs (kernel selection, allocations): keep them out

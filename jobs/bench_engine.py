@@ -22,16 +22,15 @@ from omegaconf import OmegaConf
 
 from dart_worker.corpus import sharegpt_dev_prompts
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from dart_worker.draft_checkpoint import load_draft_head
 from dart_worker.draft_head import DartDraftHead
-from dart_worker.engine import DecodingEngine, TreeConfig
+from dart_worker.drafters import drafter_names, drafter_spec
+from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
-from ngram_native import NgramTrie
+from dart_worker.stats import STAGES
+from ngram_native.trees import TreeParams
 
-ENGINE_MODES = ("ar", "chain", "ddtree", "dart")
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
 
 
@@ -43,7 +42,7 @@ class BenchConfig:
     dtype: str = "bf16"
     device: str = "auto"
     threads: int | None = None
-    modes: list[str] = field(default_factory=lambda: [*ENGINE_MODES, *HF_MODES])
+    modes: list[str] = field(default_factory=lambda: [*drafter_names(), *HF_MODES])
     num_prompts: int = 8
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
@@ -54,25 +53,34 @@ class BenchConfig:
     output: str | None = None  # JSON file for all figures
 
 
-def load_head(cfg: BenchConfig, target: TargetAdapter):
+def load_parts(cfg, modes) -> EngineParts:
+    """The target of `cfg` (target, dtype, device, head, trie), with the head and the trie loaded
+    only if one of `modes` needs them. Shared by jobs.bench_engine and jobs.bench."""
+    device = resolve_device(cfg.device)
+    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
+    specs = [drafter_spec(m) for m in modes if m in drafter_names()]
+    head = head_of(cfg, model) if any(s.needs_head for s in specs) else None
+    trie = trie_path_of(cfg) if any(s.needs_trie for s in specs) else None
+    return EngineParts.from_model(model, tokenizer, head=head, trie=trie)
+
+
+def head_of(cfg, model):
+    """The head directory to load: cfg.head, else the shipped default; else an untrained head."""
     from dart_worker import default_head
 
     path = cfg.head or default_head.default_head_dir()
-    if path is None:
-        print("no trained draft head available: using an untrained (random) head; tau will be low")
-        torch.manual_seed(cfg.seed)
-        return DartDraftHead.random_init(target.model.config, target.model.get_input_embeddings(),
-                                         draft_length=7).to(target.device, target.dtype)
-    return load_draft_head(path, target.model.config, target.model.get_input_embeddings(),
-                           device=target.device, dtype=target.dtype)
+    if path is not None:
+        return path
+    print("no trained draft head available: using an untrained (random) head; tau will be low")
+    torch.manual_seed(cfg.seed)
+    return DartDraftHead.random_init(model.config, model.get_input_embeddings(),
+                                     draft_length=7).to(model.device, model.dtype)
 
 
-def load_trie(cfg: BenchConfig, tokenizer):
-    from dart_worker.fingerprint import tokenizer_fingerprint
+def trie_path_of(cfg) -> str:
     from jobs.build_ngram import default_trie_path
 
-    path = cfg.trie or default_trie_path()
-    return NgramTrie.open(path, verify=True, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    return cfg.trie or str(default_trie_path())
 
 
 def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: list[int],
@@ -98,12 +106,6 @@ def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: li
     return out[0, len(prompt_ids):].tolist(), elapsed
 
 
-def eos_ids(model) -> list[int]:
-    """The target's end-of-sequence ids from its generation config (one id or a list)."""
-    eos = model.generation_config.eos_token_id
-    return sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
-
-
 def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
     """The first `num_prompts` ShareGPT dev prompts that fit `max_prompt_tokens`: (id, token ids)."""
     prompts = []
@@ -114,6 +116,12 @@ def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[
         if len(prompts) == num_prompts:
             break
     return prompts
+
+
+def run_record(prompt_id: str, repeat: int, result) -> dict:
+    """One engine run as a benchmark record: the request's stats row plus what the summary pairs on."""
+    return {"prompt": prompt_id, "repeat": repeat, "tokens": len(result.token_ids),
+            "seconds": result.stats.wall_seconds, "token_ids": result.token_ids, **result.stats.to_row()}
 
 
 def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
@@ -141,8 +149,7 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             entry["tau"] = statistics.mean(taus)
             rounds = sum(r["rounds"] for r in rows)
             entry["ms_per_round"] = {
-                stage: 1000 * sum(r["stage_seconds"][stage] for r in rows) / max(rounds, 1)
-                for stage in rows[0]["stage_seconds"]
+                stage: 1000 * sum(r[f"{stage}_s"] for r in rows) / max(rounds, 1) for stage in STAGES
             }
             entry["mean_tree_size"] = statistics.mean(r["mean_tree_size"] for r in rows)
             depth = max(len(r["per_position_acceptance"]) for r in rows)
@@ -175,18 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
         print("hf_prompt_lookup is greedy only: skipped at temperature > 0")
         cfg.modes = [m for m in cfg.modes if m != "hf_prompt_lookup"]
     configure_cpu_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
-    target = TargetAdapter(model)
-    eos = eos_ids(model)
-    engines = {}
-    needs_draft = any(m in cfg.modes for m in ("chain", "ddtree", "dart"))
-    head = load_head(cfg, target) if needs_draft else None
-    trie = load_trie(cfg, tokenizer) if "dart" in cfg.modes else None
-    for mode in ENGINE_MODES:
-        if mode in cfg.modes:
-            engines[mode] = DecodingEngine(target, tokenizer, draft_head=head, trie=trie, mode=mode,
-                                           tree=TreeConfig(budget=cfg.budget), eos_token_ids=eos)
+    parts = load_parts(cfg, cfg.modes)
+    tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
+    engines = {mode: build_engine(parts, mode, TreeParams(budget=cfg.budget))
+               for mode in cfg.modes if mode in drafter_names()}
 
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
@@ -204,11 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           "seconds": seconds, "token_ids": token_ids})
                     continue
                 result = engines[mode].generate([ids], params)[0]
-                stats = result.stats
-                records[mode].append({"prompt": pid, "repeat": repeat, "tokens": len(result.token_ids),
-                                      "seconds": stats.wall_seconds, "token_ids": result.token_ids,
-                                      **{k: v for k, v in stats.to_dict().items()
-                                         if k not in ("num_generated_tokens", "wall_seconds")}})
+                records[mode].append(run_record(pid, repeat, result))
             print(f"  repeat {repeat} prompt {n + 1}/{len(prompts)} done")
     summary = summarize(records)
     print_table(summary)

@@ -56,7 +56,7 @@ def write_prompts(path: Path, n: int) -> int:
 def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
     return load_config("configs/local.yaml", [
         f"input.urls=[{work / 'prompts.jsonl'}]", f"output.url={work / ('out-' + tag)}",
-        f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.budget={cfg.budget}",
+        f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.tree.budget={cfg.budget}",
         # Reserve at most one CPU for all workers: the read and write stages need the other.
         f"resources.num_workers={workers}", f"resources.num_cpus_per_worker={1 / workers}",
         f"resources.torch_threads={threads}",

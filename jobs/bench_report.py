@@ -24,10 +24,11 @@ from typing import Any
 
 import matplotlib
 
+from jobs.bench import all_modes
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
 
-MODE_ORDER = ("ar", "hf", "hf_prompt_lookup", "chain", "ddtree", "dart")
 MODE_COLORS = {"ar": "#7f7f7f", "hf": "#bcbd22", "hf_prompt_lookup": "#9467bd",
                "chain": "#1f77b4", "ddtree": "#ff7f0e", "dart": "#2ca02c"}
 MODE_NAMES = {"ar": "ar (engine)", "hf": "transformers generate", "hf_prompt_lookup": "transformers prompt lookup",
@@ -43,7 +44,8 @@ PLOTS = {
 
 
 def _mode_key(entry: dict) -> tuple:
-    return MODE_ORDER.index(entry["mode"]) if entry["mode"] in MODE_ORDER else 99, entry.get("budget") or 0
+    order = all_modes()
+    return order.index(entry["mode"]) if entry["mode"] in order else len(order), entry.get("budget") or 0
 
 
 def _label(entry: dict) -> str:
@@ -71,7 +73,7 @@ def _save(fig, path: Path) -> Path:
 def plot_speedup(summary: list[dict], path: Path) -> Path:
     """Bars of speedup over `ar` (per token), one group per temperature, one bar per mode."""
     temps = _temps(summary)
-    modes = [m for m in MODE_ORDER if any(e["mode"] == m for e in summary)]
+    modes = [m for m in all_modes() if any(e["mode"] == m for e in summary)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(modes) * len(temps) + 3), 4.2))
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
@@ -105,7 +107,7 @@ def plot_speedup(summary: list[dict], path: Path) -> Path:
 def plot_tau_histograms(summary: list[dict], path: Path) -> Path:
     """Per speculative mode: share of rounds by tokens committed per round (its mean is tau)."""
     temps = _temps(summary)
-    modes = [m for m in MODE_ORDER if any(e["mode"] == m and e.get("tokens_per_round_histogram")
+    modes = [m for m in all_modes() if any(e["mode"] == m and e.get("tokens_per_round_histogram")
                                           and m != "ar" for e in summary)]
     if not modes:
         fig, ax = plt.subplots(figsize=(6, 2.5))
@@ -149,7 +151,7 @@ def plot_budget_sweep(summary: list[dict], path: Path) -> Path:
     styles = ["-", "--", ":", "-."]
     budgets: set[int] = set()
     for j, t in enumerate(_temps(summary)):
-        for mode in MODE_ORDER:
+        for mode in all_modes():
             pts = sorted((e["budget"], e) for e in summary
                          if e["mode"] == mode and e["temperature"] == t and e.get("budget") is not None)
             if not pts:

@@ -466,15 +466,20 @@ def evaluate_dev(head: DartDraftHead, teacher: TeacherPass, examples: list[Examp
 
 def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_cache: dict) -> dict:
     """tau from real decoding: the checkpoint is loaded strictly, as the engine loads it."""
-    from dart_worker.engine import DecodingEngine, TreeConfig
+    from dart_worker.drafters import drafter_spec
+    from dart_worker.engine_factory import EngineParts, build_engine
     from dart_worker.sampling import SamplingParams
-    from dart_worker.target import TargetAdapter
 
     ev = cfg.eval
     if ev.tau_prompts <= 0:
         return {}
-    if "adapter" not in adapter_cache:
-        adapter_cache["adapter"] = TargetAdapter(model)
+    if "parts" not in adapter_cache:
+        trie = None
+        if ev.trie and any(drafter_spec(m).needs_trie for m in ev.tau_modes):
+            from jobs.build_ngram import default_trie_path
+
+            trie = str(default_trie_path()) if ev.trie == "default" else ev.trie
+        adapter_cache["parts"] = EngineParts.from_model(model, tokenizer, trie=trie)
         prompts = []
         for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=ev.tau_source or cfg.data.source,
                                       dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens):
@@ -484,24 +489,14 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
             if len(prompts) == ev.tau_prompts:
                 break
         adapter_cache["prompts"] = prompts
-    adapter = adapter_cache["adapter"]
-    head = load_draft_head(checkpoint, model.config, model.get_input_embeddings(), device=adapter.device,
-                           dtype=adapter.dtype)
-    trie = None
-    if "dart" in ev.tau_modes and ev.trie:
-        if "trie" not in adapter_cache:
-            from jobs.build_ngram import default_trie_path
-            from ngram_native import NgramTrie
-            adapter_cache["trie"] = NgramTrie.open(default_trie_path() if ev.trie == "default" else ev.trie)
-        trie = adapter_cache["trie"]
-    eos = model.generation_config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
+    parts = adapter_cache["parts"]
+    parts.head = load_draft_head(checkpoint, model.config, model.get_input_embeddings(), device=parts.target.device,
+                                 dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)
     result = {}
     for mode in ev.tau_modes:
-        if mode == "dart" and trie is None:
+        if drafter_spec(mode).needs_trie and parts.trie is None:
             continue
-        engine = DecodingEngine(adapter, tokenizer, draft_head=head, trie=trie, mode=mode, tree=TreeConfig(),
-                                eos_token_ids=[e for e in eos if e is not None])
+        engine = build_engine(parts, mode)
         taus = []
         for ids in adapter_cache["prompts"]:
             out = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=ev.tau_max_new_tokens))[0]

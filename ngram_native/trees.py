@@ -35,6 +35,7 @@ allocate nothing per tree except the output arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -136,6 +137,68 @@ def _first_bad(message: str, bad: np.ndarray, offset: int = 0) -> None:
         raise ValueError(f"node {int(hits[0]) + offset}: {message}")
 
 
+_NATIVE_DEFAULTS = _core.DartParams()
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """How draft trees are built: one typed object from the config to the C++ builders.
+
+    The defaults are those of the C++ `trees::DartParams` (the DART reference implementation),
+    read from the extension, so they are written down once. `budget` and `max_depth` apply to
+    every builder, `top_k` to DART and DDTree, the rest to DART's n-gram beam search only.
+    """
+
+    budget: int = _NATIVE_DEFAULTS.budget  # draft nodes per tree, root excluded
+    top_k: int = _NATIVE_DEFAULTS.top_k  # candidates per draft position
+    beam_width: int = _NATIVE_DEFAULTS.beam_width  # beam nodes kept per level
+    depth_decay: float = _NATIVE_DEFAULTS.depth_decay  # level weight (l + 1) ** -depth_decay
+    draft_decay: float = _NATIVE_DEFAULTS.draft_decay  # draft log-prob weight decay per level
+    ngram_weight: float = _NATIVE_DEFAULTS.ngram_weight  # weight of the n-gram log-prob
+    max_depth: int | None = None  # deepest draft level; None = every position the drafter predicts
+    keep_pruned: bool = _NATIVE_DEFAULTS.keep_pruned  # beam-pruned children may still be leaves
+    prune: bool = _NATIVE_DEFAULTS.prune  # skip provably hopeless children (exact; False for tests)
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Every invalid field as (name, what is wrong); empty when the parameters are usable."""
+        out = []
+        for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                out.append((name, f"must be an integer, got {type(value).__name__}"))
+            elif value < minimum:
+                out.append((name, f"must be >= {minimum}, got {value}"))
+        for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                    or not math.isfinite(float(value)):
+                out.append((name, f"must be finite, got {value!r}"))
+            elif minimum is not None and value < minimum:
+                out.append((name, f"must be >= {minimum}, got {value}"))
+        depth = self.max_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
+            out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))
+        return out
+
+    def check(self) -> TreeParams:
+        """Raise (TypeError for a non-integer count, else ValueError) naming the first bad field."""
+        bad = self.problems()
+        if bad:
+            name, message = bad[0]
+            raise (TypeError if "integer" in message else ValueError)(f"{name} {message}")
+        return self
+
+    def to_native(self) -> _core.DartParams:
+        """The C++ struct the DART builder reads."""
+        native = _core.DartParams()
+        for name in ("budget", "top_k", "beam_width"):
+            setattr(native, name, int(getattr(self, name)))
+        for name in ("depth_decay", "draft_decay", "ngram_weight"):
+            setattr(native, name, float(getattr(self, name)))
+        native.keep_pruned, native.prune = bool(self.keep_pruned), bool(self.prune)
+        return native
+
+
 # ---------------------------------------------------------------------------------------
 # Helpers on a flattened tree
 # ---------------------------------------------------------------------------------------
@@ -159,7 +222,34 @@ def ancestor_mask(parents: np.ndarray | Sequence[int]) -> np.ndarray:
     Row r marks r itself and all its ancestors including the root, so a node attends to
     exactly its own path (the committed prefix is handled by the caller).
     """
-    return _core._ancestor_mask(_as_parents(parents))
+    p = _as_parents(parents).astype(np.int64)
+    parent_row = np.arange(p.shape[0] + 1)
+    parent_row[1:] = p + 1
+    return ancestor_masks(parent_row[None])[0]
+
+
+def ancestor_masks(parent_row: np.ndarray) -> np.ndarray:
+    """Batched ancestor masks: bool [B, S, S] from parent rows int [B, S].
+
+    `parent_row[b, r]` is the row of r's parent in the same block; a row that points at itself
+    (the root, padding) is a fixed point. Row r of the result marks r and every row on its
+    parent chain. The one implementation behind every tree mask (`ancestor_mask`, the engine's
+    padded verify blocks): parent pointers are chased for all rows of all trees at once, one
+    vectorised step per tree level.
+    """
+    parent_row = np.asarray(parent_row, dtype=np.int64)
+    batch, width = parent_row.shape
+    mask = np.zeros((batch, width, width), dtype=bool)
+    b_index = np.arange(batch)[:, None]
+    r_index = np.arange(width)[None, :]
+    mask[b_index, r_index, r_index] = True
+    cursor = parent_row.copy()
+    while True:  # after step k, `cursor` holds each row's k-th ancestor (or a fixed point)
+        mask[b_index, r_index, cursor] = True
+        following = np.take_along_axis(parent_row, cursor, axis=1)
+        if np.array_equal(following, cursor):
+            return mask
+        cursor = following
 
 
 def position_offsets(depths: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -215,17 +305,11 @@ def build_dart_trees(
     scorer: NgramScorer | None = None,
     *,
     logits: np.ndarray | None = None,
-    budget: int = 60,
-    top_k: int = 25,
-    beam_width: int = 20,
+    params: TreeParams | None = None,
     eos_ids: int | Iterable[int] = (),
-    depth_decay: float = 0.7,
-    draft_decay: float = 0.9,
-    ngram_weight: float = 0.5,
-    keep_pruned: bool = True,
     max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,
-    prune: bool = True,
+    **overrides,
 ) -> list[DraftTree]:
     """DART n-gram-guided beam search (arXiv 2601.19278); defaults = the reference code.
 
@@ -246,27 +330,29 @@ def build_dart_trees(
         contexts: B sequences of committed token ids (the root token last); only the last
             n - 1 are read. Required when `scorer` is given, ignored otherwise.
         scorer: an N-gram model (e.g. an `NgramTrie`), or None for draft scores alone.
-        budget: maximum number of nodes per tree (root excluded), >= 0.
-        top_k: candidates per position, >= 1 (clamped to V or K).
-        beam_width: beam nodes kept per level, >= 1.
+        params: a `TreeParams` (default: the reference values); keyword `overrides` replace
+            its fields (``budget=16``). budget >= 0 nodes per tree (root excluded); top_k >= 1
+            candidates per position (clamped to V or K); beam_width >= 1; depth_decay,
+            draft_decay, ngram_weight: the weights above (the decay and the n-gram weight must
+            be >= 0, so scores never grow along a path beyond rounding); keep_pruned: whether
+            children cut from the beam may still enter the tree as leaves; prune: skip children
+            that provably cannot enter the tree (their best possible score, with q = 1, is
+            below the budget-th best key found so far) - exact, the tree is the same either
+            way, and it avoids most N-gram queries (False is for testing). `max_depth` is
+            ignored here: per-sequence limits come in `max_depths`.
         eos_ids: token id(s) that end a sequence; such nodes get no children.
-        depth_decay, draft_decay, ngram_weight: the weights above (the decay and the n-gram
-            weight must be >= 0, so scores never grow along a path beyond rounding).
-        keep_pruned: whether children cut from the beam may still enter the tree as leaves.
         max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree), e.g.
             the tokens a sequence may still generate. Rows past the limit are not read.
         vocab_size: optional bound for top-k ids and context ids (dense logits imply V).
-        prune: skip children that provably cannot enter the tree (their best possible score,
-            with q = 1, is below the budget-th best key found so far). Exact - the tree is
-            the same either way - and it avoids most N-gram queries; False is for testing.
     """
     values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
-    _check_int("budget", budget, 0)
-    _check_int("top_k", top_k, 1)
-    _check_int("beam_width", beam_width, 1)
-    _check_float("depth_decay", depth_decay)
-    _check_float("draft_decay", draft_decay, minimum=0.0)
-    _check_float("ngram_weight", ngram_weight, minimum=0.0)
+    params = params or TreeParams()
+    if overrides:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TreeParams)})
+        if unknown:
+            raise TypeError(f"unknown tree parameter(s) {unknown}")
+        params = dataclasses.replace(params, **overrides)
+    params.check()
     batch = values.shape[0]
     ctx_tokens = ctx_offsets = None
     if scorer is not None:
@@ -278,8 +364,7 @@ def build_dart_trees(
         raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
     out = _core._build_dart(
         values, ids, vocab if vocab is not None else -1, ctx_tokens, ctx_offsets, scorer,
-        _eos_array(eos_ids), _max_depths(max_depths, batch), top_k, beam_width, budget,
-        float(depth_decay), float(draft_decay), float(ngram_weight), bool(keep_pruned), bool(prune),
+        _eos_array(eos_ids), _max_depths(max_depths, batch), params.to_native(),
     )  # fmt: skip
     return _split(*out)
 

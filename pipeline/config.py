@@ -18,7 +18,9 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-MODES = ("ar", "chain", "ddtree", "dart")
+from dart_worker.drafters import drafter_names, drafter_spec
+from ngram_native.trees import TreeParams
+
 FORMATS = ("jsonl", "parquet")
 
 
@@ -49,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class DecodingConfig:
-    mode: str = "dart"  # ar | chain | ddtree | dart
+    mode: str = "dart"  # a registered drafter: ar | chain | ddtree | dart (dart_worker.drafters)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
@@ -57,13 +59,9 @@ class DecodingConfig:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
-    budget: int = 60  # draft tree nodes per round
-    tree_top_k: int = 25
-    beam_width: int = 20
-    depth_decay: float = 0.7
-    draft_decay: float = 0.9
-    ngram_weight: float = 0.5
-    max_depth: int | None = None
+    # How draft trees are built (budget = nodes per round, top_k, beam_width, the DART weights,
+    # max_depth): ngram_native.trees.TreeParams, handed as is to the drafter.
+    tree: TreeParams = field(default_factory=TreeParams)
 
 
 @dataclass
@@ -150,21 +148,22 @@ def validate(cfg: PipelineConfig) -> None:
     check((i.prompt_column is None) != (i.messages_column is None), "input.prompt_column",
           "set exactly one of input.prompt_column and input.messages_column")
     check(i.max_prompt_chars > 0, "input.max_prompt_chars", "must be > 0")
-    check(d.mode in MODES, "decoding.mode", f"must be one of {MODES}, got {d.mode!r}")
-    check(d.mode == "ar" or m.draft_head is not None, "model.draft_head",
-          f"mode {d.mode!r} needs a draft head (or use decoding.mode=ar)")
-    check(d.mode != "dart" or m.trie is not None, "model.trie", "mode 'dart' needs an N-gram trie")
+    if d.mode in drafter_names():
+        spec = drafter_spec(d.mode)
+        check(not spec.needs_head or m.draft_head is not None, "model.draft_head",
+              f"mode {d.mode!r} needs a draft head (or use decoding.mode=ar)")
+        check(not spec.needs_trie or m.trie is not None, "model.trie", f"mode {d.mode!r} needs an N-gram trie")
+    else:
+        check(False, "decoding.mode", f"must be one of {list(drafter_names())}, got {d.mode!r}")
     check(d.temperature >= 0, "decoding.temperature", "must be >= 0 (0 = greedy)")
     check(0 < d.top_p <= 1, "decoding.top_p", "must be in (0, 1]")
     check(d.top_k >= 0, "decoding.top_k", "must be >= 0 (0 = off)")
     check(d.seed >= 0, "decoding.seed", "must be >= 0")
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
-    check(d.budget >= 1, "decoding.budget", "must be >= 1")
-    check(d.tree_top_k >= 1 and d.beam_width >= 1, "decoding.tree_top_k", "tree_top_k and beam_width must be >= 1")
-    check(d.depth_decay >= 0 and d.draft_decay >= 0 and d.ngram_weight >= 0, "decoding.ngram_weight",
-          "depth_decay, draft_decay and ngram_weight must be >= 0")
-    check(d.max_depth is None or d.max_depth >= 1, "decoding.max_depth", "must be >= 1 or null")
+    check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")
+    for name, message in d.tree.problems():
+        check(name == "budget", f"decoding.tree.{name}", message)  # budget: the stricter rule above
     check(m.tap_layers is None or len(m.tap_layers) == 3, "model.tap_layers", "must list 3 layer indices")
     check(r.num_workers >= 1, "resources.num_workers", "must be >= 1")
     check((r.min_workers is None) == (r.max_workers is None), "resources.min_workers",

@@ -45,10 +45,14 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 
+from dart_worker.stats import STAT_COLUMNS
 from pipeline.storage import StorageError, describe_error, filesystem_for, get_once, is_local, url_of
 
 logger = logging.getLogger(__name__)
 
+# Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
+_STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
+               "list[float]": pa.list_(pa.float64())}
 SCHEMA_VERSION = "2"
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
@@ -61,20 +65,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("token_ids", pa.list_(pa.int32())),
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
-        pa.field("num_prompt_tokens", pa.int64()),
-        pa.field("num_generated_tokens", pa.int64()),
-        pa.field("rounds", pa.int64()),
-        pa.field("tau", pa.float64()),
-        pa.field("acceptance_histogram", pa.list_(pa.int64())),
-        pa.field("per_position_acceptance", pa.list_(pa.float64())),
-        pa.field("mean_tree_size", pa.float64()),
-        pa.field("prefill_s", pa.float64()),
-        pa.field("draft_s", pa.float64()),
-        pa.field("tree_s", pa.float64()),
-        pa.field("verify_s", pa.float64()),
-        pa.field("commit_s", pa.float64()),
-        pa.field("wall_s", pa.float64()),
-        pa.field("tokens_per_s", pa.float64()),
+        *(pa.field(name, _STAT_TYPES[kind]) for name, kind in STAT_COLUMNS.items()),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
         pa.field("mode", pa.string()),
         pa.field("temperature", pa.float64()),

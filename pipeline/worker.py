@@ -20,13 +20,13 @@ from typing import Any
 import pyarrow as pa
 
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.engine import DecodingEngine, GenerationResult, TreeConfig
+from dart_worker.drafters import drafter_spec
+from dart_worker.engine import GenerationResult
+from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.fingerprint import tokenizer_fingerprint
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_messages, format_user_prompt
 from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
 from pipeline.config import PipelineConfig, from_dict
 from pipeline.ngram_store import acquire_trie
 from pipeline.outputs import rows_to_table
@@ -44,17 +44,6 @@ def row_seed(base_seed: int, row_key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def eos_ids_of(model, tokenizer) -> list[int]:
-    """Every EOS id the target declares (generation config, model config, tokenizer)."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if value is None:
-            continue
-        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return sorted(ids)
-
-
 class GenerationWorker:
     """Callable class for `Dataset.map_batches`: one engine per actor."""
 
@@ -70,19 +59,13 @@ class GenerationWorker:
             configure_cpu_threads(resources.torch_threads or max(1, int(resources.num_cpus_per_worker)))
         model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),
                                             device=device)
-        target = TargetAdapter(model, model_cfg.tap_layers)
-        head = None
-        if decoding.mode != "ar":
-            head = load_draft_head(resolved["head_dir"], model.config, model.get_input_embeddings(),
-                                   device=target.device, dtype=target.dtype)
+        spec = drafter_spec(decoding.mode)
         trie = None
-        if decoding.mode == "dart":
+        if spec.needs_trie:
             trie = acquire_trie(resolved["trie_url"], tokenizer_fingerprint(self.tokenizer))
-        tree = TreeConfig(budget=decoding.budget, top_k=decoding.tree_top_k, beam_width=decoding.beam_width,
-                          depth_decay=decoding.depth_decay, draft_decay=decoding.draft_decay,
-                          ngram_weight=decoding.ngram_weight, max_depth=decoding.max_depth)
-        self.engine = DecodingEngine(target, self.tokenizer, draft_head=head, trie=trie, mode=decoding.mode,
-                                     tree=tree, eos_token_ids=eos_ids_of(model, self.tokenizer))
+        parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
+                                       head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
+        self.engine = build_engine(parts, decoding.mode, decoding.tree)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
 
@@ -143,8 +126,7 @@ class GenerationWorker:
                               stop_token_ids=tuple(d.stop_token_ids), stop=tuple(d.stop))
 
     def _row(self, row: dict, result: GenerationResult) -> dict:
-        d, s = self.cfg.decoding, result.stats
-        stage = s.stage_seconds
+        d = self.cfg.decoding
         ok = result.error is None
         return {
             "row_key": row["row_key"],
@@ -154,20 +136,7 @@ class GenerationWorker:
             "token_ids": result.token_ids if ok and self.cfg.output.include_token_ids else None,
             "finish_reason": result.finish_reason,
             "error": result.error,
-            "num_prompt_tokens": s.num_prompt_tokens,
-            "num_generated_tokens": len(result.token_ids),
-            "rounds": s.rounds,
-            "tau": s.tau,
-            "acceptance_histogram": s.acceptance_histogram(),
-            "per_position_acceptance": s.per_position_acceptance(),
-            "mean_tree_size": s.mean_tree_size,
-            "prefill_s": stage["prefill"],
-            "draft_s": stage["draft"],
-            "tree_s": stage["tree"],
-            "verify_s": stage["verify"],
-            "commit_s": stage["commit"],
-            "wall_s": s.wall_seconds,
-            "tokens_per_s": s.tokens_per_second,
+            **result.stats.to_row(),
             "mode": d.mode,
             "temperature": d.temperature,
             "top_p": d.top_p,

@@ -38,7 +38,8 @@ def _record(mode, t, budget, prompt, repeat, tokens, seconds, tau=None, accept_h
         hist = accept_hist or [1]
         r |= {"tau": tau, "rounds": sum(hist), "acceptance_histogram": hist, "per_position_acceptance": [0.5, 0.25],
               "mean_tree_size": 0.0 if mode == "ar" else float(budget or 0),
-              "stage_seconds": stages or {"prefill": 0.1, "draft": 0.01, "tree": 0.02, "verify": 0.5, "commit": 0.03}}
+              **{f"{k}_s": v for k, v in (stages or {"prefill": 0.1, "draft": 0.01, "tree": 0.02, "verify": 0.5,
+                                                    "commit": 0.03}).items()}}
     return r
 
 

@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from dart_worker.draft_head import DartDraftHead
-from dart_worker.engine import DecodingEngine, TreeConfig
+from dart_worker.engine import DecodingEngine
+from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
-from ngram_native import NgramTrie, build_trie
+from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
 SPEC_MODES = ("chain", "ddtree", "dart")
@@ -42,7 +43,8 @@ def make_engine(model, mode: str, trie=None, draft_length: int = 4, eos=(), **tr
     if mode != "ar":
         torch.manual_seed(123)
         head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=draft_length)
-    return DecodingEngine(target, draft_head=head, trie=trie, mode=mode, tree=TreeConfig(**tree), eos_token_ids=eos)
+    parts = EngineParts(target=target, head=head, trie=trie if mode == "dart" else None, eos_token_ids=tuple(eos))
+    return build_engine(parts, mode, TreeParams(**tree))
 
 
 @pytest.fixture(scope="module")

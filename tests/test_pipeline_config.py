@@ -23,7 +23,7 @@ def test_defaults_and_overrides(minimal):
     cfg = load_config(minimal, ["decoding.mode=chain", "resources.batch_size=8", "decoding.stop_token_ids=[5,6]"])
     assert cfg.decoding.mode == "chain" and cfg.resources.batch_size == 8
     assert cfg.decoding.stop_token_ids == [5, 6]
-    assert cfg.model.target == "default" and cfg.decoding.budget == 60
+    assert cfg.model.target == "default" and cfg.decoding.tree.budget == 60
     assert from_dict(to_dict(cfg)) == cfg
 
 

@@ -21,11 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from dart_worker.engine import DecodingEngine
+from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_user_prompt
 from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
@@ -69,7 +68,7 @@ def config_file(tmp_path: Path, artifacts: dict, inputs: list[str], output: str,
         "input": {"urls": inputs, "format": "jsonl", "max_prompt_chars": 1000},
         "model": {"target": artifacts["target"], "draft_head": artifacts["head"], "trie": artifacts["trie"],
                   "dtype": "fp32", "device": "cpu"},
-        "decoding": {"mode": "dart", "temperature": 0.0, "max_new_tokens": 12, "budget": 8},
+        "decoding": {"mode": "dart", "temperature": 0.0, "max_new_tokens": 12, "tree": {"budget": 8}},
         "resources": {"num_workers": 2, "num_cpus_per_worker": 0.5, "batch_size": 3},
         "output": {"url": output, "rows_per_file": 4},
         "run": {"run_id": "test-run", "progress_interval_s": 1},
@@ -85,7 +84,7 @@ def config_file(tmp_path: Path, artifacts: dict, inputs: list[str], output: str,
 def expected_greedy(artifacts: dict, prompts: dict[str, str], max_new_tokens: int = 12) -> dict[str, list[int]]:
     """Plain autoregressive greedy decoding of the same prompts, outside the pipeline."""
     model, tokenizer = load_target(artifacts["target"], dtype="fp32", device="cpu")
-    engine = DecodingEngine(TargetAdapter(model), tokenizer, mode="ar", eos_token_ids=[2])
+    engine = build_engine(EngineParts.from_model(model, tokenizer), "ar")  # the workers' EOS rule
     ids = [encode_prompt(tokenizer, format_user_prompt(tokenizer, p), templated=True) for p in prompts.values()]
     results = engine.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
     return {k: r.token_ids for k, r in zip(prompts, results)}

@@ -27,7 +27,7 @@ from dart_worker.draft_training import (
     most_frequent_ids,
     sample_anchors,
 )
-from dart_worker.engine import DecodingEngine
+from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from jobs import train_draft
@@ -364,11 +364,11 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
     assert summary["steps"] == 2 and (tmp_path / "export" / "training_config.yaml").is_file()
     head = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
     assert head.config.draft_vocab_size == 64 and head.config.draft_length == M
-    adapter = TargetAdapter(model)
+    parts = EngineParts(target=TargetAdapter(model), head=head)
     prompt = ByteTokenizer()("User: the cat\nAssistant:")["input_ids"]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    ar = DecodingEngine(adapter, draft_head=None, mode="ar").generate([prompt], params)[0]
-    chain = DecodingEngine(adapter, draft_head=head, mode="chain").generate([prompt], params)[0]
+    ar = build_engine(parts, "ar").generate([prompt], params)[0]
+    chain = build_engine(parts, "chain").generate([prompt], params)[0]
     assert chain.error is None and chain.token_ids == ar.token_ids
 
 

@@ -100,25 +100,27 @@ std::vector<int32_t> to_vector(const I32Array& a) {
 }  // namespace
 
 void bind_trees(py::module_& m) {
+  // The DART parameters with their one set of defaults (trees.h); trees.TreeParams reads
+  // its defaults from a default-constructed instance and fills one per call.
+  py::class_<trees::DartParams>(m, "DartParams")
+      .def(py::init<>())
+      .def_readwrite("top_k", &trees::DartParams::top_k)
+      .def_readwrite("beam_width", &trees::DartParams::beam_width)
+      .def_readwrite("budget", &trees::DartParams::budget)
+      .def_readwrite("depth_decay", &trees::DartParams::depth_decay)
+      .def_readwrite("draft_decay", &trees::DartParams::draft_decay)
+      .def_readwrite("ngram_weight", &trees::DartParams::ngram_weight)
+      .def_readwrite("keep_pruned", &trees::DartParams::keep_pruned)
+      .def_readwrite("prune", &trees::DartParams::prune);
+
   m.def(
       "_build_dart",
       [](const F32Array& values, const std::optional<I32Array>& ids, int64_t vocab_size,
          const std::optional<I32Array>& ctx_tokens, const std::optional<I64Array>& ctx_offsets,
          const ngram::NgramScorer* scorer, const I32Array& eos_ids,
-         const std::optional<I64Array>& max_depths, int64_t top_k, int64_t beam_width,
-         int64_t budget, double depth_decay, double draft_decay, double ngram_weight,
-         bool keep_pruned, bool prune) {
+         const std::optional<I64Array>& max_depths, const trees::DartParams& params) {
         const trees::DraftScores in = draft_view(values, ids, vocab_size, max_depths);
         const trees::Contexts contexts = context_view(ctx_tokens, ctx_offsets, in.batch);
-        trees::DartParams params;
-        params.top_k = top_k;
-        params.beam_width = beam_width;
-        params.budget = budget;
-        params.depth_decay = depth_decay;
-        params.draft_decay = draft_decay;
-        params.ngram_weight = ngram_weight;
-        params.keep_pruned = keep_pruned;
-        params.prune = prune;
         const trees::EosSet eos(to_vector(eos_ids));
         trees::TreeBatch out;
         {
@@ -130,9 +132,7 @@ void bind_trees(py::module_& m) {
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"),
       py::arg("ctx_tokens").none(true), py::arg("ctx_offsets").none(true),
       py::arg("scorer").none(true), py::arg("eos_ids"), py::arg("max_depths").none(true),
-      py::arg("top_k"), py::arg("beam_width"), py::arg("budget"), py::arg("depth_decay"),
-      py::arg("draft_decay"), py::arg("ngram_weight"), py::arg("keep_pruned"),
-      py::arg("prune") = true,
+      py::arg("params"),
       "DART n-gram beam search over a batch -> (tokens, parents, depths, scores, offsets).");
 
   m.def(
@@ -178,18 +178,6 @@ void bind_trees(py::module_& m) {
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"), py::arg("eos_ids"),
       py::arg("max_depths").none(true), py::arg("budget"), py::arg("values_are_logprobs"),
       "Top-1 chains over a batch -> (tokens, parents, depths, scores, offsets).");
-
-  m.def(
-      "_ancestor_mask",
-      [](const I32Array& parents) {
-        if (parents.ndim() != 1) throw py::value_error("parents must be 1-D");
-        const int64_t n = parents.shape(0);
-        trees::check_parents(parents.data(), n);
-        py::array_t<bool> mask({n + 1, n + 1});
-        trees::ancestor_mask(parents.data(), n, mask.mutable_data());
-        return mask;
-      },
-      py::arg("parents"), "bool [N + 1, N + 1]: row i marks i and its ancestors (0 = root).");
 
   m.def(
       "_ngram_probs",

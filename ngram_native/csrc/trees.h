@@ -164,13 +164,4 @@ void build_ddtree(const DraftScores& in, const BestFirstParams& params, const Eo
 void build_chain(const DraftScores& in, const BestFirstParams& params, const EosSet& eos,
                  TreeBatch& out);
 
-// ---- helpers on a flattened tree ----
-
-// Throws std::invalid_argument unless -1 <= parents[i] < i for every node.
-void check_parents(const int32_t* parents, int64_t n);
-
-// mask[(n + 1) * (n + 1)], row-major: row i marks i and all its ancestors; index 0 is the
-// root, node i is at i + 1.
-void ancestor_mask(const int32_t* parents, int64_t n, bool* mask);
-
 }  // namespace trees

@@ -1,4 +1,4 @@
-// Canonical flattening and structural helpers shared by every tree builder.
+// Canonical flattening shared by every tree builder.
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -45,28 +45,6 @@ void append_canonical(const std::vector<RawNode>& nodes, TreeBatch& out,
     group_begin = group_end;
   }
   out.offsets.push_back(base + n);
-}
-
-void check_parents(const int32_t* parents, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (parents[i] < -1 || parents[i] >= i) {
-      throw std::invalid_argument("parents[" + std::to_string(i) + "] = " +
-                                  std::to_string(parents[i]) +
-                                  ": a parent must be -1 (root) or an earlier node index");
-    }
-  }
-}
-
-void ancestor_mask(const int32_t* parents, int64_t n, bool* mask) {
-  const int64_t side = n + 1;
-  std::memset(mask, 0, static_cast<size_t>(side * side));
-  mask[0] = true;
-  for (int64_t i = 0; i < n; ++i) {
-    bool* row = mask + (i + 1) * side;
-    // Ancestors of node i = ancestors of its parent (row parent + 1) plus itself.
-    std::memcpy(row, mask + (parents[i] + 1) * side, static_cast<size_t>(i + 1));
-    row[i + 1] = true;
-  }
 }
 
 }  // namespace trees

@@ -1,0 +1,71 @@
+"""The drafter protocol: the engine owns the loop, a drafter owns its proposal state.
+
+One batch of decoding drives a drafter like this (see `DecodingEngine._decode`):
+
+    drafter.start(batch_size)
+    drafter.observe(prefill block)                 # the prompts' rows, committed by prefill
+    loop:
+        drafter.select(keep)                       # finished sequences leave the batch
+        trees = drafter.propose(tokens, depth_caps)  # one DraftTree per live sequence
+        ... the target verifies the trees, the engine commits the accepted rows ...
+        drafter.observe(verify block)              # the rows just committed
+
+Trees come back in the shared flat representation (`ngram_native.DraftTree`: tokens, parents,
+depths in topological order) and are checked once, where they enter the engine
+(`TreeBatch.from_trees`); verification does not care where a node came from, so any proposal
+is lossless. A drafter never sees logits of the target.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ngram_native.trees import DraftTree
+
+
+@dataclass(frozen=True)
+class CommittedBlock:
+    """Rows of one target forward that are now committed, for drafters that learn from them.
+
+    taps: [B, S, F] hidden states tapped in that forward (prefill: the prompt rows; verify: the
+    root and tree rows). rows[b]: the rows of `taps` that sequence b committed, in order.
+    tokens[b]: every token of sequence b so far (prompt + generated, the new ones included), so
+    row rows[b][k] is followed by token tokens[b][len(tokens[b]) - len(rows[b]) + k].
+    """
+
+    taps: torch.Tensor
+    rows: Sequence[Sequence[int]]
+    tokens: Sequence[Sequence[int]]
+
+
+class Drafter(ABC):
+    """Proposes draft trees for a batch; one instance serves one engine (one batch at a time)."""
+
+    name: str = "?"
+
+    def start(self, batch_size: int) -> None:  # noqa: B027 - optional hook, stateless drafters skip it
+        """A new batch of `batch_size` sequences begins: forget any earlier batch."""
+
+    def observe(self, block: CommittedBlock) -> None:  # noqa: B027
+        """Rows the target just committed (the prompts after prefill, then every round's)."""
+
+    def select(self, keep: torch.Tensor) -> None:  # noqa: B027
+        """Keep only the sequences at indices `keep` (the others finished), in that order."""
+
+    @abstractmethod
+    def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        """One tree per live sequence; tree b holds no node deeper than max_depths[b].
+
+        tokens[b] is everything sequence b committed so far (its last token is the tree's root).
+        """
+
+
+def empty_tree() -> DraftTree:
+    """A tree with no nodes: the round verifies the root alone (a plain decoding step)."""
+    empty = np.zeros(0, dtype=np.int32)
+    return DraftTree(tokens=empty, parents=empty, depths=empty)
