@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
+from dart_worker.drafters import drafter_spec
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.inputs import read_prompts_with_report
@@ -71,10 +72,11 @@ def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise StartupError(f"model.target {cfg.model.target!r}: {exc}") from None
 
-    if cfg.decoding.mode != "ar":
+    spec = drafter_spec(cfg.decoding.mode)
+    if spec.needs_head:
         resolved["head_dir"] = str(_resolve_head(cfg.model.draft_head))
         resolved["head_fingerprint"] = file_fingerprint(Path(resolved["head_dir"]) / "model.safetensors")
-    if cfg.decoding.mode == "dart":
+    if spec.needs_trie:
         resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(cfg.model.trie, tokenizer)
     return resolved
 
