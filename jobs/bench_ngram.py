@@ -48,7 +48,8 @@ from dart_worker.corpus import (
     tokenize_conversations,
 )
 from dart_worker.fingerprint import tokenizer_fingerprint
-from jobs.build_ngram import count_documents, load_tokenizer, vocab_size_of
+from dart_worker.loading import load_tokenizer
+from jobs.build_ngram import count_documents, vocab_size_of
 
 TOKEN_CACHE_FORMAT = "dart-batch/tokenized-corpus/v2"
 SHARD_TOKENS = 1 << 23  # 8M tokens (32 MB) per shard

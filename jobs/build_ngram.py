@@ -38,11 +38,12 @@ from dart_worker.corpus import (
     DEFAULT_DEV_FRACTION,
     SPLIT_SALT,
     CorpusReport,
-    default_tokenizer,
     iter_conversations,
     tokenize_conversations,
 )
+from dart_worker.default_target import default_tokenizer
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+from dart_worker.loading import load_tokenizer
 
 SIDECAR_FORMAT = "dart-batch/ngram-sidecar/v1"
 
@@ -70,26 +71,6 @@ class BuildNgramConfig:
 
 # ---------------------------------------------------------------------------------------------
 # Pieces reused by the benchmark and the embedded default
-
-
-def load_tokenizer(spec: str) -> Any:
-    """The tokenizer named by `spec`: "default", a local tokenizer/model dir, or a .gguf file.
-
-    No hub look-ups: this runs on workers without network, so a name that is not a local path
-    is an error rather than a download attempt.
-    """
-    if spec == "default":
-        return default_tokenizer()
-    from transformers import AutoTokenizer
-
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer {spec!r} is not a local directory or .gguf file (use 'default' for the embedded target)"
-        )
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def vocab_size_of(tokenizer: Any) -> int:

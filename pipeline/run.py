@@ -48,8 +48,7 @@ class StartupError(RuntimeError):
 
 def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
     """Check every artifact the workers will need and fix their locations and fingerprints."""
-    from dart_worker.loading import model_fingerprint, resolve_source
-    from jobs.build_ngram import load_tokenizer
+    from dart_worker.loading import load_tokenizer, model_fingerprint, resolve_source
 
     resolved: dict[str, Any] = {"run_id": run_id}
     try:

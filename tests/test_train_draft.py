@@ -418,7 +418,7 @@ def test_ray_backend_two_workers(tmp_path):
     ray = pytest.importorskip("ray")
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from dart_worker.corpus import default_tokenizer
+    from dart_worker.default_target import default_tokenizer
     from jobs.train_draft import main
 
     tok = default_tokenizer()
