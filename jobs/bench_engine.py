@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import sharegpt_dev_prompts
+from dart_train.corpus import sharegpt_dev_prompts
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.draft_checkpoint import load_draft_head
 from dart_worker.draft_head import DartDraftHead
@@ -68,8 +68,8 @@ def load_head(cfg: BenchConfig, target: TargetAdapter):
 
 
 def load_trie(cfg: BenchConfig, tokenizer):
+    from dart_train.ngram_build import default_trie_path
     from dart_worker.fingerprint import tokenizer_fingerprint
-    from jobs.build_ngram import default_trie_path
 
     path = cfg.trie or default_trie_path()
     return NgramTrie.open(path, verify=True, expected_tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))

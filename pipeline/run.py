@@ -98,7 +98,7 @@ def _resolve_head(spec: str | None) -> Path:
 def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
     """The trie URL and its fingerprint (the payload checksum from its header)."""
     if spec == "default":
-        from jobs.build_ngram import default_trie_path
+        from dart_train.ngram_build import default_trie_path
 
         spec = str(default_trie_path())
     try:

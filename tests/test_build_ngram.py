@@ -1,4 +1,5 @@
-"""End to end: `jobs.build_ngram` on a tiny corpus and tokenizer, checked against brute-force counts."""
+"""End to end: `jobs.build_ngram` (dart_train.ngram_build) on a tiny corpus and tokenizer,
+checked against brute-force counts."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import fsspec
 import numpy as np
 import pytest
 
-from dart_worker.corpus import iter_conversations, tokenize_conversations
+from dart_train.corpus import iter_conversations, tokenize_conversations
+from dart_train.ngram_build import BuildNgramConfig, build_ngram
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
-from jobs.build_ngram import BuildNgramConfig, build_ngram, main, parse_config
+from jobs.build_ngram import main, parse_config
 from ngram_native.trie import NgramTrie
 from tests.test_fingerprint import make_tiny_tokenizer
 
