@@ -151,8 +151,6 @@ void bind_trie(py::module_& m) {
         std::string_view v = head;
         const ngram::FileHeader h =
             ngram::read_header(reinterpret_cast<const unsigned char*>(v.data()), v.size(), file_size, name);
-        std::vector<uint64_t> level_sizes;
-        for (uint32_t k = 0; k <= h.order; ++k) level_sizes.push_back(h.levels[k].node_count);
         py::dict d;
         d["format_version"] = h.format_version;
         d["order"] = h.order;
@@ -162,7 +160,7 @@ void bind_trie(py::module_& m) {
         d["payload_checksum"] = h.payload_checksum;
         d["min_count"] = h.min_count;
         d["num_documents"] = h.num_documents;
-        d["level_sizes"] = to_tuple(level_sizes);
+        d["level_sizes"] = to_tuple(ngram::stored_level_sizes(h));
         return d;
       },
       py::arg("head"), py::arg("file_size"), py::arg("name") = "",

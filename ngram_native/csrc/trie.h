@@ -159,6 +159,8 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed = 0);
 FileHeader read_header(const unsigned char* data, size_t data_len, uint64_t file_size, const std::string& path);
 // The tokenizer fingerprint stored in a header, without its NUL padding.
 std::string stored_fingerprint(const FileHeader& h);
+// Nodes per level 0..order, from a header.
+std::vector<uint64_t> stored_level_sizes(const FileHeader& h);
 
 // A read-only, memory-mapped trie file implementing the DART N-gram estimate.
 // Thread-safe: queries take a shared lock, close() an exclusive one, so a close racing a

@@ -273,11 +273,13 @@ void NgramTrie::check_open() const {
 
 std::string NgramTrie::tokenizer_fingerprint() const { return stored_fingerprint(header_); }
 
-std::vector<uint64_t> NgramTrie::level_sizes() const {
+std::vector<uint64_t> stored_level_sizes(const FileHeader& h) {
   std::vector<uint64_t> sizes;
-  for (uint32_t k = 0; k <= header_.order; ++k) sizes.push_back(header_.levels[k].node_count);
+  for (uint32_t k = 0; k <= h.order; ++k) sizes.push_back(h.levels[k].node_count);
   return sizes;
 }
+
+std::vector<uint64_t> NgramTrie::level_sizes() const { return stored_level_sizes(header_); }
 
 inline uint64_t NgramTrie::count_at(int level, uint64_t i) const {
   const Level& l = levels_[level];
