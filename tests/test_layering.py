@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,6 +148,14 @@ def test_the_scan_sees_the_packages():
     graph = _graph()
     assert "dart_worker.default_target" in graph["dart_worker.loading"]  # a lazy import counts
     assert "ngram_native.trie" in graph["pipeline.ngram_store"] or "ngram_native" in graph["pipeline.ngram_store"]
+
+
+def test_every_installed_package_has_a_layer():
+    text = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    match = re.search(r"^include = \[(.*)\]$", text, re.MULTILINE)
+    assert match, "pyproject.toml: no [tool.setuptools.packages.find] include list"
+    installed = {name.strip().strip('"').rstrip("*") for name in match.group(1).split(",")}
+    assert installed == set(LAYERS), "place every package in LAYERS (and in docs/DESIGN.md)"
 
 
 def test_no_upward_imports():
