@@ -27,6 +27,7 @@ import yaml
 from jobs.nightly import load_night
 from jobs.nightly_submit import render_rayjob
 from pipeline.config import load_config
+from tests.test_layering import installed_packages
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -490,15 +491,6 @@ def dockerfile_lines() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def project_packages() -> list[str]:
-    """The packages pyproject.toml installs (its packages.find include list, without the globs)."""
-    match = re.search(r"^include = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.MULTILINE)
-    assert match, "pyproject.toml: no [tool.setuptools.packages.find] include list"
-    packages = [name.strip().strip('"').rstrip("*") for name in match.group(1).split(",")]
-    assert "dart_worker" in packages
-    return packages
-
-
 def dockerfile_args() -> dict[str, str]:
     args = {}
     for line in dockerfile_lines():
@@ -526,7 +518,7 @@ def test_dockerfile_builds_the_extension_and_installs_the_project():
     install = next(line for line in lines if "pip install" in line and "[default]" in line)
     assert "ray[default,data,train]==${RAY_VERSION}" in install and "torch==${TORCH_VERSION}" in install
     assert "import torch, ngram_native._core" in text, "the image build imports the compiled extension"
-    for package in project_packages():
+    for package in installed_packages():
         assert any(line.startswith(f"COPY {package}/") for line in lines), package
 
 
@@ -547,6 +539,6 @@ def test_dockerignore_keeps_local_build_products_out():
     assert ignore[ignore.index("*") if "*" in ignore else 0] == "*"
     for pattern in ("**/*.so", "**/__pycache__"):
         assert pattern in ignore
-    for needed in (*(f"!{package}/" for package in project_packages()), "!configs/", "!pyproject.toml",
+    for needed in (*(f"!{package}/" for package in installed_packages()), "!configs/", "!pyproject.toml",
                    "!setup.py", "!README.md"):
         assert needed in ignore

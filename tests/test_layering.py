@@ -150,12 +150,16 @@ def test_the_scan_sees_the_packages():
     assert "ngram_native.trie" in graph["pipeline.ngram_store"] or "ngram_native" in graph["pipeline.ngram_store"]
 
 
-def test_every_installed_package_has_a_layer():
+def installed_packages() -> list[str]:
+    """The packages pyproject.toml installs (its packages.find include list, without the globs)."""
     text = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
     match = re.search(r"^include = \[(.*)\]$", text, re.MULTILINE)
     assert match, "pyproject.toml: no [tool.setuptools.packages.find] include list"
-    installed = {name.strip().strip('"').rstrip("*") for name in match.group(1).split(",")}
-    assert installed == set(LAYERS), "place every package in LAYERS (and in docs/DESIGN.md)"
+    return [name.strip().strip('"').rstrip("*") for name in match.group(1).split(",")]
+
+
+def test_every_installed_package_has_a_layer():
+    assert set(installed_packages()) == set(LAYERS), "place every package in LAYERS (and in docs/DESIGN.md)"
 
 
 def test_no_upward_imports():
