@@ -25,6 +25,7 @@ WORKDIR /tmp/src
 COPY pyproject.toml setup.py README.md ./
 COPY ngram_native/ ngram_native/
 COPY dart_worker/ dart_worker/
+COPY dart_train/ dart_train/
 COPY pipeline/ pipeline/
 COPY jobs/ jobs/
 # Portable flags only (setup.py: -O3, no -march=native); warnings are errors, as in CI.
@@ -61,7 +62,7 @@ RUN python -m pip install "$(ls /tmp/wheels/dart_batch-*.whl)[default]" \
         "ray[default,data,train]==${RAY_VERSION}" "torch==${TORCH_VERSION}" \
     && rm -rf /tmp/wheels \
     && test "$(python -c 'import ray; print(ray.__version__)')" = "${RAY_VERSION}" \
-    && python -c "import torch, ngram_native._core, dart_worker.engine, pipeline.config, jobs.nightly_submit"
+    && python -c "import torch, ngram_native._core, dart_worker.engine, dart_train.ngram_build, pipeline.config, jobs.nightly_submit"
 
 RUN if [ "${WARM_DEFAULT_MODEL}" = "1" ]; then \
         python -c "from dart_worker.default_target import default_target_dir; print(default_target_dir())"; \

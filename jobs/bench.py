@@ -245,9 +245,9 @@ def machine_conditions(threads: int) -> dict[str, Any]:
 
 
 def _head_and_trie_conditions(cfg: BenchReportConfig, tokenizer) -> dict[str, Any]:
+    from dart_train.ngram_build import default_trie_path
     from dart_worker import default_head
     from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
-    from jobs.build_ngram import default_trie_path
     from pipeline.ngram_store import check_trie_url
 
     out: dict[str, Any] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import sharegpt_dev_prompts
+from dart_train.corpus import sharegpt_dev_prompts
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import drafter_names, drafter_spec
@@ -78,7 +78,7 @@ def head_of(cfg, model):
 
 
 def trie_path_of(cfg) -> str:
-    from jobs.build_ngram import default_trie_path
+    from dart_train.ngram_build import default_trie_path
 
     return cfg.trie or str(default_trie_path())
 

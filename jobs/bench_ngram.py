@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from dart_worker.cache_dir import build_atomically, cache_dir
-from dart_worker.corpus import (
+from dart_train.corpus import (
     DEFAULT_CORPUS,
     DEFAULT_DEV_FRACTION,
     SPLIT_SALT,
@@ -47,8 +46,10 @@ from dart_worker.corpus import (
     iter_conversations,
     tokenize_conversations,
 )
+from dart_train.ngram_build import count_documents, vocab_size_of
+from dart_worker.cache_dir import build_atomically, cache_dir
 from dart_worker.fingerprint import tokenizer_fingerprint
-from jobs.build_ngram import count_documents, load_tokenizer, vocab_size_of
+from dart_worker.loading import load_tokenizer
 
 TOKEN_CACHE_FORMAT = "dart-batch/tokenized-corpus/v2"
 SHARD_TOKENS = 1 << 23  # 8M tokens (32 MB) per shard

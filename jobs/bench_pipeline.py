@@ -28,7 +28,7 @@ import pyarrow as pa
 import ray
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import sharegpt_dev_prompts, write_prompts_jsonl
+from dart_train.corpus import sharegpt_dev_prompts, write_prompts_jsonl
 from dart_worker.device import resolve_device, resolve_dtype
 from jobs.bench import machine_conditions
 from pipeline.config import load_config

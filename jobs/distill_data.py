@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dart_worker.corpus import first_user_prompts, write_prompts_jsonl
+from dart_train.corpus import first_user_prompts, write_prompts_jsonl
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import run_pipeline

@@ -1,7 +1,8 @@
 """N-gram trie files and draft-tree builders for DART speculative decoding (C++ core).
 
-Depends on numpy only. The trie (`NgramTrie`, `TrieBuilder`, `build_trie`) is a flat,
-checksummed, memory-mapped file shared by every process on a node; the tree builders
+Depends on numpy only. The trie (`NgramTrie`, `TrieBuilder`, `build_trie`, and
+`read_trie_header` to check a file from its first bytes) is a flat, checksummed,
+memory-mapped file shared by every process on a node; the tree builders
 (`build_dart_trees`, `build_ddtree_trees`, `build_chain_trees`) return `DraftTree`s in one
 canonical flattened form that masks, positions and verification walks derive from.
 """
@@ -20,18 +21,22 @@ from ngram_native.trees import (
 )
 from ngram_native.trie import (
     DEFAULT_ORDER,
+    TRIE_HEADER_SIZE,
     NgramTrie,
     TokenizerMismatchError,
     TrieBuilder,
     TrieBuildStats,
     TrieClosedError,
     TrieFormatError,
+    TrieHeader,
     build_trie,
     import_upstream_trie,
+    read_trie_header,
 )
 
 __all__ = [
     "DEFAULT_ORDER",
+    "TRIE_HEADER_SIZE",
     "DraftTree",
     "NgramScorer",
     "NgramTrie",
@@ -41,6 +46,7 @@ __all__ = [
     "TrieBuilder",
     "TrieClosedError",
     "TrieFormatError",
+    "TrieHeader",
     "ancestor_mask",
     "ancestor_masks",
     "build_chain_trees",
@@ -50,4 +56,5 @@ __all__ = [
     "children",
     "import_upstream_trie",
     "position_offsets",
+    "read_trie_header",
 ]

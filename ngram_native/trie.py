@@ -9,6 +9,7 @@ this module adds argument checking, numpy conversion and documentation.
     stats = build_trie(docs, "corpus.trie", vocab_size=tok.vocab_size, tokenizer_fingerprint=fp)
     with NgramTrie.open("corpus.trie", verify=True, expected_tokenizer_fingerprint=fp) as trie:
         probs = trie.score(context_ids, candidate_ids)   # float32, DART estimate
+    header = read_trie_header(first_512_bytes, file_size)  # check a remote trie cheaply
 
 An `NgramTrie` is an `ngram_native._core.NgramScorer`, so it can be handed directly to the
 C++ draft-tree builders.
@@ -43,6 +44,47 @@ DEFAULT_CHUNK_TOKENS = 1 << 24
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 PathLike = str | os.PathLike
+
+
+TRIE_HEADER_SIZE: int = _core.TRIE_HEADER_SIZE  # bytes; read this many to check a trie's header
+TRIE_FORMAT_VERSION: int = _core.TRIE_FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class TrieHeader:
+    """What a trie file's header says, once validated (see `read_trie_header`).
+
+    level_sizes counts nodes per level, level 0 being the root. payload_checksum is the XXH64
+    of everything after the header: it names the trie's content, whatever file or URL holds it.
+    """
+
+    format_version: int
+    order: int
+    vocab_size: int
+    tokenizer_fingerprint: str
+    file_size: int
+    payload_checksum: int
+    min_count: int
+    num_documents: int
+    level_sizes: tuple[int, ...]
+
+    @property
+    def content_key(self) -> str:
+        """The payload checksum as 16 hex chars: equal for equal contents, different otherwise."""
+        return f"{self.payload_checksum:016x}"
+
+
+def read_trie_header(head: bytes, file_size: int, name: str = "") -> TrieHeader:
+    """Validate a trie's header from its first bytes, without the rest of the file.
+
+    `head` is the file's first TRIE_HEADER_SIZE bytes (or all of a shorter file), `file_size`
+    its real size: enough to check a remote object with one ranged read. Checks all that
+    `NgramTrie.open` checks in O(1) (magic, version, byte order, header checksum, file size,
+    and every section's offset and bounds); not the payload checksum. Raises TrieFormatError,
+    prefixed with "trie file '<name>': " when `name` is given; ValueError when `head` is
+    shorter than min(file_size, TRIE_HEADER_SIZE).
+    """
+    return TrieHeader(**_core.read_trie_header(bytes(head), int(file_size), name))
 
 
 @dataclass(frozen=True)
@@ -282,12 +324,16 @@ def import_upstream_trie(
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_ORDER",
+    "TRIE_FORMAT_VERSION",
+    "TRIE_HEADER_SIZE",
     "NgramTrie",
     "TokenizerMismatchError",
     "TrieBuildStats",
     "TrieBuilder",
     "TrieClosedError",
     "TrieFormatError",
+    "TrieHeader",
     "build_trie",
     "import_upstream_trie",
+    "read_trie_header",
 ]

@@ -65,7 +65,6 @@ import fcntl
 import logging
 import os
 import re
-import struct
 import sys
 import time
 import urllib.parse
@@ -74,8 +73,14 @@ from pathlib import Path
 from typing import Any
 
 from dart_worker.cache_dir import build_atomically, cache_dir
-from ngram_native import NgramTrie, TokenizerMismatchError, TrieFormatError
-from ngram_native import _core as ngram_core
+from ngram_native import (
+    TRIE_HEADER_SIZE,
+    NgramTrie,
+    TokenizerMismatchError,
+    TrieFormatError,
+    TrieHeader,
+    read_trie_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,39 +103,11 @@ NETWORK_FS_TYPES = frozenset({
     "beegfs", "afs", "ncpfs", "davfs", "fuse", "fuseblk",
 })
 
-# The fixed part of the trie header (docs/trie_format.md); enough to identify and check a trie
-# from its first 512 bytes, which is all a remote object needs to give for a start-up check.
-_HEADER_SIZE = 512
-_MAGIC = b"DARTTRIE"
-_FORMAT_VERSION = 1
-_BYTE_ORDER_MARK = 0x01020304
-# magic, version, byte order mark, order, vocab_size, header_size, reserved, file_size,
-# payload_checksum, header_checksum, min_count, num_documents, tokenizer_fingerprint
-_HEADER = struct.Struct("<8s6I5Q64s")
-_HEADER_CHECKSUM_FIELD = slice(48, 56)
-
 _STORE_FILE_RE = re.compile(r"^\.?ngram-[0-9a-f]{16}-[0-9a-f]{16}\.trie(\.tmp-\d+)?$")
 
 
 class TrieUnavailableError(RuntimeError):
     """The trie could not be fetched, read or placed (missing, unreachable, no space, store died)."""
-
-
-@dataclass(frozen=True)
-class TrieHeaderInfo:
-    """What a trie's header says, read cheaply (512 bytes) from its URL."""
-
-    url: str  # redacted: safe to log
-    file_size: int
-    payload_checksum: int
-    tokenizer_fingerprint: str
-    order: int
-    vocab_size: int
-
-    @property
-    def content_key(self) -> str:
-        """16 hex chars naming the trie's content (its XXH64 payload checksum), not its location."""
-        return f"{self.payload_checksum:016x}"
 
 
 @dataclass(frozen=True)
@@ -221,36 +198,18 @@ def _unavailable(url: str, what: str, exc: BaseException) -> TrieUnavailableErro
 # ----- the header ---------------------------------------------------------------------------
 
 
-def _parse_header(head: bytes, actual_size: int, url: str) -> TrieHeaderInfo:
-    """Check the fixed header fields of a trie (magic, version, checksum, size) and read them."""
-    shown = redact_url(url)
-    if len(head) < _HEADER_SIZE:
-        raise TrieFormatError(f"N-gram trie {shown}: {actual_size} bytes, shorter than the "
-                              f"{_HEADER_SIZE}-byte header (not a trie file, or truncated)")
-    (magic, version, bom, order, vocab_size, header_size, _reserved, file_size, payload_checksum,
-     header_checksum, _min_count, _num_docs, fingerprint) = _HEADER.unpack_from(head)
-    if magic != _MAGIC:
-        raise TrieFormatError(f"N-gram trie {shown}: not a trie file (magic {magic!r}, expected {_MAGIC!r})")
-    if bom != _BYTE_ORDER_MARK:
-        raise TrieFormatError(f"N-gram trie {shown}: byte order mark {bom:#010x}, expected "
-                              f"{_BYTE_ORDER_MARK:#010x} (written on a big-endian machine?)")
-    if version != _FORMAT_VERSION:
-        raise TrieFormatError(f"N-gram trie {shown}: format version {version}, this build reads "
-                              f"version {_FORMAT_VERSION}: rebuild the trie with this version")
-    zeroed = bytearray(head[:_HEADER_SIZE])
-    zeroed[_HEADER_CHECKSUM_FIELD] = bytes(8)
-    computed = ngram_core._xxh64(bytes(zeroed), 0)
-    if header_size != _HEADER_SIZE or computed != header_checksum:
-        raise TrieFormatError(f"N-gram trie {shown}: header checksum mismatch (header says "
-                              f"{header_checksum:016x}, it hashes to {computed:016x}): file altered or corrupted")
-    if file_size != actual_size:
-        raise TrieFormatError(f"N-gram trie {shown}: the header says {file_size} bytes but the file has "
-                              f"{actual_size} ({'truncated' if actual_size < file_size else 'trailing data'})")
-    return TrieHeaderInfo(
-        url=shown, file_size=file_size, payload_checksum=payload_checksum,
-        tokenizer_fingerprint=fingerprint.rstrip(b"\0").decode("ascii", "replace"),
-        order=order, vocab_size=vocab_size,
-    )
+def _parse_header(head: bytes, actual_size: int, url: str) -> TrieHeader:
+    """The validated header of the trie at `url` (ngram_native checks it), errors naming the URL."""
+    try:
+        return read_trie_header(head, actual_size)
+    except TrieFormatError as exc:
+        raise TrieFormatError(f"N-gram trie {redact_url(url)}: {exc}") from None
+
+
+def _header_of_file(path: str | Path, url: str) -> TrieHeader:
+    """The validated header of a local copy of the trie at `url`."""
+    with open(path, "rb") as f:
+        return _parse_header(f.read(TRIE_HEADER_SIZE), os.fstat(f.fileno()).st_size, url)
 
 
 def _read_head(url: str) -> tuple[bytes, int]:
@@ -259,38 +218,39 @@ def _read_head(url: str) -> tuple[bytes, int]:
     try:
         if local is not None:
             with open(local, "rb") as f:
-                return f.read(_HEADER_SIZE), os.fstat(f.fileno()).st_size
+                return f.read(TRIE_HEADER_SIZE), os.fstat(f.fileno()).st_size
         from fsspec.core import url_to_fs
 
         fs, path = url_to_fs(url)
         size = fs.info(path).get("size")
         if size is None:
             raise OSError("the storage does not report the object's size")
-        return fs.cat_file(path, start=0, end=_HEADER_SIZE), int(size)
+        return fs.cat_file(path, start=0, end=TRIE_HEADER_SIZE), int(size)
     except FileNotFoundError as exc:
         raise _unavailable(url, "not found", exc) from None
     except Exception as exc:  # unreachable endpoint, no credentials, missing fsspec backend, ...
         raise _unavailable(url, "cannot be read", exc) from exc
 
 
-def _check_fingerprint(info: TrieHeaderInfo, expected: str | None) -> None:
+def _check_fingerprint(info: TrieHeader, url: str, expected: str | None) -> None:
     if expected and info.tokenizer_fingerprint != expected:
         raise TokenizerMismatchError(
-            f"N-gram trie {info.url} was built for tokenizer fingerprint '{info.tokenizer_fingerprint}', "
+            f"N-gram trie {redact_url(url)} was built for tokenizer fingerprint '{info.tokenizer_fingerprint}', "
             f"but the tokenizer in use has fingerprint '{expected}': rebuild the trie with this tokenizer")
 
 
-def check_trie_url(trie_url: str, expected_tokenizer_fingerprint: str | None = None) -> TrieHeaderInfo:
+def check_trie_url(trie_url: str, expected_tokenizer_fingerprint: str | None = None) -> TrieHeader:
     """Driver start-up check: the trie exists, is reachable, has a valid header and the right tokenizer.
 
     Cheap whatever the trie's size: the size plus the 512-byte header (one ranged read for a
-    remote object; for a local file also the O(1) open that checks every section's bounds).
+    remote object), checked by `ngram_native.read_trie_header` as an open checks it (every
+    section's bounds included); a local file is also opened (O(1)).
     The full checksum is the stores' job, once per node. Raises TrieUnavailableError,
     TrieFormatError or TokenizerMismatchError, each naming the (redacted) URL.
     """
     head, size = _read_head(trie_url)
     info = _parse_header(head, size, trie_url)
-    _check_fingerprint(info, expected_tokenizer_fingerprint)
+    _check_fingerprint(info, trie_url, expected_tokenizer_fingerprint)
     local = local_path_of(trie_url)
     if local is not None:
         _open_trie(local, trie_url, verify=False, expected_fingerprint=expected_tokenizer_fingerprint).close()
@@ -314,8 +274,7 @@ def _verify_file(path: str | Path, url: str, content_key: str) -> None:
     """Full verification of a placed file, and that it is the content `content_key` names."""
     with _open_trie(path, url, verify=True, expected_fingerprint=None):
         pass
-    with open(path, "rb") as f:
-        info = _parse_header(f.read(_HEADER_SIZE), os.fstat(f.fileno()).st_size, url)
+    info = _header_of_file(path, url)
     if info.content_key != content_key:
         raise TrieUnavailableError(
             f"N-gram trie {redact_url(url)} changed while it was being fetched: expected content "
@@ -345,7 +304,7 @@ def _download(url: str, dest_fd: int, expected_size: int) -> None:
     log.info("fetched N-gram trie %s: %.1f MiB in %.1f s", shown, copied / 2**20, time.monotonic() - start)
 
 
-def _fetch_verified(url: str, dest: Path, info: TrieHeaderInfo) -> int:
+def _fetch_verified(url: str, dest: Path, info: TrieHeader) -> int:
     """Download `url` to the new file `dest` and verify it; returns the file's descriptor, flock'ed.
 
     The lock is taken before the first byte is written, so a sweeper never mistakes a file
@@ -516,7 +475,7 @@ class NgramStore:
         head, size = _read_head(self._url)
         info = _parse_header(head, size, self._url)
         if info.content_key != self._key:
-            raise TrieUnavailableError(f"N-gram trie {info.url} changed: workers asked for content "
+            raise TrieUnavailableError(f"N-gram trie {redact_url(self._url)} changed: workers asked for content "
                                        f"{self._key}, the URL now holds {info.content_key}")
         local = local_path_of(self._url)
         if local is not None and not is_network_filesystem(local):
@@ -616,16 +575,14 @@ def _store_path(url: str, content_key: str, namespace: str, timeout_s: float) ->
     return answer["path"]
 
 
-def _open_outside_ray(url: str, info: TrieHeaderInfo, expected_fingerprint: str | None) -> NgramTrie:
+def _open_outside_ray(url: str, info: TrieHeader, expected_fingerprint: str | None) -> NgramTrie:
     local = local_path_of(url)
     if local is not None:
         return _open_trie(local, url, verify=True, expected_fingerprint=expected_fingerprint)
 
     def is_valid(path: Path) -> bool:  # a cached copy is named by content: check its header says so
         try:
-            with open(path, "rb") as f:
-                return _parse_header(f.read(_HEADER_SIZE), os.fstat(f.fileno()).st_size, url).content_key \
-                    == info.content_key
+            return _header_of_file(path, url).content_key == info.content_key
         except (OSError, TrieFormatError):
             return False
 
@@ -658,7 +615,7 @@ def acquire_trie(
     """
     head, size = _read_head(trie_url)
     info = _parse_header(head, size, trie_url)
-    _check_fingerprint(info, expected_tokenizer_fingerprint)
+    _check_fingerprint(info, trie_url, expected_tokenizer_fingerprint)
     if not _ray_running():
         return _open_outside_ray(trie_url, info, expected_tokenizer_fingerprint)
     if timeout_s is None:

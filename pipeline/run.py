@@ -49,8 +49,7 @@ class StartupError(RuntimeError):
 
 def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
     """Check every artifact the workers will need and fix their locations and fingerprints."""
-    from dart_worker.loading import model_fingerprint, resolve_source
-    from jobs.build_ngram import load_tokenizer
+    from dart_worker.loading import load_tokenizer, model_fingerprint, resolve_source
 
     resolved: dict[str, Any] = {"run_id": run_id}
     try:
@@ -101,7 +100,7 @@ def _resolve_head(spec: str | None) -> Path:
 def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
     """The trie URL and its fingerprint (the payload checksum from its header)."""
     if spec == "default":
-        from jobs.build_ngram import default_trie_path
+        from dart_train.ngram_build import default_trie_path
 
         spec = str(default_trie_path())
     try:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.corpus import (
+from dart_train.corpus import (
     Conversation,
     CorpusReport,
     Turn,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from dart_worker.corpus import iter_conversations
+from dart_train.corpus import iter_conversations
 from dart_worker.loading import load_target
 from jobs.distill_data import main as distill_main
 from jobs.distill_data import reply_text

@@ -27,6 +27,7 @@ import yaml
 from jobs.nightly import load_night
 from jobs.nightly_submit import render_rayjob
 from pipeline.config import load_config
+from tests.test_layering import installed_packages
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -517,7 +518,7 @@ def test_dockerfile_builds_the_extension_and_installs_the_project():
     install = next(line for line in lines if "pip install" in line and "[default]" in line)
     assert "ray[default,data,train]==${RAY_VERSION}" in install and "torch==${TORCH_VERSION}" in install
     assert "import torch, ngram_native._core" in text, "the image build imports the compiled extension"
-    for package in ("ngram_native", "dart_worker", "pipeline", "jobs"):
+    for package in installed_packages():
         assert any(line.startswith(f"COPY {package}/") for line in lines), package
 
 
@@ -538,6 +539,6 @@ def test_dockerignore_keeps_local_build_products_out():
     assert ignore[ignore.index("*") if "*" in ignore else 0] == "*"
     for pattern in ("**/*.so", "**/__pycache__"):
         assert pattern in ignore
-    for needed in ("!ngram_native/", "!dart_worker/", "!pipeline/", "!jobs/", "!configs/", "!pyproject.toml",
+    for needed in (*(f"!{package}/" for package in installed_packages()), "!configs/", "!pyproject.toml",
                    "!setup.py", "!README.md"):
         assert needed in ignore

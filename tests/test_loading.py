@@ -18,7 +18,7 @@ import torch
 from transformers import BertConfig, BertLMHeadModel, ViTConfig
 
 from dart_worker import cache_dir as cache_mod
-from dart_worker import default_target, device, loading
+from dart_worker import default_target, device, fingerprint, gguf
 from dart_worker.cache_dir import build_atomically, cache_dir, cache_root, file_lock, lock_path_for
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.loading import load_target, model_fingerprint, resolve_source, target_family
@@ -223,15 +223,15 @@ def test_fingerprint_is_stable_and_content_based(tmp_path, tmp_cache):
     directory = save_tiny_target(tmp_path / "a")
     first = model_fingerprint(directory)
     assert len(first) == 64 and model_fingerprint(str(directory)) == first
-    assert (directory / loading.FINGERPRINT_CACHE_NAME).is_file()
-    (directory / loading.FINGERPRINT_CACHE_NAME).unlink()
+    assert (directory / fingerprint.FINGERPRINT_CACHE_NAME).is_file()
+    (directory / fingerprint.FINGERPRINT_CACHE_NAME).unlink()
     assert model_fingerprint(directory) == first
     # Same content elsewhere, independently saved: same fingerprint.
     assert model_fingerprint(save_tiny_target(tmp_path / "b")) == first
     # Documentation, licences and our own stamps do not change what the model computes.
     (directory / "README.md").write_text("hello")
     (directory / "NOTICE").write_text("notice")
-    (directory / loading.CONVERSION_STAMP_NAME).write_text("{}")
+    (directory / default_target.CONVERSION_STAMP_NAME).write_text("{}")
     assert model_fingerprint(directory) == first
 
 
@@ -261,8 +261,8 @@ def test_fingerprint_reuses_cached_hashes(tmp_path, tmp_cache, monkeypatch):
     directory = save_tiny_target(tmp_path / "a")
     first = model_fingerprint(directory)
     calls = []
-    real = loading._sha256_file
-    monkeypatch.setattr(loading, "_sha256_file", lambda p, *a: calls.append(p.name) or real(p, *a))
+    real = fingerprint.file_fingerprint
+    monkeypatch.setattr(fingerprint, "file_fingerprint", lambda p: calls.append(p.name) or real(p))
     assert model_fingerprint(directory) == first
     assert calls == []
     (directory / "generation_config.json").write_text('{"eos_token_id": 2}')
@@ -288,9 +288,9 @@ def test_fingerprint_falls_back_to_cache_when_dir_is_read_only(tmp_path, tmp_cac
             raise PermissionError("read-only")
         real_write(path, text)
 
-    monkeypatch.setattr(loading, "write_text_atomically", refuse_model_dir)
+    monkeypatch.setattr(fingerprint, "write_text_atomically", refuse_model_dir)
     first = model_fingerprint(directory)
-    assert not (directory / loading.FINGERPRINT_CACHE_NAME).exists()
+    assert not (directory / fingerprint.FINGERPRINT_CACHE_NAME).exists()
     assert len(list((tmp_cache / "fingerprints").iterdir())) == 1
     assert model_fingerprint(directory) == first
 
@@ -411,7 +411,7 @@ def _fake_conversion(out_dir: Path) -> None:
     (out_dir / "model.safetensors").write_bytes(bytes(10))
     stamp = {"stamp_version": default_target.STAMP_VERSION, "gguf_sha256": package.EXPECTED_SHA256,
              "files": {"config.json": 2, "model.safetensors": 10}}
-    (out_dir / loading.CONVERSION_STAMP_NAME).write_text(json.dumps(stamp))
+    (out_dir / default_target.CONVERSION_STAMP_NAME).write_text(json.dumps(stamp))
 
 
 def test_default_target_dir_converts_once_and_rebuilds_when_corrupt(tmp_cache, monkeypatch, caplog):
@@ -431,7 +431,7 @@ def test_default_target_dir_converts_once_and_rebuilds_when_corrupt(tmp_cache, m
 
 
 @pytest.mark.parametrize(("mutate", "reason"), [
-    (lambda d, s: (d / loading.CONVERSION_STAMP_NAME).unlink(), "conversion never finished"),
+    (lambda d, s: (d / default_target.CONVERSION_STAMP_NAME).unlink(), "conversion never finished"),
     (lambda d, s: s.update(stamp_version=0), "stamp version 0"),
     (lambda d, s: s.update(gguf_sha256="0" * 64), "made from GGUF sha256"),
     (lambda d, s: (d / "config.json").unlink(), "file config.json missing"),
@@ -440,7 +440,7 @@ def test_default_target_dir_converts_once_and_rebuilds_when_corrupt(tmp_cache, m
 def test_check_converted_dir_reasons(tmp_path, mutate, reason):
     directory = tmp_path / "converted"
     _fake_conversion(directory)
-    stamp_path = directory / loading.CONVERSION_STAMP_NAME
+    stamp_path = directory / default_target.CONVERSION_STAMP_NAME
     stamp = json.loads(stamp_path.read_text())
     mutate(directory, stamp)
     if stamp_path.exists():
@@ -454,7 +454,7 @@ def test_check_converted_dir_reasons(tmp_path, mutate, reason):
 def test_default_target_real_model():
     """Uses the real cache (converting if needed), so later runs and other tests reuse it."""
     directory = default_target.default_target_dir()
-    stamp = json.loads((directory / loading.CONVERSION_STAMP_NAME).read_text())
+    stamp = json.loads((directory / default_target.CONVERSION_STAMP_NAME).read_text())
     assert stamp["dtype"] == "bfloat16" and stamp["gguf_sha256"] == default_target._source_package().EXPECTED_SHA256
     generation = json.loads((directory / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [1, 106]
@@ -476,7 +476,7 @@ def test_default_target_real_model():
 
     # The converted directory computes what the GGUF computes, up to bf16 rounding of the
     # weights: compare both in fp32 on one prompt.
-    gguf_model, _ = loading.load_gguf(default_target.default_gguf_path(), dtype=torch.float32)
+    gguf_model, _ = gguf.load_gguf(default_target.default_gguf_path(), dtype=torch.float32)
     converted, _ = load_target("default", dtype="fp32", device="cpu")
     ids = tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is",
                     return_tensors="pt").input_ids

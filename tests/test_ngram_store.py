@@ -156,7 +156,7 @@ def test_check_trie_url_reports_missing_files_and_non_tries(tmp_path, trie_file)
         check_trie_url("memory://tries/does-not-exist.trie")
     notes = tmp_path / "notes.txt"
     notes.write_bytes(b"hello" * 200)
-    with pytest.raises(TrieFormatError, match=r"notes\.txt: not a trie file"):
+    with pytest.raises(TrieFormatError, match=r"notes\.txt: not a DART trie file"):
         check_trie_url(str(notes))
     altered = bytearray(trie_file.read_bytes())
     altered[20] ^= 1  # vocab_size: the header checksum catches it

@@ -15,10 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.corpus import Conversation, Turn
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.draft_training import (
+from dart_train.corpus import Conversation, Turn
+from dart_train.draft_training import (
     TeacherPass,
     block_attention_mask,
     dart_kl_loss,
@@ -27,6 +25,8 @@ from dart_worker.draft_training import (
     most_frequent_ids,
     sample_anchors,
 )
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
@@ -418,7 +418,7 @@ def test_ray_backend_two_workers(tmp_path):
     ray = pytest.importorskip("ray")
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from dart_worker.corpus import default_tokenizer
+    from dart_worker.default_target import default_tokenizer
     from jobs.train_draft import main
 
     tok = default_tokenizer()
@@ -452,7 +452,7 @@ def test_ray_backend_two_workers(tmp_path):
 
 
 def test_fc_scaled_to_tap_rms():
-    from dart_worker.draft_training import scale_fc_to_taps, tap_rms
+    from dart_train.draft_training import scale_fc_to_taps, tap_rms
 
     model = tiny_model("llama", num_layers=4)
     head = make_head(model)

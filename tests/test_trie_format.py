@@ -15,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native import _core
-from ngram_native.trie import NgramTrie, TokenizerMismatchError, TrieFormatError, build_trie
+from ngram_native.trie import (
+    TRIE_HEADER_SIZE,
+    NgramTrie,
+    TokenizerMismatchError,
+    TrieFormatError,
+    build_trie,
+    read_trie_header,
+)
 from tests.trie_reference import (
     HEADER_SIZE,
     brute_counts,
@@ -129,6 +136,7 @@ def test_truncated_file_is_a_format_error(tmp_path, trie_file, keep):
     for verify in (False, True):
         with pytest.raises(TrieFormatError, match=r"truncated|empty|magic"):
             NgramTrie.open(path, verify=verify)
+    _header_check_agrees_with_open(path)
 
 
 def test_appended_bytes_are_a_format_error(tmp_path, trie_file):
@@ -267,6 +275,45 @@ def test_header_fields_are_checked_against_the_file(tmp_path, trie_file):
     for offset, fmt, value, message in cases:
         with pytest.raises(TrieFormatError, match=message):
             NgramTrie.open(patched(offset, fmt, value))
+        _header_check_agrees_with_open(patched(offset, fmt, value))
+
+
+# ----- the header alone (read_trie_header) --------------------------------------------------
+
+
+def _header_check_agrees_with_open(path: Path) -> None:
+    """read_trie_header on the first bytes fails exactly as NgramTrie.open fails on the file."""
+    data = path.read_bytes()
+    with pytest.raises(TrieFormatError) as opened:
+        NgramTrie.open(path)
+    with pytest.raises(TrieFormatError) as from_head:
+        read_trie_header(data[:TRIE_HEADER_SIZE], len(data))
+    assert str(opened.value) == f"trie file '{path}': {from_head.value}"
+    with pytest.raises(TrieFormatError, match=r"^trie file 's3://b/t\.trie': "):
+        read_trie_header(data[:TRIE_HEADER_SIZE], len(data), name="s3://b/t.trie")
+
+
+def test_read_trie_header_reads_what_open_reads(trie_file):
+    data = trie_file.read_bytes()
+    header = read_trie_header(data[:TRIE_HEADER_SIZE], len(data))
+    assert read_trie_header(data, len(data)) == header  # extra bytes are ignored
+    with NgramTrie.open(trie_file) as trie:
+        assert (header.order, header.vocab_size, header.tokenizer_fingerprint, header.file_size,
+                header.min_count, header.num_documents, header.level_sizes) == \
+            (trie.order, trie.vocab_size, trie.tokenizer_fingerprint, trie.file_size,
+             trie.min_count, trie.num_documents, trie.level_sizes)
+    assert header.format_version == 1 and TRIE_HEADER_SIZE == HEADER_SIZE
+    assert header.payload_checksum == xxh64(data[HEADER_SIZE:])
+    assert header.content_key == f"{header.payload_checksum:016x}"
+
+
+def test_read_trie_header_needs_the_whole_header(trie_file):
+    data = trie_file.read_bytes()
+    with pytest.raises(ValueError, match="needs the first 512 bytes") as err:
+        read_trie_header(data[:100], len(data))
+    assert not isinstance(err.value, TrieFormatError)  # the caller's mistake, not the file's
+    with pytest.raises(TrieFormatError, match="shorter than the 512-byte header"):
+        read_trie_header(data[:100], 100)
 
 
 def test_quick_open_of_random_damage_never_crashes(tmp_path, trie_file):

@@ -143,6 +143,29 @@ void bind_trie(py::module_& m) {
       py::arg("src_path"), py::arg("dst_path"), py::arg("vocab_size"), py::arg("tokenizer_fingerprint"),
       py::arg("tmp_dir"));
 
+  m.attr("TRIE_HEADER_SIZE") = py::int_(ngram::kHeaderSize);
+  m.attr("TRIE_FORMAT_VERSION") = py::int_(ngram::kTrieFormatVersion);
+  m.def(
+      "read_trie_header",
+      [](const py::bytes& head, uint64_t file_size, const std::string& name) {
+        std::string_view v = head;
+        const ngram::FileHeader h =
+            ngram::read_header(reinterpret_cast<const unsigned char*>(v.data()), v.size(), file_size, name);
+        py::dict d;
+        d["format_version"] = h.format_version;
+        d["order"] = h.order;
+        d["vocab_size"] = h.vocab_size;
+        d["tokenizer_fingerprint"] = ngram::stored_fingerprint(h);
+        d["file_size"] = h.file_size;
+        d["payload_checksum"] = h.payload_checksum;
+        d["min_count"] = h.min_count;
+        d["num_documents"] = h.num_documents;
+        d["level_sizes"] = to_tuple(ngram::stored_level_sizes(h));
+        return d;
+      },
+      py::arg("head"), py::arg("file_size"), py::arg("name") = "",
+      "Validates a trie header from the file's first bytes and its size (see trie.py).");
+
   m.def(
       "_xxh64",
       [](const py::bytes& data, uint64_t seed) {

@@ -150,6 +150,18 @@ uint64_t xxh64(const void* data, size_t len, uint64_t seed = 0);
 
 // ----- reader -----------------------------------------------------------------------------
 
+// Validates a trie header without mapping the file. `data` holds the file's first
+// min(file_size, kHeaderSize) bytes (more are ignored; fewer: std::invalid_argument) and
+// `file_size` is the file's real size. Checks all that an open checks in O(1): magic,
+// version, byte order, header checksum, file size, order, widths, reserved fields, and every
+// section's offset and bounds. Throws TrieFormatError naming `path` (nothing when empty).
+// The one header parser: NgramTrie's constructor and ngram_native.read_trie_header use it.
+FileHeader read_header(const unsigned char* data, size_t data_len, uint64_t file_size, const std::string& path);
+// The tokenizer fingerprint stored in a header, without its NUL padding.
+std::string stored_fingerprint(const FileHeader& h);
+// Nodes per level 0..order, from a header.
+std::vector<uint64_t> stored_level_sizes(const FileHeader& h);
+
 // A read-only, memory-mapped trie file implementing the DART N-gram estimate.
 // Thread-safe: queries take a shared lock, close() an exclusive one, so a close racing a
 // query waits for it instead of unmapping under it; queries after close throw.

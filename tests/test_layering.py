@@ -1,0 +1,209 @@
+"""The package layering of docs/DESIGN.md, checked on the source: no upward import, no cycle.
+
+Reads every module of the project's packages with `ast` (nothing is imported) and collects
+every import statement, lazy ones inside functions included: a lazy import still makes the
+importer depend on the imported module, it only defers the failure.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Lowest first: a package may import its own modules and those of the packages before it.
+LAYERS = ("ngram_native", "dart_worker", "dart_train", "pipeline", "jobs")
+# Third-party packages a layer must never import (docs/DESIGN.md).
+FORBIDDEN = {
+    "ngram_native": {"torch", "transformers", "ray", "pyarrow", "fsspec"},
+    "dart_worker": {"ray"},
+}
+# Modules a Ray Data generation worker runs; none of them may pull in training code or jobs.
+WORKER_MODULES = ("pipeline.worker",)
+
+
+def _module_files() -> dict[str, Path]:
+    """Dotted name -> file, for every module of LAYERS (source files and compiled extensions)."""
+    modules: dict[str, Path] = {}
+    for package in LAYERS:
+        for path in sorted((REPO_ROOT / package).rglob("*")):
+            if "csrc" in path.parts or not path.is_file():
+                continue
+            name = path.name
+            if name.endswith(".py"):
+                stem = name[: -len(".py")]
+            else:
+                suffix = next((s for s in importlib.machinery.EXTENSION_SUFFIXES if name.endswith(s)), None)
+                if suffix is None:
+                    continue
+                stem = name[: -len(suffix)]
+            parts = list(path.relative_to(REPO_ROOT).parent.parts)
+            if stem != "__init__":
+                parts.append(stem)
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _module_files()
+
+
+def _imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """(imported dotted name, line) for every import in a source module; names as written,
+    with `from a import b` giving a.b when that is a module, else a."""
+    if path.suffix != ".py":
+        return
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield (full if full in MODULES else base), node.lineno
+
+
+def _project_module(imported: str) -> str | None:
+    """The project module an import resolves to (its longest known prefix), or None for others."""
+    parts = imported.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in MODULES:
+            return candidate
+    return None
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for imported, _ in _imports(name, path):
+            target = _project_module(imported)
+            if target is not None and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_scan_sees_the_packages():
+    assert {"ngram_native.trie", "dart_worker.loading", "dart_train.corpus", "pipeline.run", "jobs.build_ngram"} \
+        <= set(MODULES)
+    graph = _graph()
+    assert "dart_worker.default_target" in graph["dart_worker.loading"]  # a lazy import counts
+    assert "ngram_native.trie" in graph["pipeline.ngram_store"] or "ngram_native" in graph["pipeline.ngram_store"]
+
+
+def installed_packages() -> list[str]:
+    """The packages pyproject.toml installs (its packages.find include list, without the globs)."""
+    text = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    match = re.search(r"^include = \[(.*)\]$", text, re.MULTILINE)
+    assert match, "pyproject.toml: no [tool.setuptools.packages.find] include list"
+    return [name.strip().strip('"').rstrip("*") for name in match.group(1).split(",")]
+
+
+def test_every_installed_package_has_a_layer():
+    assert set(installed_packages()) == set(LAYERS), "place every package in LAYERS (and in docs/DESIGN.md)"
+
+
+def test_no_upward_imports():
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = []
+    for name, path in MODULES.items():
+        for imported, line in _imports(name, path):
+            target = _project_module(imported)
+            if target is not None and rank[_layer(target)] > rank[_layer(name)]:
+                upward.append(f"{path.relative_to(REPO_ROOT)}:{line}: {_layer(name)} imports {target}")
+    assert not upward, "imports against the layering " + " < ".join(LAYERS) + ":\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_forbidden_third_party_imports(layer):
+    bad = []
+    for name, path in MODULES.items():
+        if _layer(name) != layer:
+            continue
+        for imported, line in _imports(name, path):
+            if imported.split(".")[0] in FORBIDDEN[layer]:
+                bad.append(f"{path.relative_to(REPO_ROOT)}:{line}: {imported}")
+    assert not bad, f"{layer} must not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_between_modules():
+    cycles = _cycles(_graph())
+    assert not cycles, "modules that import each other (directly or around a loop):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_workers_import_no_training_code_and_no_jobs():
+    graph = _graph()
+    for start in WORKER_MODULES:
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        assert not {m for m in seen if _layer(m) in ("dart_train", "jobs")}, sorted(seen)
+        assert "pipeline.run" not in seen  # the driver is not part of a worker
+
+
+def test_cycle_finder_finds_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
