@@ -30,19 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.drafters import drafter_names, drafter_spec
-
-HF_MODES = ("hf", "hf_prompt_lookup")  # transformers' own generate: outside baselines
-GREEDY_ONLY = ("hf_prompt_lookup",)
-
-
-def all_modes() -> tuple[str, ...]:
-    """Every mode the benchmark knows, in report order: `ar`, the baselines, then the drafters."""
-    return ("ar", *HF_MODES, *(m for m in drafter_names() if m != "ar"))
-
-
-def tree_modes() -> tuple[str, ...]:
-    """The drafters whose cost and tau depend on the tree parameters: they run once per budget."""
-    return tuple(m for m in drafter_names() if drafter_spec(m).uses_tree)
+from jobs.bench_modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
 
 
 class BenchConfigError(ValueError):

@@ -24,7 +24,7 @@ from typing import Any
 
 import matplotlib
 
-from jobs.bench import all_modes
+from jobs.bench_modes import all_modes
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
