@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
@@ -26,7 +27,7 @@ from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_batch import TreeBatch
-from dart_worker.verification import verify_batch
+from dart_worker.verification import verify_batch, verify_greedy_by_rows
 from ngram_native.trees import DraftTree
 
 
@@ -69,12 +70,18 @@ class DecodingEngine:
         drafter: Drafter,
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
+        defer_logits: bool | None = None,
     ):
+        """`defer_logits`: in rounds where every request is greedy, project to the vocabulary only
+        the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU, where
+        the projection over every tree row is most of a verify forward; on a GPU one batched
+        projection is cheap and a walk would add a host round trip per tree level."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = target.device
+        self.defer_logits = self.device.type == "cpu" if defer_logits is None else defer_logits
 
     # ------------------------------------------------------------------ public
 
@@ -182,11 +189,16 @@ class DecodingEngine:
 
             t0 = self._now()
             block_start = state.cache_len()
-            out = target.verify(state, batch.tokens, batch.depth, batch.ancestor)
+            deferred = self.defer_logits and all(s.params.is_greedy for s in live)
+            out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred)
+            if deferred:  # the walk's vocabulary projections are part of verifying
+                acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
             self._charge(live, "verify", t0)
 
             t0 = self._now()
-            acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.generator for s in live])
+            if not deferred:
+                acceptances = verify_batch(trees, out.logits, [s.params for s in live],
+                                           [s.generator for s in live])
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)))
                 self._append(seq, acc.tokens.tolist())
@@ -289,3 +301,12 @@ class DecodingEngine:
         for seq in live:
             seq.stats.stage_seconds[stage] += elapsed
 
+
+def _row_logits(target: TargetAdapter, hidden: torch.Tensor):
+    """`row_logits` for `verify_greedy_by_rows`: logits of chosen (sequence, row) pairs."""
+
+    def row_logits(index: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        device = hidden.device
+        return target.logits_at(hidden[torch.from_numpy(index).to(device), torch.from_numpy(rows).to(device)])
+
+    return row_logits

@@ -65,10 +65,12 @@ def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto",
     return EngineParts.from_model(model, tokenizer, tap_layers=tap_layers, head=head, trie=trie)
 
 
-def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None) -> DecodingEngine:
+def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
+                 defer_logits: bool | None = None) -> DecodingEngine:
     """An engine decoding with the drafter registered as `mode`; ValueError if it needs a head and
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
-    one: DART then scores its beam with the draft head alone (the tests use that)."""
+    one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
+    see `DecodingEngine` (None = where it pays, on a CPU)."""
     spec = drafter_spec(mode)
     if spec.needs_head and parts.head is None:
         raise ValueError(f"mode {mode!r} needs a draft head")
@@ -76,7 +78,8 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None) 
     resources = DrafterResources(head=parts.head, trie=parts.trie, eos_token_ids=parts.eos_token_ids,
                                  vocab_size=parts.target.vocab_size, device=parts.target.device)
     drafter = spec.build(resources, tree)
-    return DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids)
+    return DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
+                          defer_logits=defer_logits)
 
 
 def _head(head, target: TargetAdapter):

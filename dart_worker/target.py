@@ -62,8 +62,9 @@ class TargetState:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, R, V] in the model dtype, for the requested rows
+    logits: torch.Tensor | None  # [B, R, V] in the model dtype, for the requested rows (None: not computed)
     taps: torch.Tensor  # [B, S, 3 * hidden] fused hidden states of every new row
+    hidden: torch.Tensor | None = None  # [B, S, hidden] final-norm states, when logits were deferred
 
 
 class TargetAdapter:
@@ -141,28 +142,42 @@ class TargetAdapter:
         positions: torch.Tensor,
         block: torch.Tensor,
         logit_rows: torch.Tensor | None = None,
+        defer_logits: bool = False,
     ) -> ForwardOutput:
         """Run new rows through the target and append their K/V after the current cache slots.
 
         input_ids/positions: [B, S]; block: [B, S, S] bool (row may attend to column);
         logit_rows: [B, R] row indices whose logits are needed (None = all rows).
+        defer_logits: return the final hidden states instead of logits; `logits_at` turns the
+        rows that turn out to be needed into logits (the vocabulary projection is most of a
+        small forward's cost on a CPU, and a greedy walk reads only a few rows of a tree).
         The appended slots are not committed: call `commit` to keep the accepted ones.
         """
         masks = self._attention_masks(state, positions, block)
         self._captured.clear()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=masks,
-            position_ids=positions,
-            past_key_values=state.cache,
-            use_cache=True,
-            logits_to_keep=logit_rows if logit_rows is not None else 0,
-        )
+        inputs = dict(input_ids=input_ids, attention_mask=masks, position_ids=positions,
+                      past_key_values=state.cache, use_cache=True)
+        if defer_logits:
+            hidden = self.model.get_decoder()(**inputs).last_hidden_state
+            logits = None
+        else:
+            hidden = None
+            logits = self.model(**inputs, logits_to_keep=logit_rows if logit_rows is not None else 0).logits
         taps = torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
         self._captured.clear()
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
-        return ForwardOutput(logits=out.logits, taps=taps)
+        return ForwardOutput(logits=logits, taps=taps, hidden=hidden)
+
+    @torch.no_grad()
+    def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states [..., hidden], exactly as the model's own head computes
+        them: the LM head, then the final soft-capping where the model has one (Gemma 2)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def prefill(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
         """Forward whole prompts (right-padded into one block); logits only at each last token.
@@ -187,14 +202,15 @@ class TargetAdapter:
         return out
 
     def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
-               ancestor: torch.Tensor) -> ForwardOutput:
+               ancestor: torch.Tensor, defer_logits: bool = False) -> ForwardOutput:
         """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
 
         Positions are committed length + depth; attention is ancestor-only inside the tree.
-        Returns logits at every row (row i predicts the token after row i's path).
+        Returns logits at every row (row i predicts the token after row i's path), or with
+        `defer_logits` the final hidden states of every row (see `forward`).
         """
         positions = state.lengths[:, None] + depths
-        return self.forward(state, tokens, positions, ancestor)
+        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits)
 
     # ------------------------------------------------------------- compaction
 

@@ -44,12 +44,13 @@ Device use per batch of sampling requests:
    the same probabilities - a test checks), the rejected tokens are zeroed, and one batched
    inverse-CDF draw (what torch.multinomial does for one sample, for all requests at once,
    each with its own uniform) picks every bonus token; they cross in a second transfer.
-Greedy requests need one argmax and one transfer.
+Greedy requests need one argmax and one transfer. Or, where the logits were deferred
+(`verify_greedy_by_rows`), one small vocabulary projection per tree level of the walk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +122,40 @@ def _greedy_walk(tree: TreeLike, argmax: np.ndarray) -> Acceptance:
             return _acceptance(tree, path, int(argmax[node + 1]))
         node = int(match[0])
         path.append(node)
+
+
+def verify_greedy_by_rows(
+    trees: Sequence[TreeLike], row_logits: Callable[[np.ndarray, np.ndarray], torch.Tensor]
+) -> list[Acceptance]:
+    """Greedy verification of B trees that reads the logits of only the rows the walk visits.
+
+    `row_logits(batch_index, rows)` returns [len(rows), V] logits of those (sequence, row) pairs
+    (row 0 = root, i + 1 = node i). Level by level, every tree still walking asks for one row: the
+    root, then the node it just accepted; a tree stops at the first row whose argmax has no
+    matching child (that argmax is the bonus). The result equals `verify_batch` on full logits
+    (same argmax rule: the first maximum), while the vocabulary projection runs on about
+    tau + 1 rows per tree instead of all N + 1 (on a CPU most of a verify forward's cost).
+    """
+    node = [-1] * len(trees)
+    paths: list[list[int]] = [[] for _ in trees]
+    results: list[Acceptance | None] = [None] * len(trees)
+    walking = list(range(len(trees)))
+    while walking:
+        index = np.asarray(walking, dtype=np.int64)
+        rows = np.asarray([node[b] + 1 for b in walking], dtype=np.int64)
+        argmax = row_logits(index, rows).max(dim=-1).indices.cpu().numpy()
+        still = []
+        for b, token in zip(walking, argmax.tolist()):
+            tree = trees[b]
+            match = np.flatnonzero((np.asarray(tree.parents) == node[b]) & (np.asarray(tree.tokens) == token))
+            if match.size == 0:
+                results[b] = _acceptance(tree, paths[b], int(token))
+            else:
+                node[b] = int(match[0])
+                paths[b].append(node[b])
+                still.append(b)
+        walking = still
+    return results
 
 
 # ---------------------------------------------------------------------------- sampling

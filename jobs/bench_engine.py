@@ -32,6 +32,7 @@ from dart_worker.stats import STAGES
 from ngram_native.trees import TreeParams
 
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
+FULL_LOGITS = "+full_logits"
 
 
 @dataclass
@@ -49,6 +50,9 @@ class BenchConfig:
     temperature: float = 0.0
     repeats: int = 1
     budget: int = 60
+    # Modes also run with logits at every tree row (label "<mode>+full_logits"), side by side with
+    # the default (on a CPU: deferred, only the rows the greedy walk reads).
+    full_logits_modes: list[str] = field(default_factory=list)
     seed: int = 0
     output: str | None = None  # JSON file for all figures
 
@@ -186,6 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
     engines = {mode: build_engine(parts, mode, TreeParams(budget=cfg.budget))
                for mode in cfg.modes if mode in drafter_names()}
+    for mode in cfg.full_logits_modes:
+        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, TreeParams(budget=cfg.budget), defer_logits=False)
+    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes)]
 
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "

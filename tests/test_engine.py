@@ -37,14 +37,15 @@ def random_prompts(count: int, seed: int, vocab: int = VOCAB, lengths=(5, 23)) -
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in sizes]
 
 
-def make_engine(model, mode: str, trie=None, draft_length: int = 4, eos=(), **tree) -> DecodingEngine:
+def make_engine(model, mode: str, trie=None, draft_length: int = 4, eos=(), defer_logits=None,
+                **tree) -> DecodingEngine:
     target = TargetAdapter(model)
     head = None
     if mode != "ar":
         torch.manual_seed(123)
         head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=draft_length)
     parts = EngineParts(target=target, head=head, trie=trie if mode == "dart" else None, eos_token_ids=tuple(eos))
-    return build_engine(parts, mode, TreeParams(**tree))
+    return build_engine(parts, mode, TreeParams(**tree), defer_logits=defer_logits)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,18 @@ def test_greedy_speculative_equals_ar_batched_and_alone(models, self_trie, famil
     assert alone == expected[:2]
     if mode == "dart":  # the self-trie makes multi-token acceptance common: compaction is exercised
         assert max(max(r.stats.accept_lengths, default=0) for r in batched) >= 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_and_full_logits_decode_alike(models, self_trie, family):
+    """On a CPU greedy rounds project only the walked rows (deferred); full logits agree."""
+    model = models[family]
+    prompts = random_prompts(3, seed=5)
+    deferred = make_engine(model, "dart", trie=self_trie)
+    assert deferred.defer_logits  # the default on a CPU
+    full = make_engine(model, "dart", trie=self_trie, defer_logits=False)
+    assert [r.token_ids for r in deferred.generate(prompts, greedy(30))] == \
+        [r.token_ids for r in full.generate(prompts, greedy(30))]
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES)

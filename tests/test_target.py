@@ -85,6 +85,27 @@ def test_tree_verify_logits_equal_full_recomputation(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_logits_of_any_rows_equal_the_models_own(family):
+    """defer_logits returns hidden states; logits_at of any rows equals the model's head on them."""
+    model = tiny_model(family)
+    model.config.final_logit_softcapping = 3.0 if family == "gemma3" else None  # exercise the cap
+    prompt = torch.randint(3, TINY_VOCAB, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    parents, tokens = random_tree(24, seed=2)
+    outs = []
+    for defer in (False, True):
+        adapter = TargetAdapter(model)
+        state = adapter.new_state(1)
+        adapter.prefill(state, [prompt])
+        outs.append(adapter.verify(state, *tree_tensors(5, parents, tokens), defer_logits=defer))
+    full, deferred = outs
+    assert deferred.logits is None and deferred.hidden.shape[:2] == full.logits.shape[:2]
+    rows = torch.tensor([0, 3, 7, len(tokens)])
+    torch.testing.assert_close(adapter.logits_at(deferred.hidden[0, rows]), full.logits[0, rows], atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(deferred.taps, full.taps)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_commit_equals_recomputing_the_cache(family):
     model = tiny_model(family)
     adapter = TargetAdapter(model)

@@ -74,6 +74,30 @@ def test_greedy_walk_matches_brute_force(tree, data):
     assert result.bonus_row == (path[-1] + 1 if path else 0)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(trees(vocab=4, max_depth=4, max_children=3), min_size=1, max_size=5), st.data())
+def test_greedy_walk_by_rows_reads_only_its_path_and_equals_full_verification(batch_trees, data):
+    width = 1 + max(len(t.tokens) for t in batch_trees)
+    # Few distinct values: ties, where the first maximum must win in both.
+    values = data.draw(st.lists(st.integers(0, 2), min_size=len(batch_trees) * width * 4,
+                                max_size=len(batch_trees) * width * 4))
+    logits = torch.tensor(values, dtype=torch.float32).reshape(len(batch_trees), width, 4)
+    asked = []
+
+    def row_logits(index, rows):
+        asked.append(list(zip(index.tolist(), rows.tolist())))
+        return logits[torch.from_numpy(index), torch.from_numpy(rows)]
+
+    lazy = verification.verify_greedy_by_rows(batch_trees, row_logits)
+    greedy = SamplingParams(temperature=0.0)
+    full = verify_batch(batch_trees, logits, [greedy] * len(batch_trees), [None] * len(batch_trees))
+    for a, b in zip(lazy, full):
+        assert a.accepted.tolist() == b.accepted.tolist() and a.bonus == b.bonus
+    visited = sorted(pair for level in asked for pair in level)
+    expected = sorted((b, int(r)) for b, acc in enumerate(full) for r in acc.committed_rows)
+    assert visited == expected  # the root and each accepted node, nothing else
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
     rng = np.random.default_rng(0)
