@@ -96,6 +96,12 @@ def _build_dart(resources: DrafterResources, tree: Any):
     return DartDrafter(resources.head, tree, resources.eos_token_ids, resources.trie)
 
 
+def _build_lookup(resources: DrafterResources, tree: Any):
+    from dart_worker.drafters.lookup import LookupDrafter
+
+    return LookupDrafter(tree, resources.eos_token_ids)
+
+
 register_drafter(DrafterSpec("ar", _build_ar, uses_tree=False,
                              summary="no draft: plain autoregressive decoding (the baseline)"))
 register_drafter(DrafterSpec("chain", _build_chain, needs_head=True,
@@ -104,3 +110,5 @@ register_drafter(DrafterSpec("ddtree", _build_ddtree, needs_head=True,
                              summary="draft head, DDTree best-first tree under the node budget"))
 register_drafter(DrafterSpec("dart", _build_dart, needs_head=True, needs_trie=True,
                              summary="draft head + N-gram-guided beam search (DART)"))
+register_drafter(DrafterSpec("lookup", _build_lookup,
+                             summary="no model: continuations of the request's own text (prompt lookup)"))
