@@ -5,6 +5,7 @@ round proposes the continuation trie of the longest earlier match of the sequenc
 (`build_lookup_trees`, one C++ call for the batch), so repetitive requests (code edits, quotes,
 summaries that copy) get long accepted drafts while a draft costs no forward pass at all. A
 sequence with no match proposes an empty tree: that round is a plain decoding step.
+`ContextIndexes` is the per-batch state, shared with the hybrid drafters (`hybrid.py`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from ngram_native.context import ContextIndex, build_lookup_trees
 from ngram_native.trees import DraftTree, TreeParams
 
 
-class LookupDrafter(Drafter):
-    name = "lookup"
+class ContextIndexes:
+    """One `ContextIndex` per live sequence, kept in step with the engine's batch."""
 
     def __init__(self, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.tree = tree
@@ -47,3 +48,22 @@ class LookupDrafter(Drafter):
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
         return build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids)
+
+
+class LookupDrafter(Drafter):
+    name = "lookup"
+
+    def __init__(self, tree: TreeParams, eos_token_ids: Sequence[int]):
+        self.context = ContextIndexes(tree, eos_token_ids)
+
+    def start(self, batch_size: int) -> None:
+        self.context.start(batch_size)
+
+    def observe(self, block: CommittedBlock) -> None:
+        self.context.observe(block)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.context.select(keep)
+
+    def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        return self.context.propose(tokens, max_depths)

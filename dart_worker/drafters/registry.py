@@ -102,6 +102,15 @@ def _build_lookup(resources: DrafterResources, tree: Any):
     return LookupDrafter(tree, resources.eos_token_ids)
 
 
+def _build_hybrid(inner_build):
+    def build(resources: DrafterResources, tree: Any):
+        from dart_worker.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(inner_build(resources, tree), tree, resources.eos_token_ids)
+
+    return build
+
+
 register_drafter(DrafterSpec("ar", _build_ar, uses_tree=False,
                              summary="no draft: plain autoregressive decoding (the baseline)"))
 register_drafter(DrafterSpec("chain", _build_chain, needs_head=True,
@@ -112,3 +121,7 @@ register_drafter(DrafterSpec("dart", _build_dart, needs_head=True, needs_trie=Tr
                              summary="draft head + N-gram-guided beam search (DART)"))
 register_drafter(DrafterSpec("lookup", _build_lookup,
                              summary="no model: continuations of the request's own text (prompt lookup)"))
+register_drafter(DrafterSpec("dart_lookup", _build_hybrid(_build_dart), needs_head=True, needs_trie=True,
+                             summary="dart's tree with the lookup tree grafted in, same budget"))
+register_drafter(DrafterSpec("ddtree_lookup", _build_hybrid(_build_ddtree), needs_head=True,
+                             summary="ddtree's tree with the lookup tree grafted in, same budget"))
