@@ -4,9 +4,11 @@ Depends on numpy only. The trie (`NgramTrie`, `TrieBuilder`, `build_trie`, and
 `read_trie_header` to check a file from its first bytes) is a flat, checksummed,
 memory-mapped file shared by every process on a node; the tree builders
 (`build_dart_trees`, `build_ddtree_trees`, `build_chain_trees`) return `DraftTree`s in one
-canonical flattened form that masks, positions and verification walks derive from.
+canonical flattened form that masks, positions and verification walks derive from;
+`ContextIndex` + `build_lookup_trees` draft from a request's own text (prompt lookup).
 """
 
+from ngram_native.context import ContextIndex, build_lookup_trees
 from ngram_native.trees import (
     DraftTree,
     NgramScorer,
@@ -37,6 +39,7 @@ from ngram_native.trie import (
 __all__ = [
     "DEFAULT_ORDER",
     "TRIE_HEADER_SIZE",
+    "ContextIndex",
     "DraftTree",
     "NgramScorer",
     "NgramTrie",
@@ -52,6 +55,7 @@ __all__ = [
     "build_chain_trees",
     "build_dart_trees",
     "build_ddtree_trees",
+    "build_lookup_trees",
     "build_trie",
     "children",
     "import_upstream_trie",

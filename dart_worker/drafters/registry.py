@@ -96,6 +96,21 @@ def _build_dart(resources: DrafterResources, tree: Any):
     return DartDrafter(resources.head, tree, resources.eos_token_ids, resources.trie)
 
 
+def _build_lookup(resources: DrafterResources, tree: Any):
+    from dart_worker.drafters.lookup import LookupDrafter
+
+    return LookupDrafter(tree, resources.eos_token_ids)
+
+
+def _build_hybrid(inner_build):
+    def build(resources: DrafterResources, tree: Any):
+        from dart_worker.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(inner_build(resources, tree), tree, resources.eos_token_ids)
+
+    return build
+
+
 register_drafter(DrafterSpec("ar", _build_ar, uses_tree=False,
                              summary="no draft: plain autoregressive decoding (the baseline)"))
 register_drafter(DrafterSpec("chain", _build_chain, needs_head=True,
@@ -104,3 +119,9 @@ register_drafter(DrafterSpec("ddtree", _build_ddtree, needs_head=True,
                              summary="draft head, DDTree best-first tree under the node budget"))
 register_drafter(DrafterSpec("dart", _build_dart, needs_head=True, needs_trie=True,
                              summary="draft head + N-gram-guided beam search (DART)"))
+register_drafter(DrafterSpec("lookup", _build_lookup,
+                             summary="no model: continuations of the request's own text (prompt lookup)"))
+register_drafter(DrafterSpec("dart_lookup", _build_hybrid(_build_dart), needs_head=True, needs_trie=True,
+                             summary="dart's tree with the lookup tree grafted in, same budget"))
+register_drafter(DrafterSpec("ddtree_lookup", _build_hybrid(_build_ddtree), needs_head=True,
+                             summary="ddtree's tree with the lookup tree grafted in, same budget"))

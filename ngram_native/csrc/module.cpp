@@ -7,10 +7,12 @@ namespace py = pybind11;
 
 void bind_trie(py::module_& m);   // bind_trie.cpp
 void bind_trees(py::module_& m);  // bind_trees.cpp
+void bind_context(py::module_& m);  // bind_context.cpp
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "N-gram trie file format and draft-tree builders for DART speculative decoding";
   py::class_<ngram::NgramScorer>(m, "NgramScorer");
   bind_trie(m);
   bind_trees(m);
+  bind_context(m);
 }

@@ -1,0 +1,45 @@
+"""Hybrid drafters (`dart_lookup`, `ddtree_lookup`): a head drafter's tree with the context
+lookup tree of the same round grafted in, within the same node budget.
+
+The head drafts well where the text is new, lookup where it repeats; one merged tree
+(`ngram_native.merge.merge_trees`: prefix-merged, no duplicate siblings, nodes kept by score)
+lets a single verification try both without spending more nodes than either alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dart_worker.drafters.base import CommittedBlock, Drafter
+from dart_worker.drafters.lookup import ContextIndexes
+from ngram_native.merge import merge_trees
+from ngram_native.trees import DraftTree, TreeParams
+
+
+class HybridDrafter(Drafter):
+    """Runs `inner` (a head drafter) and the context indexes side by side and merges their trees."""
+
+    def __init__(self, inner: Drafter, tree: TreeParams, eos_token_ids: Sequence[int]):
+        self.inner = inner
+        self.name = f"{inner.name}_lookup"
+        self.budget = tree.budget
+        self.context = ContextIndexes(tree, eos_token_ids)
+
+    def start(self, batch_size: int) -> None:
+        self.inner.start(batch_size)
+        self.context.start(batch_size)
+
+    def observe(self, block: CommittedBlock) -> None:
+        self.inner.observe(block)
+        self.context.observe(block)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.inner.select(keep)
+        self.context.select(keep)
+
+    def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        model_trees = self.inner.propose(tokens, max_depths)
+        lookup_trees = self.context.propose(tokens, max_depths)
+        return [merge_trees(m, c, self.budget) if c.size else m for m, c in zip(model_trees, lookup_trees, strict=True)]

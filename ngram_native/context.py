@@ -1,0 +1,138 @@
+"""Drafting from the request's own text: a per-request context index (prompt lookup decoding).
+
+Chat and editing workloads repeat their prompt (code, quotes, lists) far more than any corpus
+model predicts, so the best cheap draft is often "what followed the last time this suffix
+appeared". `ContextIndex` indexes one request's prompt and committed tokens incrementally
+(C++, O(max_match) per appended token); `build_lookup_trees` turns a batch of indexes into
+`DraftTree`s (the shared canonical representation, with scores) with the GIL released.
+
+The tree of one index, given its sequence S of n tokens:
+
+1. Match: the longest L in [min_match, max_match] such that S[n-L:n] also ends at an earlier
+   e < n; the occurrences are those e, most recent first, at most `max_occurrences`.
+2. Depth: D = min(max_depth of the sequence, floor(depth_factor * L)) - a longer match is
+   more trustworthy, so it may draft deeper (SuffixDecoding's rule).
+3. Trie: every occurrence adds its continuation S[e:e+D] (cut at n, and after an EOS token);
+   a node's count is the number of continuations through it, its score ln(count / occurrences).
+4. Budget: the best `budget` nodes by (count desc, depth asc, most recent occurrence first),
+   which is prefix-closed because counts never grow along a path.
+
+    index = ContextIndex(prompt_ids)
+    index.append([first_token])
+    tree, = build_lookup_trees([index], max_depths=[16], budget=32)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ngram_native import _core
+from ngram_native.trees import DraftTree, _check_int, _eos_array, _max_depths, _split, _token_array
+
+DEFAULT_MIN_MATCH = 2  # shortest suffix worth trusting (transformers' prompt lookup uses 2)
+DEFAULT_MAX_MATCH = 16  # longer matches add little evidence; each extra level costs 4 B/token
+DEFAULT_MAX_TOKENS = 1 << 20  # bounds an index's memory (about (levels + 1) * 4 B per token)
+DEFAULT_DEPTH_FACTOR = 4.0  # draft depth <= depth_factor * match length
+DEFAULT_MAX_OCCURRENCES = 32  # the most recent occurrences that vote on the continuation
+
+
+class ContextIndex:
+    """An incremental index over one request's tokens (prompt, then every committed token).
+
+    Not thread-safe for appends; `build_lookup_trees` may read many indexes at once.
+    """
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray = (), *, min_match: int = DEFAULT_MIN_MATCH,
+                 max_match: int = DEFAULT_MAX_MATCH, max_tokens: int = DEFAULT_MAX_TOKENS):
+        _check_int("min_match", min_match, 1)
+        _check_int("max_match", max_match, min_match)
+        _check_int("max_tokens", max_tokens, 1)
+        if max_match > 1024:
+            raise ValueError(f"max_match must be <= 1024, got {max_match}")
+        if max_tokens >= 2**31:
+            raise ValueError(f"max_tokens must be < 2**31, got {max_tokens}")
+        self._native = _core._ContextIndex(int(min_match), int(max_match), int(max_tokens))
+        if len(tokens):
+            self.append(tokens)
+
+    def append(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Index `tokens` (>= 1 non-negative ids) as the continuation of the sequence so far."""
+        a = np.asarray(tokens)
+        if a.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
+        if a.shape[0] == 0:
+            raise ValueError("append needs at least one token")
+        ids = _token_array(a, "tokens", None)
+        if len(self) + ids.shape[0] > self.max_tokens:
+            raise ValueError(f"context index is full: {len(self)} + {ids.shape[0]} tokens > "
+                             f"max_tokens {self.max_tokens}")
+        self._native.append(ids)
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    @property
+    def min_match(self) -> int:
+        return self._native.min_match
+
+    @property
+    def max_match(self) -> int:
+        return self._native.max_match
+
+    @property
+    def max_tokens(self) -> int:
+        return self._native.max_tokens
+
+    def tokens(self) -> np.ndarray:
+        """A copy of every indexed token (int32)."""
+        return self._native.tokens()
+
+    def match(self, max_occurrences: int = DEFAULT_MAX_OCCURRENCES) -> tuple[int, np.ndarray]:
+        """(L, ends): the longest match length (0 = none) and up to `max_occurrences` end
+        positions e < len(self) of its earlier occurrences, most recent first; the continuation
+        of an occurrence starts at token e."""
+        _check_int("max_occurrences", max_occurrences, 1)
+        length, ends = self._native.match(int(max_occurrences))
+        return int(length), ends
+
+
+def build_lookup_trees(
+    indexes: Sequence[ContextIndex],
+    max_depths: Sequence[int] | np.ndarray,
+    *,
+    budget: int = 60,
+    depth_factor: float = DEFAULT_DEPTH_FACTOR,
+    max_occurrences: int = DEFAULT_MAX_OCCURRENCES,
+    eos_ids: int | Iterable[int] = (),
+) -> list[DraftTree]:
+    """One candidate tree per index (see the module docstring), built in C++ without the GIL.
+
+    Args:
+        indexes: the batch's `ContextIndex`es; each tree's root is its index's last token.
+        max_depths: per-sequence depth limit (>= 0; 0 = empty tree), e.g. tokens left to generate.
+        budget: nodes per tree (root excluded), >= 0.
+        depth_factor: > 0; a match of L tokens drafts at most floor(depth_factor * L) deep.
+        max_occurrences: >= 1; the most recent occurrences of the match that vote.
+        eos_ids: token id(s) whose nodes get no children.
+    """
+    indexes = list(indexes)
+    for b, index in enumerate(indexes):
+        if not isinstance(index, ContextIndex):
+            raise TypeError(f"indexes[{b}] must be a ContextIndex, got {type(index).__name__}")
+    if max_depths is None:
+        raise ValueError("max_depths is required: one depth limit per index")
+    caps = _max_depths(max_depths, len(indexes))
+    if caps is None or caps.shape[0] == 0:
+        caps = np.zeros(len(indexes), dtype=np.int64)
+    _check_int("budget", budget, 0)
+    _check_int("max_occurrences", max_occurrences, 1)
+    if isinstance(depth_factor, bool) or not isinstance(depth_factor, (int, float, np.number)) \
+            or not math.isfinite(float(depth_factor)) or depth_factor <= 0:
+        raise ValueError(f"depth_factor must be finite and > 0, got {depth_factor!r}")
+    out = _core._build_lookup_trees([i._native for i in indexes], caps, _eos_array(eos_ids), int(budget),
+                                    float(depth_factor), int(max_occurrences))
+    return _split(*out)
+

@@ -1,0 +1,47 @@
+"""Merge two draft trees of the same root into one within a node budget (hybrid drafting).
+
+A model drafter (DART, DDTree) is strong where the text is new, context lookup where the text
+repeats; grafting the lookup tree into the model's tree lets one verification try both. The
+trees are merged as tries (a path present in both becomes one node: no duplicate siblings) and
+a node's score is the best score either tree gave its path. Ranked by key = min(score, parent's
+key) - keys never grow along a path - then depth, then path, the best `budget` nodes form a
+prefix-closed tree. Both builders' scores are log-scale and <= 0 (path log-probabilities,
+ln(count / occurrences), DART's weighted log-scores), so comparing them is a heuristic, not a
+calibrated probability; trees without scores count as 0 (always kept first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ngram_native.trees import DraftTree
+
+
+def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """The best `budget` nodes of the union of two trees (same root), in canonical order."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    best: dict[tuple[int, ...], float] = {}
+    for tree in (first, second):
+        paths: list[tuple[int, ...]] = []
+        scores = tree.scores if tree.scores is not None else np.zeros(tree.size)
+        for token, parent, score in zip(tree.tokens.tolist(), tree.parents.tolist(), scores.tolist()):
+            path = (*(paths[parent] if parent >= 0 else ()), token)
+            paths.append(path)
+            best[path] = max(best.get(path, -np.inf), score)
+    key: dict[tuple[int, ...], float] = {}
+    for path in sorted(best, key=len):  # parents first
+        key[path] = min(best[path], key[path[:-1]]) if len(path) > 1 else best[path]
+    kept = sorted(best, key=lambda p: (-key[p], len(p), p))[:budget]
+    index: dict[tuple[int, ...], int] = {}
+    tokens, parents, depths, out_scores = [], [], [], []
+    for depth in range(1, max(map(len, kept), default=0) + 1):
+        level = sorted((p for p in kept if len(p) == depth), key=lambda p: (index.get(p[:-1], -1), -key[p], p[-1]))
+        for path in level:
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index.get(path[:-1], -1))
+            depths.append(depth)
+            out_scores.append(key[path])
+    return DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32), np.asarray(depths, np.int32),
+                     np.asarray(out_scores, np.float64))
