@@ -30,13 +30,14 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ngram_native import _core
-from ngram_native.trees import DraftTree, _check_int, _eos_array, _max_depths, _split, _token_array
+from ngram_native.trees import DraftTree, TreeParams, _check_int, _eos_array, _max_depths, _split, _token_array
 
-DEFAULT_MIN_MATCH = 2  # shortest suffix worth trusting (transformers' prompt lookup uses 2)
+# The lookup knobs users set live in TreeParams (the `decoding.tree` config section).
+DEFAULT_MIN_MATCH = TreeParams.lookup_min_match
 DEFAULT_MAX_MATCH = 16  # longer matches add little evidence; each extra level costs 4 B/token
 DEFAULT_MAX_TOKENS = 1 << 20  # bounds an index's memory (about (levels + 1) * 4 B per token)
-DEFAULT_DEPTH_FACTOR = 4.0  # draft depth <= depth_factor * match length
-DEFAULT_MAX_OCCURRENCES = 32  # the most recent occurrences that vote on the continuation
+DEFAULT_DEPTH_FACTOR = TreeParams.lookup_depth_factor
+DEFAULT_MAX_OCCURRENCES = TreeParams.lookup_max_occurrences
 
 
 class ContextIndex:

@@ -144,9 +144,10 @@ _NATIVE_DEFAULTS = _core.DartParams()
 class TreeParams:
     """How draft trees are built: one typed object from the config to the C++ builders.
 
-    The defaults are those of the C++ `trees::DartParams` (the DART reference implementation),
-    read from the extension, so they are written down once. `budget` and `max_depth` apply to
-    every builder, `top_k` to DART and DDTree, the rest to DART's n-gram beam search only.
+    The DART defaults are those of the C++ `trees::DartParams` (the DART reference
+    implementation), read from the extension, so they are written down once. `budget` and
+    `max_depth` apply to every builder, `top_k` to DART and DDTree, `lookup_*` to the context
+    lookup trees (`ngram_native.context`), the rest to DART's n-gram beam search only.
     """
 
     budget: int = _NATIVE_DEFAULTS.budget  # draft nodes per tree, root excluded
@@ -158,11 +159,16 @@ class TreeParams:
     max_depth: int | None = None  # deepest draft level; None = every position the drafter predicts
     keep_pruned: bool = _NATIVE_DEFAULTS.keep_pruned  # beam-pruned children may still be leaves
     prune: bool = _NATIVE_DEFAULTS.prune  # skip provably hopeless children (exact; False for tests)
+    # Context lookup (the `lookup` drafter and the hybrids; ngram_native.context):
+    lookup_min_match: int = 2  # shortest suffix match worth drafting from (transformers uses 2)
+    lookup_depth_factor: float = 4.0  # draft depth <= factor x match length (SuffixDecoding's rule)
+    lookup_max_occurrences: int = 32  # most recent earlier occurrences that vote on the continuation
 
     def problems(self) -> list[tuple[str, str]]:
         """Every invalid field as (name, what is wrong); empty when the parameters are usable."""
         out = []
-        for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1)):
+        for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
+                              ("lookup_max_occurrences", 1)):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 out.append((name, f"must be an integer, got {type(value).__name__}"))
@@ -175,6 +181,10 @@ class TreeParams:
                 out.append((name, f"must be finite, got {value!r}"))
             elif minimum is not None and value < minimum:
                 out.append((name, f"must be >= {minimum}, got {value}"))
+        factor = self.lookup_depth_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) \
+                or not math.isfinite(float(factor)) or factor <= 0:
+            out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
         depth = self.max_depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
             out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
-from ngram_native.context import ContextIndex, build_lookup_trees
+from ngram_native.context import DEFAULT_MAX_MATCH, ContextIndex, build_lookup_trees
 from ngram_native.trees import DraftTree, TreeParams
 
 
@@ -28,7 +28,9 @@ class ContextIndexes:
         self.indexes: list[ContextIndex] = []
 
     def start(self, batch_size: int) -> None:
-        self.indexes = [ContextIndex() for _ in range(batch_size)]
+        self.indexes = [ContextIndex(min_match=self.tree.lookup_min_match,
+                                     max_match=max(self.tree.lookup_min_match, DEFAULT_MAX_MATCH))
+                        for _ in range(batch_size)]
 
     def observe(self, block: CommittedBlock) -> None:
         # block.tokens[b] is all of sequence b so far; the index holds a prefix of it (the prefill
@@ -47,7 +49,9 @@ class ContextIndexes:
                                    "observe() missed a committed block")
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
-        return build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids)
+        return build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids,
+                                  depth_factor=self.tree.lookup_depth_factor,
+                                  max_occurrences=self.tree.lookup_max_occurrences)
 
 
 class LookupDrafter(Drafter):
