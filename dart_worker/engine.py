@@ -28,7 +28,7 @@ from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import verify_batch, verify_greedy_by_rows
-from ngram_native.trees import DraftTree
+from ngram_native.trees import SOURCE_NAMES, DraftTree
 
 
 @dataclass
@@ -200,7 +200,8 @@ class DecodingEngine:
                 acceptances = verify_batch(trees, out.logits, [s.params for s in live],
                                            [s.generator for s in live])
             for seq, tree, acc in zip(live, trees, acceptances):
-                seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)))
+                seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
+                                       _sources_of(tree, acc.accepted))
                 self._append(seq, acc.tokens.tolist())
             rows = [acc.committed_rows.tolist() for acc in acceptances]
             target.commit(state, block_start, rows)
@@ -310,3 +311,11 @@ def _row_logits(target: TargetAdapter, hidden: torch.Tensor):
         return target.logits_at(hidden[torch.from_numpy(index).to(device), torch.from_numpy(rows).to(device)])
 
     return row_logits
+
+
+def _sources_of(tree: DraftTree, accepted: np.ndarray) -> dict[str, int] | None:
+    """Accepted draft tokens per source (SOURCE_* bits of the tree's nodes), if the tree tracks them."""
+    if tree.sources is None or not len(accepted):
+        return None
+    bits = tree.sources[accepted]
+    return {name: int(np.count_nonzero(bits & bit)) for bit, name in SOURCE_NAMES.items()}

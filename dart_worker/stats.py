@@ -23,6 +23,8 @@ STAT_COLUMNS: dict[str, str] = {
     "acceptance_histogram": "list[int]",
     "per_position_acceptance": "list[float]",
     "mean_tree_size": "float",
+    "accepted_head": "int",  # accepted draft tokens the draft head proposed
+    "accepted_context": "int",  # ... that context lookup proposed (a token both proposed counts for both)
     **{f"{stage}_s": "float" for stage in STAGES},
     "wall_s": "float",
     "tokens_per_s": "float",
@@ -38,10 +40,15 @@ class RequestStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0})
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     wall_seconds: float = 0.0
 
-    def record_round(self, accepted: int, tree_size: int, tree_depth: int) -> None:
+    def record_round(self, accepted: int, tree_size: int, tree_depth: int,
+                     accepted_sources: dict[str, int] | None = None) -> None:
+        """One verification round; `accepted_sources`: accepted draft tokens per source name."""
+        for source, count in (accepted_sources or {}).items():
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + count
         self.accept_lengths.append(accepted)
         self.tree_sizes.append(tree_size)
         self.tree_depths.append(tree_depth)
@@ -90,6 +97,8 @@ class RequestStats:
             "acceptance_histogram": self.acceptance_histogram(),
             "per_position_acceptance": self.per_position_acceptance(),
             "mean_tree_size": self.mean_tree_size,
+            "accepted_head": self.accepted_by_source.get("head", 0),
+            "accepted_context": self.accepted_by_source.get("context", 0),
             **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},
             "wall_s": self.wall_seconds,
             "tokens_per_s": self.tokens_per_second,

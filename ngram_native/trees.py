@@ -49,6 +49,12 @@ import numpy as np
 from ngram_native import _core
 
 NgramScorer = _core.NgramScorer
+
+# Where a draft node came from (bit flags; a node two sources proposed carries both), so the
+# engine can report how many accepted tokens each source contributed.
+SOURCE_HEAD = 1  # the draft head's distributions (chain, ddtree, dart)
+SOURCE_CONTEXT = 2  # the request's own text (context lookup)
+SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context"}
 ValuesKind = Literal["logits", "logprobs"]
 
 _INT32_LIMIT = 2**31
@@ -67,6 +73,11 @@ class DraftTree:
     parents: np.ndarray
     depths: np.ndarray
     scores: np.ndarray | None = None
+    sources: np.ndarray | None = None  # uint8 [N] SOURCE_* bits per node, or None (not tracked)
+
+    def from_source(self, source: int) -> DraftTree:
+        """This tree with every node marked as proposed by `source` (a SOURCE_* bit)."""
+        return dataclasses.replace(self, sources=np.full(self.size, source, dtype=np.uint8))
 
     @property
     def size(self) -> int:

@@ -19,6 +19,7 @@ from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.merge import merge_trees
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
 from pipeline.config import load_config
 from tests.tiny_models import FAMILIES, tiny_model
 
@@ -51,6 +52,9 @@ def test_lookup_equals_ar_greedy_and_accepts_on_repeats(family):
             assert max(r.stats.tree_depths, default=0) <= 6 and max(r.stats.tree_sizes, default=0) <= 16
             rounds += r.stats.rounds
             accepted += sum(r.stats.accept_lengths)
+            # Every accepted draft token came from the request's own text.
+            assert r.stats.to_row()["accepted_context"] == sum(r.stats.accept_lengths)
+            assert r.stats.to_row()["accepted_head"] == 0
     # Fixed seeds, deterministic: the prompts repeat and so do these models' greedy paths.
     assert rounds and (accepted + rounds) / rounds > 1.0  # tau over every round of the family
 
@@ -91,6 +95,10 @@ def test_merged_trees_are_prefix_merged_canonical_and_within_budget():
     small.validate()
     assert sorted(zip(small.depths.tolist(), small.tokens.tolist())) == [(1, 4), (1, 5), (2, 6)]
     assert merge_trees(model, lookup, budget=0).size == 0
+    # Sources merge: a path both trees hold carries both bits.
+    both = merge_trees(model.from_source(SOURCE_HEAD), lookup.from_source(SOURCE_CONTEXT), budget=10)
+    assert both.sources.tolist() == [SOURCE_HEAD | SOURCE_CONTEXT, SOURCE_CONTEXT, SOURCE_HEAD,
+                                     SOURCE_HEAD | SOURCE_CONTEXT, SOURCE_HEAD, SOURCE_CONTEXT]
 
 
 @pytest.mark.parametrize("mode", ["ddtree_lookup", "dart_lookup"])
@@ -106,3 +114,6 @@ def test_hybrid_drafters_equal_ar_greedy(mode):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert all(max(r.stats.tree_sizes, default=0) <= 12 for r in got)
     assert sum(sum(r.stats.accept_lengths) for r in got) > 0
+    for r in got:  # each accepted token is credited to at least one source, at most to both
+        row, accepted = r.stats.to_row(), sum(r.stats.accept_lengths)
+        assert accepted <= row["accepted_head"] + row["accepted_context"] <= 2 * accepted

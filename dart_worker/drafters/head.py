@@ -18,7 +18,14 @@ import numpy as np
 import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
-from ngram_native.trees import DraftTree, TreeParams, build_chain_trees, build_dart_trees, build_ddtree_trees
+from ngram_native.trees import (
+    SOURCE_HEAD,
+    DraftTree,
+    TreeParams,
+    build_chain_trees,
+    build_dart_trees,
+    build_ddtree_trees,
+)
 
 # Committed tokens handed to the N-gram scorer as context (it reads only its last n - 1).
 NGRAM_CONTEXT_TOKENS = 8
@@ -66,7 +73,7 @@ class HeadDrafter(Drafter):
         caps = [min(c, self.tree.max_depth) if self.tree.max_depth else c for c in max_depths]
         if max(caps, default=0) == 0:
             return [empty_tree() for _ in tokens]
-        return self.build(self.logits[:, : max(caps)], tokens, caps)
+        return [t.from_source(SOURCE_HEAD) for t in self.build(self.logits[:, : max(caps)], tokens, caps)]
 
     def build(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]], caps: list[int]) -> list[DraftTree]:
         """Trees from draft logits [B, D', draft vocab] (D' = the deepest cap)."""

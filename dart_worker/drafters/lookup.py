@@ -16,7 +16,7 @@ import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
 from ngram_native.context import DEFAULT_MAX_MATCH, ContextIndex, build_lookup_trees
-from ngram_native.trees import DraftTree, TreeParams
+from ngram_native.trees import SOURCE_CONTEXT, DraftTree, TreeParams
 
 
 class ContextIndexes:
@@ -49,9 +49,10 @@ class ContextIndexes:
                                    "observe() missed a committed block")
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
-        return build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids,
-                                  depth_factor=self.tree.lookup_depth_factor,
-                                  max_occurrences=self.tree.lookup_max_occurrences)
+        trees = build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids,
+                                   depth_factor=self.tree.lookup_depth_factor,
+                                   max_occurrences=self.tree.lookup_max_occurrences)
+        return [t.from_source(SOURCE_CONTEXT) for t in trees]
 
 
 class LookupDrafter(Drafter):
