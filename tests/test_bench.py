@@ -154,8 +154,9 @@ def test_shipped_config_validates_and_lists_every_cell():
     assert cfg.num_prompts == 4 and cfg.headline_budget == 32 and cfg.threads == 2
     labels = {(c.label, c.temperature) for c in cells_of(cfg)}
     assert ("hf_prompt_lookup", 0.0) in labels and ("hf_prompt_lookup", 1.0) not in labels
-    assert {("dart@16", 1.0), ("dart@32", 1.0), ("ar", 1.0), ("hf", 1.0)} <= labels
-    assert len(labels) == 17
+    assert {("dart@16", 1.0), ("dart@32", 1.0), ("ar", 1.0), ("hf", 1.0), ("lookup@16", 0.0),
+            ("dart_lookup@32", 1.0)} <= labels
+    assert len(labels) == 25  # 5 drafters x 2 budgets x 2 temperatures + ar, hf x 2 + hf_prompt_lookup
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -279,7 +280,7 @@ def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_
 
     figures = json.loads((out / "bench.json").read_text())
     cells = {(e["mode"], e["temperature"], e["budget"]) for e in figures["summary"]}
-    assert len(cells) == 17 and len(figures["records"]) == 17 * 2 * 2
+    assert len(cells) == 25 and len(figures["records"]) == 25 * 2 * 2
     for e in figures["summary"]:
         assert e["runs"] == 4 and e["speedup_vs_ar"] > 0
         if e["temperature"] == 0:
