@@ -73,15 +73,18 @@ class DecodingEngine:
         defer_logits: bool | None = None,
     ):
         """`defer_logits`: in rounds where every request is greedy, project to the vocabulary only
-        the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU, where
-        the projection over every tree row is most of a verify forward; on a GPU one batched
-        projection is cheap and a walk would add a host round trip per tree level."""
+        the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU where a
+        short measurement says it pays (`TargetAdapter.deferred_logits_pay`: without matrix units
+        the projection over every tree row is most of a verify forward); never on a GPU, where
+        one batched projection is cheap and a walk would add a host round trip per tree level."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = target.device
-        self.defer_logits = self.device.type == "cpu" if defer_logits is None else defer_logits
+        if defer_logits is None:
+            defer_logits = self.device.type == "cpu" and target.deferred_logits_pay()
+        self.defer_logits = defer_logits
 
     # ------------------------------------------------------------------ public
 

@@ -22,6 +22,7 @@ layers share one slot layout and compaction is the same gather for every layer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class TargetAdapter:
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no decoder layer list (model.model.layers)")
         self.num_layers = len(layers)
+        self._deferral_pays: bool | None = None  # see deferred_logits_pay
         self.tap_layers = tuple(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers)
         if len(self.tap_layers) != 3 or not all(0 <= i < self.num_layers for i in self.tap_layers):
             raise ValueError(f"tap_layers must be 3 layer indices in [0, {self.num_layers}), got {self.tap_layers}")
@@ -168,6 +170,30 @@ class TargetAdapter:
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
         return ForwardOutput(logits=logits, taps=taps, hidden=hidden)
+
+    def deferred_logits_pay(self, tree_rows: int = 16, walk_rows: int = 3) -> bool:
+        """Measured once per adapter: is projecting `walk_rows` rows one at a time (a greedy walk
+        over deferred logits) cheaper than one projection of a `tree_rows`-row tree?
+
+        On a CPU without matrix units the projection's cost grows with its rows (deferring
+        pays); with AMX bf16 or on a GPU 16 rows cost about as much as one (it does not).
+        """
+        if self._deferral_pays is None:
+            hidden = torch.randn(tree_rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+
+            def seconds(rows: int) -> float:
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    self.logits_at(hidden[:rows])
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    times.append(time.perf_counter() - start)
+                return sorted(times)[1]
+
+            seconds(1)  # warm-up: first calls pay one-time costs
+            self._deferral_pays = walk_rows * seconds(1) < seconds(tree_rows)
+        return self._deferral_pays
 
     @torch.no_grad()
     def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
