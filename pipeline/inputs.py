@@ -363,19 +363,32 @@ def _naming_the_file(source: str, blocks: Iterator[pa.Table]) -> Iterator[pa.Tab
         raise InputError(describe_error("read", source, e)) from e
 
 
-class JsonlPromptDatasource(FileBasedDatasource):
-    """Ray Data reader for JSONL prompts: one row per non-blank line, malformed lines become error rows.
-
-    Blocks hold a fixed number of rows in file order, so a retried read yields the same blocks
-    (Ray Data's read retry skips the blocks an earlier attempt already produced). Compressed files
-    are decompressed while streaming, by their suffix (see `jsonl_codec`).
-    """
+class _PromptDatasource(FileBasedDatasource):
+    """What both readers share: the prompt fields, the URL prefix of the paths, and errors that name the file."""
 
     def __init__(self, paths: list[str], *, fields: PromptFields, url_prefix: str, **kwargs: Any):
         super().__init__(paths, **kwargs)
         self._fields = fields
         self._url_prefix = url_prefix
         self._rows_per_block = ROWS_PER_BLOCK
+
+    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+        try:
+            return self._open(filesystem, path, **open_args)
+        except (OSError, pa.ArrowException) as e:  # as _naming_the_file, for the open
+            raise InputError(describe_error("read", self._url_prefix + path, e)) from e
+
+    def _open(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+        return super()._open_input_source(filesystem, path, **open_args)
+
+
+class JsonlPromptDatasource(_PromptDatasource):
+    """Ray Data reader for JSONL prompts: one row per non-blank line, malformed lines become error rows.
+
+    Blocks hold a fixed number of rows in file order, so a retried read yields the same blocks
+    (Ray Data's read retry skips the blocks an earlier attempt already produced). Compressed files
+    are decompressed while streaming, by their suffix (see `jsonl_codec`).
+    """
 
     def resolve_compression(self, path: str, open_args: dict[str, Any]) -> str | None:
         return jsonl_codec(self._url_prefix + path)
@@ -427,7 +440,7 @@ def _python_values(column: pa.Array) -> list:
     return values
 
 
-class ParquetPromptDatasource(FileBasedDatasource):
+class ParquetPromptDatasource(_PromptDatasource):
     """Ray Data reader for Parquet prompts: each file with its own schema, one row per Parquet row.
 
     Any column type is read; values that cannot be prompts or ids become error rows, the same as
@@ -435,13 +448,7 @@ class ParquetPromptDatasource(FileBasedDatasource):
     are valid UTF-8.
     """
 
-    def __init__(self, paths: list[str], *, fields: PromptFields, url_prefix: str, **kwargs: Any):
-        super().__init__(paths, **kwargs)
-        self._fields = fields
-        self._url_prefix = url_prefix
-        self._rows_per_block = ROWS_PER_BLOCK
-
-    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+    def _open(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
         return filesystem.open_input_file(path)  # Parquet needs random access to read the footer
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
