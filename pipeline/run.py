@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -56,11 +57,15 @@ class JobFailed(RuntimeError):
     """
 
 
+_REMOTE_FAILURE = re.compile(r"^pipeline\.(?:storage\.StorageError|inputs\.InputError): (.+)$", re.MULTILINE)
+
+
 def storage_failure(exc: BaseException) -> str | None:
     """The one-line message of the InputError or StorageError behind `exc`, or None if there is none.
 
-    Ray Data raises a read task's error as RayTaskError(InputError) and a UDF's (the writer's)
-    as a UserCodeException whose cause is the original, each with Ray's notes appended.
+    Ray Data raises a read task's error as RayTaskError(InputError), with Ray's notes appended to
+    the message. A UDF's error (the writer's StorageError) arrives as a UserCodeException that
+    no longer carries it, only its traceback text, where the original line is found instead.
     """
     pending, seen = [exc], set()
     while pending:
@@ -72,7 +77,8 @@ def storage_failure(exc: BaseException) -> str | None:
             original = getattr(e, "cause", None)
             return str(original if isinstance(original, (InputError, StorageError)) else e).split("\n", 1)[0]
         pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
+    found = _REMOTE_FAILURE.search(str(exc))
+    return found.group(1) if found else None
 
 
 # ------------------------------------------------------------------------------- artifacts

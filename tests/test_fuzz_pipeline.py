@@ -24,7 +24,8 @@ import pytest
 import ray
 
 from pipeline.outputs import read_output
-from pipeline.run import SUMMARY_NAME, main
+from pipeline.run import SUMMARY_NAME, main, storage_failure
+from pipeline.storage import StorageError
 from tests.flaky_fs import FAIL_ENV
 from tests.hostile_inputs import HOSTILE_JSONL, good_line
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
@@ -185,3 +186,15 @@ def test_unreadable_input_is_a_startup_error(tmp_path, artifacts, flaky_ray, cap
     line = error_line(capsys.readouterr().err)
     assert line.startswith(f"error: input: cannot read file://{tmp_path}/cut.jsonl.gz: OSError: "), line
     assert not list((tmp_path / "out").glob("part-*"))
+
+
+def test_write_failure_is_found_behind_rays_wrapping(flaky_ray):
+    """The writer's StorageError reaches the driver only as text inside a UserCodeException."""
+
+    def fail(batch):
+        raise StorageError("cannot write s3://bucket/out/part-0.parquet: OSError: connection reset")
+
+    with pytest.raises(Exception) as excinfo:
+        ray.data.range(4).map_batches(fail, batch_format="pyarrow").take_all()
+    assert storage_failure(excinfo.value) == "cannot write s3://bucket/out/part-0.parquet: OSError: connection reset"
+    assert storage_failure(ValueError("a bug")) is None
