@@ -14,7 +14,15 @@ Every row of the result has the columns of INPUT_SCHEMA:
     source       the canonical URL of the input file
     error        null, or why the row cannot be generated ("malformed JSON: ...", "missing prompt",
                  "empty prompt", "prompt is not a string (got int)", "prompt longer than N
-                 characters (got M)", "missing id", "duplicate id (first seen in <source> line 3)", ...)
+                 characters (got M)", "missing id", "duplicate id (first seen in <source> line 3)",
+                 "prompt holds a lone surrogate (U+DCFF at character 5), which is not valid Unicode
+                 text", "prompt is not valid UTF-8 (byte 0xff at offset 2)", ...)
+
+No content ever makes a reader raise: every line or row becomes a row, ok or error. What does
+raise (InputError, naming the file) is a file that cannot be read at all: an I/O failure, a
+damaged compressed stream or Parquet file, a compression that cannot be streamed, a compressed
+file whose name does not say so, a file name Ray Data cannot open. docs/output_schema.md
+("Hostile inputs and failures") has the whole list and what the job does about each.
 
 Why custom readers instead of Ray's read_json / read_text / read_parquet (they are still Ray Data
 readers: FileBasedDatasource subclasses run as ordinary Ray Data read tasks):
