@@ -410,7 +410,7 @@ class JsonlPromptDatasource(_PromptDatasource):
         repeats: Counter[str] = Counter()  # only lines without a usable id are counted
         for line_no, line in iter_lines(f):
             if line_no == 1:
-                _refuse_compressed(line, source)
+                refuse_if_not_text(line, source)
             if not line.strip():
                 continue
             row_id, prompt, error = parse_jsonl_line(line, self._fields)
@@ -489,21 +489,24 @@ class ParquetPromptDatasource(_PromptDatasource):
 
 
 # ---------------------------------------------------------------------------------------------
-# Compressed JSONL: by suffix, streamed by pyarrow; anything else is a clear error before work starts.
+# Compressed JSONL: by suffix, streamed by pyarrow; anything else is a clear error before generation.
 
 # Suffix (lower case) -> pyarrow codec. Ray Data's own inference (pyarrow.Codec.detect) knows only
 # .gz, .bz2, .zst and .lz4, and reads any other file as plain text.
 _JSONL_CODECS = {".gz": "gzip", ".gzip": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4"}
 _UNSTREAMABLE = {".xz", ".lzma", ".zip", ".7z", ".rar", ".br", ".z", ".lz", ".tar", ".tgz", ".tbz2", ".snappy"}
-# Magic numbers of compressed files: a JSONL file never starts with one.
-_MAGIC = [
-    (re.compile(rb"\x1f\x8b\x08"), "gzip"),
-    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2"),
-    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd"),
-    (re.compile(rb"\x04\x22\x4d\x18"), "lz4"),
-    (re.compile(rb"\xfd7zXZ\x00"), "xz"),
-    (re.compile(rb"PK\x03\x04"), "zip"),
-    (re.compile(rb"7z\xbc\xaf\x27\x1c"), "7z"),
+# How files that are not UTF-8 text start (a JSONL file never does): junk error rows for every line
+# would be written as done, so such a file is refused at start-up instead.
+_COMPRESS_ADVICE = "rename it with the suffix of its compression (e.g. .gz, .zst) or decompress it"
+_NOT_TEXT = [
+    (re.compile(rb"\x1f\x8b\x08"), "gzip-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\x04\x22\x4d\x18"), "lz4-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"PK\x03\x04"), "zip-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"7z\xbc\xaf\x27\x1c"), "7z-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb'\xff\xfe\{\x00|\xfe\xff\x00\{|\{\x00"\x00|\x00\{\x00"'), "UTF-16 text", "save it as UTF-8"),
 ]
 
 
@@ -526,13 +529,11 @@ def jsonl_codec(url: str) -> str | None:
     return codec
 
 
-def _refuse_compressed(first_line: bytes, source: str) -> None:
-    for magic, codec in _MAGIC:
-        if magic.match(first_line):
-            raise InputError(
-                f"cannot read {source}: it looks {codec}-compressed, but its name has no suffix that says so; "
-                f"rename it (e.g. .gz, .zst) or decompress it"
-            )
+def refuse_if_not_text(first_line: bytes, source: str) -> None:
+    """InputError if the file's first line shows it is not UTF-8 text (compressed, or UTF-16)."""
+    for start, what, advice in _NOT_TEXT:
+        if start.match(first_line):
+            raise InputError(f"cannot read {source}: it looks {what}, but JSONL must be UTF-8 text; {advice}")
 
 
 # ---------------------------------------------------------------------------------------------

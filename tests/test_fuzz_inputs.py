@@ -27,7 +27,14 @@ import ray
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.inputs import PARSED_SCHEMA, InputError, PromptFields, prompt_datasource, read_prompts_with_report
+from pipeline.inputs import (
+    PARSED_SCHEMA,
+    InputError,
+    PromptFields,
+    prompt_datasource,
+    read_prompts_with_report,
+    refuse_if_not_text,
+)
 from tests.hostile_inputs import (
     CATEGORIES,
     HOSTILE_JSONL,
@@ -121,7 +128,13 @@ def test_jsonl_every_line_one_row(datasources, hostile, good, seed, newline, fin
     random.Random(seed).shuffle(lines)
     data = (UTF8_BOM if file_bom else b"") + newline.join(lines) + (newline if final_newline and lines else b"")
     small = chunk is not None and len(data) < 50_000
-    rows = read_stream(datasources[mode], ShortReads(data, chunk) if small else pa.BufferReader(data))
+    try:
+        rows = read_stream(datasources[mode], ShortReads(data, chunk) if small else pa.BufferReader(data))
+    except InputError:  # allowed only for a file that starts as no UTF-8 text does (a random gzip header ...)
+        event("refused: not UTF-8 text")
+        with pytest.raises(InputError, match="it looks"):
+            refuse_if_not_text(re.sub(b"^(" + UTF8_BOM + b")+", b"", data.split(b"\n")[0].removesuffix(b"\r")), "")
+        return
     check_rows(rows, nonblank_lines(data))
 
     by_key = {r["row_key"]: r for r in rows}
@@ -351,11 +364,13 @@ def test_unsupported_codecs_fail_at_startup(tmp_path, suffix):
         prompt_datasource([str(path)], "jsonl", FIELDS)
 
 
-@pytest.mark.parametrize("codec", ["gzip", "bz2", "zstd", "lz4", "xz", "zip"])
-def test_compressed_file_without_its_suffix_is_a_clear_error(datasources, codec):
-    """A compressed file named .jsonl would otherwise give one junk error row per stray newline byte."""
+@pytest.mark.parametrize("codec", ["gzip", "bz2", "zstd", "lz4", "xz", "zip", "utf-16", "utf-16-le", "utf-16-be"])
+def test_files_that_are_not_utf8_text_are_a_clear_error(datasources, codec):
+    """A compressed or UTF-16 file named .jsonl would otherwise give a junk error row per line, written as done."""
     data = b'{"id": "a", "prompt": "p"}\n' * 50
-    if codec == "xz":
+    if codec.startswith("utf-16"):
+        blob = data.decode().encode(codec)
+    elif codec == "xz":
         import lzma
 
         blob = lzma.compress(data)
@@ -368,7 +383,8 @@ def test_compressed_file_without_its_suffix_is_a_clear_error(datasources, codec)
         blob = sink.getvalue()
     else:
         blob = compress(data, codec)
-    with pytest.raises(InputError, match=r"cannot read file:///fuzz/in.jsonl: it looks .*-compressed"):
+    with pytest.raises(InputError, match=r"cannot read file:///fuzz/in.jsonl: it looks (.*-compressed|UTF-16 text), "
+                                         r"but JSONL must be UTF-8 text"):
         read_stream(datasources["jsonl"], pa.BufferReader(blob))
 
 
