@@ -120,8 +120,9 @@ def test_worker_writes_one_row_per_row(workers, tmp_path_factory, batch, mode, t
     worker.cfg.input.apply_chat_template = template
     tokenizer = worker.tokenizer
     original_decode = type(tokenizer).decode
-    if surrogate_decoding:  # a tokenizer whose text holds a lone surrogate (a Python decoder may produce one)
-        tokenizer.decode = lambda ids, **kw: original_decode(tokenizer, ids, **kw).replace("w1", "w1\udcff")
+    if surrogate_decoding:  # a tokenizer whose text holds lone surrogates (a Python decoder may produce them)
+        event("decoding: lone surrogates in the text")
+        tokenizer.decode = lambda ids, **kw: original_decode(tokenizer, ids, **kw).replace("w", "w\udcff")
     try:
         out = worker(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA))
     finally:
@@ -141,6 +142,8 @@ def test_worker_writes_one_row_per_row(workers, tmp_path_factory, batch, mode, t
         assert 1 <= result["num_generated_tokens"] <= max_new_tokens
         assert result["num_prompt_tokens"] + result["num_generated_tokens"] <= MAX_POSITIONS
         result["text"].encode("utf-8")  # storable
+        if surrogate_decoding and not stop and "w" in result["text"]:  # (a stop string may cut before one)
+            assert "w\ufffd" in result["text"]
     directory = tmp_path_factory.mktemp("parts")
     write_part(out, str(directory), "fuzz")
     assert read_output(str(directory))["row_key"].to_pylist() == sorted(r["row_key"] for r in rows)
