@@ -470,6 +470,10 @@ class ParquetPromptDatasource(_PromptDatasource):
     def _read_rows(self, parquet: pq.ParquetFile, source: str) -> Iterator[pa.Table]:
         names = set(parquet.schema_arrow.names)
         id_column, content_column = self._fields.id_column, self._fields.content_column
+        for name in {id_column, content_column}:
+            if len(parquet.schema_arrow.get_all_field_indices(name)) > 1:
+                raise InputError(f"cannot read {source}: it has {parquet.schema_arrow.names.count(name)} columns "
+                                 f"named {name!r}, so which one to read is ambiguous")
         columns = [c for c in dict.fromkeys((id_column, content_column)) if c in names]
         rows = _RowBuilder(source, self._fields.kind, self._rows_per_block)
         position = 0

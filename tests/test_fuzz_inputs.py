@@ -400,6 +400,11 @@ def test_damaged_files_are_one_error_naming_the_file(datasources):
             read_stream(jsonl, stream, str(path))
     with pytest.raises(InputError, match=r"cannot read Parquet file file:///fuzz/in.parquet"):
         read_stream(datasources["parquet"], pa.BufferReader(b"PAR1" + b"\x00" * 20 + b"PAR1"), "/fuzz/in.parquet")
+    twice = io.BytesIO()  # Parquet allows two columns of one name; which would be the prompt?
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["p"]), pa.array(["q"])],
+                                        names=["id", "prompt", "prompt"]), twice)
+    with pytest.raises(InputError, match=r"file:///fuzz/in.parquet: it has 2 columns named 'prompt'"):
+        read_stream(datasources["parquet"], pa.BufferReader(twice.getvalue()), "/fuzz/in.parquet")
 
 
 # ------------------------------------------------------------------------------------------
