@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_o
 INVALID_UTF8 = [b"\xff", b"\xfe", b"\x80", b"\xbf", b"\xc0\xaf", b"\xc3", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80",
                 b"\xed\xbf\xbf", b"\xf4\x90\x80\x80", b"\xf8\x88\x80\x80\x80", b"\xef\xbb"]
 LINE_BREAKS = ["\r", "\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"]
+UTF8_BOM = b"\xef\xbb\xbf"
 BOMS = [b"\xef\xbb\xbf", b"\xef\xbb\xbf\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff"]
 ODD_IDS = ["1e400", "-1e400", "NaN", "Infinity", "-Infinity", "123456789012345678901234567890",
            "-123456789012345678901234567890", "1" * 4301, "true", "false", "null", "{}", "[]", '{"a": 1}',
@@ -208,6 +210,19 @@ class ShortReads(io.BytesIO):
 
     def read(self, n: int | None = -1) -> bytes:
         return super().read(self.limit if n is None or n < 0 else min(n, self.limit))
+
+
+def line_as_read(line: bytes) -> bytes:
+    """A line (split at b"\\n") as the JSONL reader sees it: without a trailing b"\\r" and leading BOMs."""
+    return re.sub(b"^(" + UTF8_BOM + b")+", b"", line.removesuffix(b"\r"))
+
+
+def nonblank_lines(data: bytes) -> list[bytes]:
+    """The lines that must yield a row: split at b"\\n" only, as read, not blank."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [line for line in map(line_as_read, lines) if line.strip()]
 
 
 def good_line(row_id: str, prompt: str) -> bytes:

@@ -16,7 +16,6 @@ import gzip
 import io
 import json
 import random
-import re
 from collections import Counter
 from decimal import Decimal
 
@@ -39,15 +38,17 @@ from tests.hostile_inputs import (
     CATEGORIES,
     HOSTILE_JSONL,
     SPECIAL_TOKENS,
+    UTF8_BOM,
     ShortReads,
     good_line,
     good_prompts,
     hostile_lines,
+    line_as_read,
+    nonblank_lines,
 )
 
 MAX_CHARS = 1000
 FIELDS = PromptFields(max_prompt_chars=MAX_CHARS)
-UTF8_BOM = b"\xef\xbb\xbf"
 
 
 # ------------------------------------------------------------------------------------------
@@ -88,15 +89,6 @@ def read_stream(datasource, stream, path: str = "/fuzz/in.jsonl") -> list[dict]:
     return pa.concat_tables(tables).to_pylist() if tables else []
 
 
-def nonblank_lines(data: bytes) -> list[bytes]:
-    """The lines that must yield a row: split at b"\\n" only, without a trailing b"\\r" or a leading BOM."""
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    lines = [re.sub(b"^(" + UTF8_BOM + b")+", b"", line.removesuffix(b"\r")) for line in lines]
-    return [line for line in lines if line.strip()]
-
-
 def check_rows(rows: list[dict], lines: list[bytes]) -> None:
     assert len(rows) == len(lines)
     for row in rows:
@@ -133,7 +125,7 @@ def test_jsonl_every_line_one_row(datasources, hostile, good, seed, newline, fin
     except InputError:  # allowed only for a file that starts as no UTF-8 text does (a random gzip header ...)
         event("refused: not UTF-8 text")
         with pytest.raises(InputError, match="it looks"):
-            refuse_if_not_text(re.sub(b"^(" + UTF8_BOM + b")+", b"", data.split(b"\n")[0].removesuffix(b"\r")), "")
+            refuse_if_not_text(line_as_read(data.split(b"\n")[0]), "")
         return
     check_rows(rows, nonblank_lines(data))
 

@@ -27,9 +27,8 @@ from pipeline.outputs import read_output, rows_to_table, write_part
 from pipeline.run import SUMMARY_NAME, main, storage_failure
 from pipeline.storage import StorageError
 from tests.flaky_fs import FAIL_ENV
-from tests.hostile_inputs import HOSTILE_JSONL, good_line
+from tests.hostile_inputs import HOSTILE_JSONL, good_line, nonblank_lines
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
-from tests.test_fuzz_inputs import nonblank_lines
 from tests.test_pipeline_run import config_file, word_prompt
 from tests.tiny_models import save_tiny_artifacts
 
