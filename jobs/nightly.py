@@ -311,7 +311,7 @@ def write_report(report: dict[str, Any], output_url: str) -> list[str]:
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """The pipeline itself (imported here: it pulls in Ray). Tests replace this function."""
-    from pipeline.run import StartupError
+    from pipeline.run import JobFailed, StartupError
     from pipeline.run import run_pipeline as run
     from pipeline.storage import StorageError
 
@@ -319,6 +319,8 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
         return run(config)
     except StartupError as exc:
         raise NightlyError(f"start-up: {exc}") from None
+    except JobFailed as exc:  # an input or the output failed mid-run; rerunning tonight's job resumes it
+        raise NightlyError(f"run: {exc}") from None
     except StorageError as exc:  # e.g. tonight's input partition is not there (yet)
         raise NightlyError(f"storage: {exc}") from None
 

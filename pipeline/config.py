@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -115,6 +116,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # not OmegaConf's own: a file or override YAML cannot parse
+        where = "an override" if isinstance(exc, yaml.YAMLError) and "<unicode string>" in str(exc) else str(path)
+        raise ConfigError(f"invalid config: cannot parse {where}: {' '.join(str(exc).split())}") from None
     validate(cfg)
     return cfg
 

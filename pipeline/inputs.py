@@ -14,7 +14,15 @@ Every row of the result has the columns of INPUT_SCHEMA:
     source       the canonical URL of the input file
     error        null, or why the row cannot be generated ("malformed JSON: ...", "missing prompt",
                  "empty prompt", "prompt is not a string (got int)", "prompt longer than N
-                 characters (got M)", "missing id", "duplicate id (first seen in <source> line 3)", ...)
+                 characters (got M)", "missing id", "duplicate id (first seen in <source> line 3)",
+                 "prompt holds a lone surrogate (U+DCFF at character 5), which is not valid Unicode
+                 text", "prompt is not valid UTF-8 (byte 0xff at offset 2)", ...)
+
+No content ever makes a reader raise: every line or row becomes a row, ok or error. What does
+raise (InputError, naming the file) is a file that cannot be read at all: an I/O failure, a
+damaged compressed stream or Parquet file, a compression that cannot be streamed, a compressed
+file whose name does not say so, a file name Ray Data cannot open. docs/output_schema.md
+("Hostile inputs and failures") has the whole list and what the job does about each.
 
 Why custom readers instead of Ray's read_json / read_text / read_parquet (they are still Ray Data
 readers: FileBasedDatasource subclasses run as ordinary Ray Data read tasks):
@@ -39,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -56,6 +65,7 @@ from ray.data.expressions import col
 from pipeline.storage import (
     StorageError,
     arrow_filesystem,
+    describe_error,
     expand_inputs,
     filesystem_for,
     get_once,
@@ -139,8 +149,44 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+class _BadValue:
+    """A Parquet value that cannot become a Python object: invalid UTF-8 in a string, a date out of range."""
+
+    def __init__(self, error: Exception):
+        if isinstance(error, UnicodeDecodeError):
+            self.problem = f"is not valid UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start})"
+        else:
+            self.problem = f"cannot be read ({type(error).__name__}: {error})"
+
+
+def _as_text(value: Any) -> tuple[Any, str | None]:
+    """(value, None) with bytes decoded as UTF-8, or (None, problem) for text that UTF-8 cannot hold.
+
+    Parquet writers often store strings as `binary`; those bytes are text when they are valid
+    UTF-8. A str may hold lone surrogates (JSON escapes such as "\\udcff" decode to them), which no
+    UTF-8 file can store: Arrow would fail the whole block on them, so they are refused here, per row.
+    """
+    if isinstance(value, _BadValue):
+        return None, value.problem
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            return None, _BadValue(e).problem
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = f"U+{ord(value[e.start]):04X} at character {e.start}"
+            return None, f"holds a lone surrogate ({where}), which is not valid Unicode text"
+    return value, None
+
+
 def normalise_id(value: Any) -> tuple[str | None, str | None]:
     """(id as a string, None) or (None, error). Integers become their decimal string; bools are rejected."""
+    value, problem = _as_text(value)
+    if problem:
+        return None, f"id {problem}"
     if value is _MISSING or value is None:
         return None, "missing id"
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -159,6 +205,9 @@ def _check_length(chars: int, limit: int | None) -> str | None:
 
 def normalise_text_prompt(value: Any, max_chars: int | None) -> tuple[str | None, str | None]:
     """(prompt, None) or (None, error). Whitespace-only prompts count as empty."""
+    value, problem = _as_text(value)
+    if problem:
+        return None, f"prompt {problem}"
     if value is _MISSING or value is None:
         return None, "missing prompt"
     if not isinstance(value, str):
@@ -171,6 +220,8 @@ def normalise_text_prompt(value: Any, max_chars: int | None) -> tuple[str | None
 
 def normalise_messages(value: Any, max_chars: int | None) -> tuple[str | None, str | None]:
     """(JSON list of {role, content}, None) or (None, error). The limit applies to the summed contents."""
+    if isinstance(value, _BadValue):
+        return None, f"prompt {value.problem}"
     if value is _MISSING or value is None:
         return None, "missing prompt"
     if not isinstance(value, list):
@@ -181,7 +232,12 @@ def normalise_messages(value: Any, max_chars: int | None) -> tuple[str | None, s
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             return None, f"message {i} is not an object (got {_type_name(message)})"
-        role, content = message.get("role"), message.get("content")
+        role, role_problem = _as_text(message.get("role"))
+        content, content_problem = _as_text(message.get("content"))
+        if role_problem:
+            return None, f"message {i} 'role' {role_problem}"
+        if content_problem:
+            return None, f"message {i} 'content' {content_problem}"
         if not isinstance(role, str) or not role.strip():
             return None, f"message {i} has no string 'role'"
         if not isinstance(content, str):
@@ -232,30 +288,33 @@ def parse_jsonl_line(line: bytes, fields: PromptFields) -> tuple[str | None, str
 def iter_lines(f: Any, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line) for every line of a binary stream, split at b"\\n" only.
 
-    A trailing b"\\r" (CRLF files) and a UTF-8 byte-order mark at the start are removed; the last
-    line needs no newline. Reads in chunks, so memory stays bounded by the longest line.
+    A trailing b"\\r" (CRLF files) and leading UTF-8 byte-order marks are removed from every line:
+    a BOM starts the file, or a later line where files saved with BOMs were concatenated; removing
+    them per line (not from the first read) also holds when a stream returns fewer than 3 bytes per
+    read. The last line needs no newline. Reads in chunks, so memory stays bounded by the longest line.
     """
     parts: list[bytes] = []
     line_no = 0
-    first = True
     while True:
         chunk = f.read(chunk_bytes)
         if not chunk:
             break
-        if first:
-            chunk = chunk.removeprefix(_UTF8_BOM)
-            first = False
-        if b"\n" not in chunk:
-            parts.append(chunk)
-            continue
         parts.append(chunk)
+        if b"\n" not in chunk:
+            continue
         *lines, rest = b"".join(parts).split(b"\n")
         parts = [rest] if rest else []
         for line in lines:
             line_no += 1
-            yield line_no, line.removesuffix(b"\r")
+            yield line_no, _without_boms(line.removesuffix(b"\r"))
     if parts:
-        yield line_no + 1, b"".join(parts).removesuffix(b"\r")
+        yield line_no + 1, _without_boms(b"".join(parts).removesuffix(b"\r"))
+
+
+def _without_boms(line: bytes) -> bytes:
+    while line.startswith(_UTF8_BOM):  # the file's own, then one per concatenated file
+        line = line[len(_UTF8_BOM) :]
+    return line
 
 
 def order_key(source: str, position: int, unit: str) -> str:
@@ -264,7 +323,7 @@ def order_key(source: str, position: int, unit: str) -> str:
 
 
 def describe_position(order: str) -> str:
-    source, position, unit = order.split("\x1f")
+    source, position, unit = order.rsplit("\x1f", 2)  # a file name may hold \x1f too
     return f"{source} {unit} {int(position)}"
 
 
@@ -297,12 +356,23 @@ class _RowBuilder:
         return table
 
 
-class JsonlPromptDatasource(FileBasedDatasource):
-    """Ray Data reader for JSONL prompts: one row per non-blank line, malformed lines become error rows.
+def _naming_the_file(source: str, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """`blocks`, with a failure to read the file's bytes raised as one InputError naming the file.
 
-    Blocks hold a fixed number of rows in file order, so a retried read yields the same blocks
-    (Ray Data's read retry skips the blocks an earlier attempt already produced).
+    Content problems are rows; what is left are I/O errors (network, permissions), damaged
+    compressed streams and damaged Parquet files. The original message is kept, so Ray Data's
+    retry of transient storage errors (DataContext.retried_io_errors) still recognises it.
     """
+    try:
+        yield from blocks
+    except InputError:
+        raise
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(describe_error("read", source, e)) from e
+
+
+class _PromptDatasource(FileBasedDatasource):
+    """What both readers share: the prompt fields, the URL prefix of the paths, and errors that name the file."""
 
     def __init__(self, paths: list[str], *, fields: PromptFields, url_prefix: str, **kwargs: Any):
         super().__init__(paths, **kwargs)
@@ -310,11 +380,37 @@ class JsonlPromptDatasource(FileBasedDatasource):
         self._url_prefix = url_prefix
         self._rows_per_block = ROWS_PER_BLOCK
 
+    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+        try:
+            return self._open(filesystem, path, **open_args)
+        except (OSError, pa.ArrowException) as e:  # as _naming_the_file, for the open
+            raise InputError(describe_error("read", self._url_prefix + path, e)) from e
+
+    def _open(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+        return super()._open_input_source(filesystem, path, **open_args)
+
+
+class JsonlPromptDatasource(_PromptDatasource):
+    """Ray Data reader for JSONL prompts: one row per non-blank line, malformed lines become error rows.
+
+    Blocks hold a fixed number of rows in file order, so a retried read yields the same blocks
+    (Ray Data's read retry skips the blocks an earlier attempt already produced). Compressed files
+    are decompressed while streaming, by their suffix (see `jsonl_codec`).
+    """
+
+    def resolve_compression(self, path: str, open_args: dict[str, Any]) -> str | None:
+        return jsonl_codec(self._url_prefix + path)
+
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         source = self._url_prefix + path
+        yield from _naming_the_file(source, self._read_rows(f, source))
+
+    def _read_rows(self, f: pa.NativeFile, source: str) -> Iterator[pa.Table]:
         rows = _RowBuilder(source, self._fields.kind, self._rows_per_block)
         repeats: Counter[str] = Counter()  # only lines without a usable id are counted
         for line_no, line in iter_lines(f):
+            if line_no == 1:
+                refuse_if_not_text(line, source)
             if not line.strip():
                 continue
             row_id, prompt, error = parse_jsonl_line(line, self._fields)
@@ -332,33 +428,59 @@ class JsonlPromptDatasource(FileBasedDatasource):
             yield rows.take()
 
 
-class ParquetPromptDatasource(FileBasedDatasource):
-    """Ray Data reader for Parquet prompts: each file with its own schema, one row per Parquet row."""
+def _python_values(column: pa.Array) -> list:
+    """The column's values as Python objects, one per row; a value that cannot be one becomes a _BadValue.
 
-    def __init__(self, paths: list[str], *, fields: PromptFields, url_prefix: str, **kwargs: Any):
-        super().__init__(paths, **kwargs)
-        self._fields = fields
-        self._url_prefix = url_prefix
-        self._rows_per_block = ROWS_PER_BLOCK
+    Parquet readers do not validate UTF-8, so one bad string in a `string` column makes
+    `to_pylist` fail for the whole batch (as does a timestamp beyond year 9999); only then are
+    the values converted one by one, so that the bad ones become their rows' errors.
+    """
+    try:
+        return column.to_pylist()
+    except (ValueError, OverflowError):  # UnicodeDecodeError is a ValueError
+        pass
+    values = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except (ValueError, OverflowError) as e:
+            values.append(_BadValue(e))
+    return values
 
-    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
+
+class ParquetPromptDatasource(_PromptDatasource):
+    """Ray Data reader for Parquet prompts: each file with its own schema, one row per Parquet row.
+
+    Any column type is read; values that cannot be prompts or ids become error rows, the same as
+    in JSONL, except that `binary` values (as some writers store strings) count as text when they
+    are valid UTF-8.
+    """
+
+    def _open(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
         return filesystem.open_input_file(path)  # Parquet needs random access to read the footer
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         source = self._url_prefix + path
         try:
             parquet = pq.ParquetFile(f)
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             raise InputError(f"cannot read Parquet file {source}: {redact(str(e))}") from e
+        yield from _naming_the_file(source, self._read_rows(parquet, source))
+
+    def _read_rows(self, parquet: pq.ParquetFile, source: str) -> Iterator[pa.Table]:
         names = set(parquet.schema_arrow.names)
         id_column, content_column = self._fields.id_column, self._fields.content_column
+        for name in {id_column, content_column}:
+            if len(parquet.schema_arrow.get_all_field_indices(name)) > 1:
+                raise InputError(f"cannot read {source}: it has {parquet.schema_arrow.names.count(name)} columns "
+                                 f"named {name!r}, so which one to read is ambiguous")
         columns = [c for c in dict.fromkeys((id_column, content_column)) if c in names]
         rows = _RowBuilder(source, self._fields.kind, self._rows_per_block)
         position = 0
         for batch in parquet.iter_batches(batch_size=self._rows_per_block, columns=columns):
             n = batch.num_rows
-            ids = batch.column(id_column).to_pylist() if id_column in names else [_MISSING] * n
-            contents = batch.column(content_column).to_pylist() if content_column in names else [_MISSING] * n
+            ids = _python_values(batch.column(id_column)) if id_column in names else [_MISSING] * n
+            contents = _python_values(batch.column(content_column)) if content_column in names else [_MISSING] * n
             for id_value, content in zip(ids, contents):
                 row_id, prompt, error = normalise_record(self._fields, id_value, content)
                 row_key = "id:" + row_id if row_id is not None else f"row:{source}#{position}"
@@ -368,6 +490,54 @@ class ParquetPromptDatasource(FileBasedDatasource):
                     yield rows.take()
         if len(rows):
             yield rows.take()
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed JSONL: by suffix, streamed by pyarrow; anything else is a clear error before generation.
+
+# Suffix (lower case) -> pyarrow codec. Ray Data's own inference (pyarrow.Codec.detect) knows only
+# .gz, .bz2, .zst and .lz4, and reads any other file as plain text.
+_JSONL_CODECS = {".gz": "gzip", ".gzip": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd", ".lz4": "lz4"}
+_UNSTREAMABLE = {".xz", ".lzma", ".zip", ".7z", ".rar", ".br", ".z", ".lz", ".tar", ".tgz", ".tbz2", ".snappy"}
+# How files that are not UTF-8 text start (a JSONL file never does): junk error rows for every line
+# would be written as done, so such a file is refused at start-up instead.
+_COMPRESS_ADVICE = "rename it with the suffix of its compression (e.g. .gz, .zst) or decompress it"
+_NOT_TEXT = [
+    (re.compile(rb"\x1f\x8b\x08"), "gzip-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\x04\x22\x4d\x18"), "lz4-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"PK\x03\x04"), "zip-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb"7z\xbc\xaf\x27\x1c"), "7z-compressed", _COMPRESS_ADVICE),
+    (re.compile(rb'\xff\xfe\{\x00|\xfe\xff\x00\{|\{\x00"\x00|\x00\{\x00"'), "UTF-16 text", "save it as UTF-8"),
+]
+
+
+def jsonl_codec(url: str) -> str | None:
+    """The codec that decompresses the JSONL file `url` while reading (None: plain text), by its suffix.
+
+    Raises InputError for an archive or a codec that cannot be streamed (.xz, .zip, .tar.gz, ...).
+    """
+    name = url.rsplit("/", 1)[-1].lower()
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    archive = suffix in (".tar", ".tgz", ".tbz2") or name.removesuffix(suffix).endswith(".tar")
+    if archive or suffix in _UNSTREAMABLE:
+        raise InputError(
+            f"cannot read {url}: {'tar archives are' if archive else suffix + ' compression is'} not supported; "
+            f"use one JSONL file per input, plain or compressed as {', '.join(sorted(_JSONL_CODECS))}"
+        )
+    codec = _JSONL_CODECS.get(suffix)
+    if codec and not pa.Codec.is_available(codec):
+        raise InputError(f"cannot read {url}: {codec} compression is not supported by this pyarrow build")
+    return codec
+
+
+def refuse_if_not_text(first_line: bytes, source: str) -> None:
+    """InputError if the file's first line shows it is not UTF-8 text (compressed, or UTF-16)."""
+    for start, what, advice in _NOT_TEXT:
+        if start.match(first_line):
+            raise InputError(f"cannot read {source}: it looks {what}, but JSONL must be UTF-8 text; {advice}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +554,14 @@ def prompt_datasource(
     if format not in ("jsonl", "parquet"):
         raise ValueError(f"input format must be 'jsonl' or 'parquet', got {format!r}")
     files = expand_inputs(urls, storage_options)
+    for url in files:  # file names become the rows' source column (UTF-8 text), and a codec must be known
+        if _as_text(url)[1]:  # undecodable bytes in a local file name come back as lone surrogates
+            raise InputError(f"cannot read {url!r}: its name is not valid UTF-8; rename the file")
+        if any(c in url for c in "\n\r\t"):  # Ray Data parses paths as URLs, and urllib drops these
+            raise InputError(f"cannot read {url!r}: Ray Data cannot open a file whose name holds a line break or "
+                             f"tab; rename the file")
+        if format == "jsonl":
+            jsonl_codec(url)
     schemes = sorted({u.split("://", 1)[0] for u in files})
     if len(schemes) > 1:
         raise StorageError(f"all inputs must be on one filesystem, got schemes {schemes}")

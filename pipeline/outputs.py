@@ -157,6 +157,51 @@ def rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=OUTPUT_SCHEMA)
 
 
+def storable_text(text: str) -> str:
+    """`text` as UTF-8 can store it: each lone surrogate replaced by U+FFFD (a split pair joined).
+
+    A tokenizer decodes invalid byte sequences to U+FFFD itself; a Python decoder may instead
+    leave surrogates in its str (from surrogateescape or UTF-16 halves), which Arrow refuses.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+# Columns an error row keeps when a worker's result row cannot be stored (see result_rows_to_table).
+_KEPT_ON_ERROR = ("row_key", "id", "source", "finished_at", "mode", "temperature", "top_p", "top_k", "seed",
+                  "max_new_tokens", "target_fingerprint", "head_fingerprint", "trie_fingerprint", "run_id", "worker")
+
+
+def result_rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """`rows_to_table` for a worker's result rows: one bad row must not fail its batch.
+
+    Generated text goes through `storable_text` (documented in docs/output_schema.md). A row that
+    still cannot be stored becomes an error row ("internal error: result cannot be stored: ...")
+    with its key and run columns, so that its neighbours are written and it is counted; only a
+    problem in those columns themselves (a bug upstream) still fails the batch.
+    """
+    rows = [{**row, "text": storable_text(row["text"])} if isinstance(row.get("text"), str) else row for row in rows]
+    try:
+        return rows_to_table(rows)
+    except ValueError:
+        pass
+    stored = []
+    for row in rows:
+        try:
+            rows_to_table([row])
+            stored.append(row)
+        except ValueError as e:
+            message = f"internal error: result cannot be stored: {e}".encode("utf-8", "backslashreplace").decode()
+            logger.error("row %r: %s", row.get("row_key"), message)
+            stored.append({**{k: row.get(k) for k in _KEPT_ON_ERROR}, "finish_reason": "error", "error": message})
+    return rows_to_table(stored)
+
+
 def conform(table: pa.Table) -> pa.Table:
     """`table` with exactly OUTPUT_SCHEMA (including its nullability flags and metadata).
 

@@ -10,6 +10,11 @@ the cluster. The flow:
 
 Everything that can be checked before work starts is checked first: the config, the inputs,
 the output location, the target, the draft head and the N-gram trie.
+
+Exit status: 0 when every input row has its output row (bad rows are error rows, not failures);
+2 for a problem found before any generation (config, artifacts, an input file that cannot be
+read); 1 when reading an input or writing a part fails for an I/O reason after generation began:
+the message names the file, the parts written stay, and `run.resume=true` finishes the job.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,7 +35,7 @@ import ray
 from dart_worker.drafters import drafter_spec
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
-from pipeline.inputs import read_prompts_with_report
+from pipeline.inputs import InputError, read_prompts_with_report
 from pipeline.ngram_store import TrieUnavailableError, check_trie_url, shutdown_ngram_stores
 from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
 from pipeline.storage import StorageError, expand_inputs, filesystem_for
@@ -42,6 +48,38 @@ SUMMARY_NAME = "_job_summary.json"
 
 class StartupError(RuntimeError):
     """Something the job needs is missing or broken; raised before any generation."""
+
+
+class JobFailed(RuntimeError):
+    """An input file could not be read, or a part not written, after generation began.
+
+    Content never fails a job (bad rows are error rows); this is I/O: a file that became
+    unreadable, a store that went away. Parts already written stay, so `run.resume=true` finishes.
+    """
+
+
+_REMOTE_FAILURE = re.compile(r"^pipeline\.(?:storage\.StorageError|inputs\.InputError): (.+)$", re.MULTILINE)
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """The one-line message of the InputError or StorageError behind `exc`, or None if there is none.
+
+    Ray Data raises a read task's error as RayTaskError(InputError), with Ray's notes appended to
+    the message. A UDF's error (the writer's StorageError) arrives as a UserCodeException that
+    no longer carries it, only its traceback text, where the original line is found instead.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (InputError, StorageError)):
+            original = getattr(e, "cause", None)
+            return str(original if isinstance(original, (InputError, StorageError)) else e).split("\n", 1)[0]
+        pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    found = _REMOTE_FAILURE.search(str(exc))
+    return found.group(1) if found else None
 
 
 # ------------------------------------------------------------------------------- artifacts
@@ -199,10 +237,23 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     check_cpu_budget(cfg)
     tally = RunTally()
     try:
-        ds, duplicates = build_dataset(cfg, resolved, done_keys)
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            tally.add(batch)
-            tally.maybe_print(cfg.run.progress_interval_s)
+        try:  # reads every input once (the duplicate-id pass): an unreadable file stops the job here
+            ds, duplicates = build_dataset(cfg, resolved, done_keys)
+        except (InputError, StorageError) as exc:
+            raise StartupError(f"input: {exc}") from None
+        try:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                tally.add(batch)
+                tally.maybe_print(cfg.run.progress_interval_s)
+        except Exception as exc:
+            reason = storage_failure(exc)
+            if reason is None:
+                raise
+            raise JobFailed(
+                f"{reason}\n  the job stopped; every part already written under {cfg.output.url} is kept "
+                f"({tally.rows} rows reported by this run, {len(done_keys)} by earlier ones): once the cause is "
+                f"fixed, rerun with run.resume=true to generate the rest"
+            ) from None
     finally:
         shutdown_ngram_stores()
     print(tally.progress_line())
@@ -226,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     this = summary["this_run"]
     print(json.dumps({k: this[k] for k in ("rows", "rows_ok", "rows_failed", "generated_tokens", "tokens_per_s")}
                      | {"mean_tau": this["tau"].get("mean"), "output": summary["output"]}, indent=1))

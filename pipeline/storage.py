@@ -107,7 +107,8 @@ def _expand_one(url: str, storage_options: dict[str, Any] | None) -> list[str]:
     fs, path = filesystem_for(url, storage_options)
     try:
         fs.invalidate_cache()
-        if any(c in path for c in _GLOB_CHARS):
+        # A name holding glob characters ("prompts[1].jsonl") that exists is that file, not a pattern.
+        if any(c in path for c in _GLOB_CHARS) and not fs.isfile(path):
             # As in a shell, a pattern matches hidden (dot) files only when it asks for them.
             show_hidden = posixpath.basename(path).startswith(".")
             matches = [

@@ -73,8 +73,9 @@ class RunTally:
 
 
 def _error_kind(message: str) -> str:
-    """Group error messages by their stable prefix (before any row-specific detail)."""
-    return message.split(":")[0].split("(")[0].strip()[:80]
+    """Group error messages by their stable prefix (before any row-specific detail); a row with several
+    problems ("missing id; empty prompt") counts under its first."""
+    return message.split(";")[0].split(":")[0].split("(")[0].strip()[:80]
 
 
 def tau_distribution(taus: list[float]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from dart_worker.prompt_format import encode_prompt, format_messages, format_use
 from dart_worker.sampling import SamplingParams
 from pipeline.config import PipelineConfig, from_dict
 from pipeline.ngram_store import acquire_trie
-from pipeline.outputs import rows_to_table
+from pipeline.outputs import result_rows_to_table
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class GenerationWorker:
         finished_at = datetime.now(UTC)
         for out in outputs:
             out["finished_at"] = finished_at
-        return rows_to_table(outputs)
+        return result_rows_to_table(outputs)
 
     def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:
         if not requests:

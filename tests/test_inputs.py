@@ -34,6 +34,7 @@ from pipeline.inputs import (
     read_prompts_with_report,
 )
 from pipeline.storage import StorageError, expand_inputs
+from tests.hostile_inputs import ShortReads, line_as_read
 from tests.s3_server import local_ray_for, running_s3_server
 
 TEXT = PromptFields()
@@ -52,6 +53,10 @@ def test_normalise_id():
     assert normalise_id(True) == (None, "id is not a string or integer (got bool)")
     assert normalise_id(1.0) == (None, "id is not a string or integer (got float)")
     assert normalise_id({"a": 1}) == (None, "id is not a string or integer (got object)")
+    assert normalise_id(b"k") == ("k", None)  # Parquet binary
+    assert normalise_id(b"\xffk") == (None, "id is not valid UTF-8 (byte 0xff at offset 0)")
+    assert normalise_id("a\udcff") == (
+        None, "id holds a lone surrogate (U+DCFF at character 1), which is not valid Unicode text")
 
 
 def test_normalise_text_prompt():
@@ -64,6 +69,12 @@ def test_normalise_text_prompt():
     assert normalise_text_prompt(["a"], None) == (None, "prompt is not a string (got list)")
     assert normalise_text_prompt("abcd", 4) == ("abcd", None)
     assert normalise_text_prompt("abcde", 4) == (None, "prompt longer than 4 characters (got 5)")
+    assert normalise_text_prompt("caf\xe9".encode(), None) == ("caf\xe9", None)
+    assert normalise_text_prompt(b" \n", None) == (None, "empty prompt")
+    assert normalise_text_prompt(b"ok\xc3", None) == (None, "prompt is not valid UTF-8 (byte 0xc3 at offset 2)")
+    assert normalise_text_prompt("\ud83d\ude00", None) == (
+        None, "prompt holds a lone surrogate (U+D83D at character 0), which is not valid Unicode text")
+    assert normalise_text_prompt("\U0001f600", None) == ("\U0001f600", None)
 
 
 def test_normalise_messages():
@@ -79,6 +90,12 @@ def test_normalise_messages():
     assert normalise_messages([3], None) == (None, "message 0 is not an object (got int)")
     assert normalise_messages([{"content": "x"}], None) == (None, "message 0 has no string 'role'")
     assert normalise_messages([{"role": "user"}], None) == (None, "message 0 'content' is not a string (got null)")
+    assert normalise_messages([{"role": b"user", "content": b"hi"}], None) == (
+        '[{"role": "user", "content": "hi"}]', None)
+    assert normalise_messages([{"role": "user", "content": "\udc80"}], None) == (
+        None, "message 0 'content' holds a lone surrogate (U+DC80 at character 0), which is not valid Unicode text")
+    assert normalise_messages([{"role": b"\x80", "content": "c"}], None) == (
+        None, "message 0 'role' is not valid UTF-8 (byte 0x80 at offset 0)")
     # Non-ASCII text survives as is (ensure_ascii=False), so lengths and tokens are the user's.
     assert json.loads(normalise_messages([{"role": "user", "content": "é\u2028"}], None)[0])[0]["content"] == "é\u2028"
 
@@ -110,20 +127,13 @@ def test_prompt_fields_validation():
         PromptFields(max_prompt_chars=0)
 
 
-class _Chunked(io.BytesIO):
-    """A stream that returns at most `limit` bytes per read, like a network stream may."""
-
-    def __init__(self, data: bytes, limit: int):
-        super().__init__(data)
-        self.limit = limit
-
-    def read(self, n: int = -1) -> bytes:
-        return super().read(self.limit if n < 0 else min(n, self.limit))
+BOM = b"\xef\xbb\xbf"
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=12),
+    lines=st.lists((st.binary(max_size=12) | st.just(BOM * 2 + b"x")).map(lambda b: b.replace(b"\n", b"")),
+                   max_size=12),
     trailing_newline=st.booleans(),
     chunk=st.integers(1, 9),
 )
@@ -134,17 +144,19 @@ def test_iter_lines_matches_split(lines, trailing_newline, chunk):
         expected.pop()
     if data == b"":
         expected = []
-    got = list(iter_lines(_Chunked(data, chunk), chunk_bytes=chunk))
+    got = list(iter_lines(ShortReads(data, chunk), chunk_bytes=chunk))
     assert [n for n, _ in got] == list(range(1, len(expected) + 1))
-    assert [line for _, line in got] == [e.removesuffix(b"\r") for e in expected] or data.startswith(b"\xef\xbb\xbf")
+    # every line loses a trailing CR and its leading BOMs, whatever the read sizes
+    assert [line for _, line in got] == [line_as_read(e) for e in expected]
 
 
 def test_iter_lines_bom_crlf_and_unicode_separators():
-    data = b'\xef\xbb\xbf{"a": 1}\r\n{"b": "x\xe2\x80\xa8y\xc2\x85z"}\n\n'
+    data = b'\xef\xbb\xbf{"a": 1}\r\n{"b": "x\xe2\x80\xa8y\xc2\x85z"}\n\n\xef\xbb\xbf{"c": 3}'
     assert list(iter_lines(io.BytesIO(data), chunk_bytes=4)) == [
         (1, b'{"a": 1}'),
         (2, b'{"b": "x\xe2\x80\xa8y\xc2\x85z"}'),
         (3, b""),
+        (4, b'{"c": 3}'),  # files saved with a BOM, then concatenated
     ]
 
 

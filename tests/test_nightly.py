@@ -259,7 +259,7 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(config_path, fake_p
     assert calls == []
 
 
-def test_pipeline_start_up_and_storage_errors_become_nightly_errors(config_path, monkeypatch):
+def test_pipeline_start_up_storage_and_run_errors_become_nightly_errors(config_path, monkeypatch):
     try:
         import pipeline.run as pipeline_run
         from pipeline.storage import StorageError
@@ -267,7 +267,8 @@ def test_pipeline_start_up_and_storage_errors_become_nightly_errors(config_path,
         pytest.skip(f"pipeline.run does not import: {exc}")
     night = _night(config_path)
     for error, prefix in ((pipeline_run.StartupError("model.trie: missing"), "start-up"),
-                          (StorageError("no files match s3://b/2026-11-20/*.jsonl"), "storage")):
+                          (StorageError("no files match s3://b/2026-11-20/*.jsonl"), "storage"),
+                          (pipeline_run.JobFailed("cannot read s3://b/2026-11-20/a.jsonl: OSError: reset"), "run")):
         def fail(config, error=error):
             raise error
 

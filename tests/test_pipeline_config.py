@@ -60,6 +60,19 @@ def test_missing_required_values(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_unparsable_yaml_is_a_config_error(tmp_path, minimal):
+    """YAML that cannot parse (syntax, an escaped lone surrogate, bytes that are not UTF-8) is a ConfigError too."""
+    cases = {"syntax.yaml": b"input: {urls: [a]\noutput: {url: o}\n",
+             "surrogate.yaml": MINIMAL.encode() + b'decoding: {stop: ["x\\udcff"]}\n',
+             "latin1.yaml": MINIMAL.encode() + b"run: {run_id: caf\xe9}\n"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=rf"invalid config: cannot parse {tmp_path / name}: "):
+            load_config(tmp_path / name)
+    with pytest.raises(ConfigError, match=r"invalid config: cannot parse an override: .*invalid Unicode"):
+        load_config(minimal, ['decoding.stop=["a\\udcffb"]'])
+
+
 def test_several_problems_are_reported_together(minimal):
     with pytest.raises(ConfigError) as err:
         load_config(minimal, ["decoding.top_k=-1", "resources.batch_size=0"])
