@@ -18,6 +18,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from dart_worker.drafters import drafter_names
+from ngram_native import TreeParams
 from pipeline.config import PipelineConfig, to_dict
 from pipeline.inputs import INPUT_SCHEMA
 from pipeline.outputs import OUTPUT_SCHEMA, read_output, result_rows_to_table, storable_text, write_part
@@ -26,7 +28,7 @@ from tests.hostile_inputs import SPECIAL_TOKENS
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 
 MAX_POSITIONS = 256  # the tiny target's context
-MODES = ("ar", "chain", "ddtree", "dart")
+MODES = drafter_names()  # every registered drafter, lookup and the hybrids included
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def workers(tmp_path_factory):
         cfg.model.target, cfg.model.draft_head = artifacts["target"], artifacts["head"]
         cfg.model.trie = artifacts["trie"]
         cfg.model.dtype, cfg.model.device = "fp32", "cpu"
-        cfg.decoding.mode, cfg.decoding.budget = mode, 8
+        cfg.decoding.mode, cfg.decoding.tree = mode, TreeParams(budget=8)
         cfg.resources.torch_threads = 1
         cfg.output.include_token_ids = True
         resolved = {"run_id": "fuzz", "head_dir": artifacts["head"], "trie_url": artifacts["trie"]}
