@@ -226,6 +226,22 @@ def exact_two_token_distribution(model, prompt: list[int], params: SamplingParam
     return (first[:, None] * second).double().numpy()
 
 
+def assert_first_two_tokens_follow_the_target(model, prompt, params, results) -> None:
+    """Chi-square of the sampled (y1, y2) cells against the exact warped target distribution."""
+    expected = exact_two_token_distribution(model, prompt, params) * len(results)
+    counts = np.zeros_like(expected)
+    for r in results:
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expect = np.append(expected[keep], expected[~keep].sum())
+    if expect[-1] == 0:
+        observed, expect = observed[:-1], expect[:-1]
+    assert counts[~(expected > 0)].sum() == 0, "sampled a token the warped target gives probability 0"
+    p_value = scipy_stats.chisquare(observed, expect * observed.sum() / expect.sum()).pvalue
+    assert p_value > 1e-3, p_value
+
+
 @pytest.mark.parametrize("mode", ["dart", "ddtree"])
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
 def test_sampled_tokens_follow_the_target_distribution(mode, warp, tmp_path):
@@ -240,16 +256,19 @@ def test_sampled_tokens_follow_the_target_distribution(mode, warp, tmp_path):
     params = [SamplingParams(**warp, seed=i, max_new_tokens=3) for i in range(draws)]
     engine = make_engine(model, mode, top_k=vocab, budget=12, beam_width=4)
     results = engine.generate([prompt] * draws, params)
-    counts = np.zeros((vocab, vocab))
-    for r in results:
-        counts[r.token_ids[0], r.token_ids[1]] += 1
-    expected = exact_two_token_distribution(model, prompt, params[0]) * draws
-    keep = expected >= 5
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expect = np.append(expected[keep], expected[~keep].sum())
-    if expect[-1] == 0:
-        observed, expect = observed[:-1], expect[:-1]
-    assert counts[~(expected > 0)].sum() == 0, "sampled a token the warped target gives probability 0"
-    p_value = scipy_stats.chisquare(observed, expect * observed.sum() / expect.sum()).pvalue
-    assert p_value > 1e-3, p_value
+    assert_first_two_tokens_follow_the_target(model, prompt, params[0], results)
     assert np.mean([r.stats.accept_lengths[0] for r in results]) > 0.3  # trees were really used
+
+
+def test_sampled_tokens_follow_the_target_distribution_with_context_nodes():
+    """As above, with the hybrid drafter: lookup nodes from the repeating prompt are grafted into
+    the DART tree (min match 1, so every y1 seen in the prompt has a continuation to propose)."""
+    vocab = 8
+    model = tiny_model("llama", vocab_size=vocab, initializer_range=0.1)
+    prompt = [3, 5, 1, 6, 3, 5, 1, 6, 2, 4, 7, 0, 2]
+    draws = 4000
+    params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=3) for i in range(draws)]
+    engine = make_engine(model, "dart_lookup", top_k=vocab, budget=12, beam_width=4, lookup_min_match=1)
+    results = engine.generate([prompt] * draws, params)
+    assert_first_two_tokens_follow_the_target(model, prompt, params[0], results)
+    assert sum(r.stats.accepted_by_source["context"] for r in results) > 100  # context nodes were accepted
