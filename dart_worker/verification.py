@@ -58,6 +58,7 @@ import torch
 
 from dart_worker.sampling import SamplingParams, warp_logits_to_probs
 from dart_worker.tree_batch import TreeLike, check_tree
+from ngram_native.trees import children
 
 # Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
 # anything further off means non-finite or otherwise broken logits.
@@ -127,35 +128,61 @@ def _greedy_walk(tree: TreeLike, argmax: np.ndarray) -> Acceptance:
 def verify_greedy_by_rows(
     trees: Sequence[TreeLike], row_logits: Callable[[np.ndarray, np.ndarray], torch.Tensor]
 ) -> list[Acceptance]:
-    """Greedy verification of B trees that reads the logits of only the rows the walk visits.
+    """Greedy verification of B trees that projects to the vocabulary only rows the walk may read.
 
     `row_logits(batch_index, rows)` returns [len(rows), V] logits of those (sequence, row) pairs
-    (row 0 = root, i + 1 = node i). Level by level, every tree still walking asks for one row: the
-    root, then the node it just accepted; a tree stops at the first row whose argmax has no
-    matching child (that argmax is the bonus). The result equals `verify_batch` on full logits
-    (same argmax rule: the first maximum), while the vocabulary projection runs on about
-    tau + 1 rows per tree instead of all N + 1 (on a CPU most of a verify forward's cost).
+    (row 0 = root, i + 1 = node i). Each call asks, per tree still walking, for the rows of its
+    current node and of the chain of first children below it (the drafter's most likely path,
+    siblings come best first): when the target agrees with that path - the common case, and a
+    lookup draft is usually a single chain - one call covers the whole accepted path; a walk that
+    leaves it for another child asks again from there. The result equals `verify_batch` on full
+    logits (same argmax rule: the first maximum), while the projection runs on the predicted
+    path instead of all N + 1 rows (on a CPU most of a verify forward's cost).
     """
+    tables = [children(np.asarray(t.parents)) for t in trees]
     node = [-1] * len(trees)
     paths: list[list[int]] = [[] for _ in trees]
     results: list[Acceptance | None] = [None] * len(trees)
     walking = list(range(len(trees)))
     while walking:
-        index = np.asarray(walking, dtype=np.int64)
-        rows = np.asarray([node[b] + 1 for b in walking], dtype=np.int64)
-        argmax = row_logits(index, rows).max(dim=-1).indices.cpu().numpy()
-        still = []
-        for b, token in zip(walking, argmax.tolist()):
-            tree = trees[b]
-            match = np.flatnonzero((np.asarray(tree.parents) == node[b]) & (np.asarray(tree.tokens) == token))
-            if match.size == 0:
-                results[b] = _acceptance(tree, paths[b], int(token))
-            else:
-                node[b] = int(match[0])
-                paths[b].append(node[b])
-                still.append(b)
+        chains = [_first_child_chain(tables[b], node[b]) for b in walking]
+        index = np.repeat(np.asarray(walking, dtype=np.int64), [len(c) for c in chains])
+        rows = np.concatenate([np.asarray(c, dtype=np.int64) + 1 for c in chains])
+        argmax = row_logits(index, rows).max(dim=-1).indices.cpu().numpy().tolist()
+        still, offset = [], 0
+        for b, chain in zip(walking, chains):
+            tree, table = trees[b], tables[b]
+            for k, current in enumerate(chain):
+                token = argmax[offset + k]
+                child = _child_with(tree, table, current, token)
+                if child < 0:
+                    results[b] = _acceptance(tree, paths[b], token)
+                    break
+                paths[b].append(child)
+                node[b] = child
+                if k + 1 == len(chain) or chain[k + 1] != child:
+                    still.append(b)  # off the predicted path (or past its end): ask from here
+                    break
+            offset += len(chain)
         walking = still
     return results
+
+
+def _first_child_chain(table: tuple[np.ndarray, np.ndarray], node: int) -> list[int]:
+    """`node`, then its first child, that child's first child, ... (-1 = the root)."""
+    offsets, child_idx = table
+    chain = [node]
+    while offsets[node + 2] > offsets[node + 1]:
+        node = int(child_idx[offsets[node + 1]])
+        chain.append(node)
+    return chain
+
+
+def _child_with(tree: TreeLike, table: tuple[np.ndarray, np.ndarray], node: int, token: int) -> int:
+    offsets, child_idx = table
+    kids = child_idx[offsets[node + 1] : offsets[node + 2]]
+    hit = np.flatnonzero(np.asarray(tree.tokens)[kids] == token)
+    return int(kids[hit[0]]) if hit.shape[0] else -1
 
 
 # ---------------------------------------------------------------------------- sampling
