@@ -58,7 +58,7 @@ import torch
 
 from dart_worker.sampling import SamplingParams, warp_logits_to_probs
 from dart_worker.tree_batch import TreeLike, check_tree
-from ngram_native.trees import children
+from ngram_native.trees import SOURCE_CONTEXT, children
 
 # Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
 # anything further off means non-finite or otherwise broken logits.
@@ -131,13 +131,14 @@ def verify_greedy_by_rows(
     """Greedy verification of B trees that projects to the vocabulary only rows the walk may read.
 
     `row_logits(batch_index, rows)` returns [len(rows), V] logits of those (sequence, row) pairs
-    (row 0 = root, i + 1 = node i). Each call asks, per tree still walking, for the rows of its
-    current node and of the chain of first children below it (the drafter's most likely path,
-    siblings come best first): when the target agrees with that path - the common case, and a
-    lookup draft is usually a single chain - one call covers the whole accepted path; a walk that
-    leaves it for another child asks again from there. The result equals `verify_batch` on full
-    logits (same argmax rule: the first maximum), while the projection runs on the predicted
-    path instead of all N + 1 rows (on a CPU most of a verify forward's cost).
+    (row 0 = root, i + 1 = node i). Each call asks, per tree still walking, for the row of its
+    current node and, ahead of the walk, the rows of the chain of first children below it that
+    context lookup proposed (`SOURCE_CONTEXT` nodes: copied text, accepted in long runs; head
+    nodes are accepted about one level at a time, so projecting ahead through them mostly wastes
+    rows). One call then covers a whole accepted lookup span; a walk that leaves the predicted
+    chain asks again from where it is. The result equals `verify_batch` on full logits (same
+    argmax rule: the first maximum), while the projection runs on about the accepted path instead
+    of all N + 1 rows (on a CPU most of a verify forward's cost).
     """
     tables = [children(np.asarray(t.parents)) for t in trees]
     node = [-1] * len(trees)
@@ -145,7 +146,7 @@ def verify_greedy_by_rows(
     results: list[Acceptance | None] = [None] * len(trees)
     walking = list(range(len(trees)))
     while walking:
-        chains = [_first_child_chain(tables[b], node[b]) for b in walking]
+        chains = [_predicted_chain(tables[b], trees[b], node[b]) for b in walking]
         index = np.repeat(np.asarray(walking, dtype=np.int64), [len(c) for c in chains])
         rows = np.concatenate([np.asarray(c, dtype=np.int64) + 1 for c in chains])
         argmax = row_logits(index, rows).max(dim=-1).indices.cpu().numpy().tolist()
@@ -168,12 +169,16 @@ def verify_greedy_by_rows(
     return results
 
 
-def _first_child_chain(table: tuple[np.ndarray, np.ndarray], node: int) -> list[int]:
-    """`node`, then its first child, that child's first child, ... (-1 = the root)."""
+def _predicted_chain(table: tuple[np.ndarray, np.ndarray], tree: TreeLike, node: int) -> list[int]:
+    """`node` (-1 = the root), then its first child, that child's first child, ... as long as
+    each is a context-lookup node (trees that do not record sources: `node` alone)."""
+    sources = getattr(tree, "sources", None)
     offsets, child_idx = table
     chain = [node]
-    while offsets[node + 2] > offsets[node + 1]:
+    while sources is not None and offsets[node + 2] > offsets[node + 1]:
         node = int(child_idx[offsets[node + 1]])
+        if not sources[node] & SOURCE_CONTEXT:
+            break
         chain.append(node)
     return chain
 

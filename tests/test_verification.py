@@ -12,6 +12,7 @@ empirically), and deliberately biased verifiers must fail the same test.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from dart_worker.verification import (
     verify_greedy,
     verify_sampling,
 )
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
 from tests.test_sampling import transformers_probs
 from tests.test_tree_batch import make_tree, random_tree, trees
 
@@ -88,7 +90,11 @@ def test_greedy_walk_by_rows_projects_each_row_once_and_equals_full_verification
         asked.append(list(zip(index.tolist(), rows.tolist())))
         return logits[torch.from_numpy(index), torch.from_numpy(rows)]
 
-    lazy = verification.verify_greedy_by_rows(batch_trees, row_logits)
+    # Half the nodes marked as context-lookup proposals: the walk projects ahead through those.
+    marked = [dataclasses.replace(t, sources=np.asarray(data.draw(st.lists(
+        st.sampled_from([SOURCE_HEAD, SOURCE_CONTEXT]), min_size=len(t.tokens), max_size=len(t.tokens))),
+        dtype=np.uint8)) for t in batch_trees]
+    lazy = verification.verify_greedy_by_rows(marked, row_logits)
     greedy = SamplingParams(temperature=0.0)
     full = verify_batch(batch_trees, logits, [greedy] * len(batch_trees), [None] * len(batch_trees))
     for a, b in zip(lazy, full):
