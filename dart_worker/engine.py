@@ -176,6 +176,8 @@ class DecodingEngine:
 
         while True:
             keep = [b for b, s in enumerate(live) if not s.finish_reason]
+            if len(keep) < len(live):
+                drafter.finish([s.tokens for s in live if s.finish_reason])
             if not keep:
                 return
             if len(keep) < len(live):

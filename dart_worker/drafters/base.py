@@ -5,6 +5,7 @@ One batch of decoding drives a drafter like this (see `DecodingEngine._decode`):
     drafter.start(batch_size)
     drafter.observe(prefill block)                 # the prompts' rows, committed by prefill
     loop:
+        drafter.finish(tokens of finished ones)    # sequences that ended, before they leave
         drafter.select(keep)                       # finished sequences leave the batch
         trees = drafter.propose(tokens, depth_caps)  # one DraftTree per live sequence
         ... the target verifies the trees, the engine commits the accepted rows ...
@@ -53,6 +54,11 @@ class Drafter(ABC):
 
     def observe(self, block: CommittedBlock) -> None:  # noqa: B027
         """Rows the target just committed (the prompts after prefill, then every round's)."""
+
+    def finish(self, tokens: Sequence[Sequence[int]]) -> None:  # noqa: B027
+        """Sequences that ended (each one's prompt + generated tokens), called once per sequence
+        before `select` drops it: a drafter that learns from finished outputs (a job-level cache)
+        reads them here. Errors never reach it: only rows that decoded."""
 
     def select(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only the sequences at indices `keep` (the others finished), in that order."""

@@ -35,6 +35,10 @@ class HybridDrafter(Drafter):
         self.inner.observe(block)
         self.context.observe(block)
 
+    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
+        self.inner.finish(tokens)
+        self.context.finish(tokens)
+
     def select(self, keep: torch.Tensor) -> None:
         self.inner.select(keep)
         self.context.select(keep)

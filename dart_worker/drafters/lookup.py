@@ -39,6 +39,9 @@ class ContextIndexes:
             if len(tokens) > len(index):
                 index.append(tokens[len(index):])
 
+    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Finished sequences: nothing kept yet (a job-level cache of outputs would read them)."""
+
     def select(self, keep: torch.Tensor) -> None:
         self.indexes = [self.indexes[b] for b in keep.tolist()]
 
@@ -66,6 +69,9 @@ class LookupDrafter(Drafter):
 
     def observe(self, block: CommittedBlock) -> None:
         self.context.observe(block)
+
+    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
+        self.context.finish(tokens)
 
     def select(self, keep: torch.Tensor) -> None:
         self.context.select(keep)
