@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
 from dart_worker.stats import RequestStats
@@ -71,6 +72,7 @@ class DecodingEngine:
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
         defer_logits: bool | None = None,
+        sizer: TreeSizer | None = None,
     ):
         """`defer_logits`: in rounds where every request is greedy, project to the vocabulary only
         the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU where a
@@ -85,6 +87,9 @@ class DecodingEngine:
         if defer_logits is None:
             defer_logits = self.device.type == "cpu" and target.deferred_logits_pay()
         self.defer_logits = defer_logits
+        # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
+        # drafter's trees as built (`fixed`).
+        self.sizer = sizer
 
     # ------------------------------------------------------------------ public
 
@@ -186,8 +191,9 @@ class DecodingEngine:
                 drafter.select(index)
                 live = [live[b] for b in keep]
 
+            round_start = self._now()
+            trees, model_seconds = self._draft(live, state)
             t0 = self._now()
-            trees = self._propose(live, state)
             batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
                                          vocab_size=target.vocab_size)
             self._charge(live, "tree", t0)
@@ -198,7 +204,7 @@ class DecodingEngine:
             out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred)
             if deferred:  # the walk's vocabulary projections are part of verifying
                 acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
-            self._charge(live, "verify", t0)
+            verify_seconds = self._charge(live, "verify", t0)
 
             t0 = self._now()
             if not deferred:
@@ -213,6 +219,10 @@ class DecodingEngine:
             self._finish_at_context_limit(live, state)
             self._charge(live, "commit", t0)
             self._observe(live, out.taps, rows)
+            if self.sizer is not None:
+                self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
+                                   verify_seconds)
+                self.sizer.record_overhead(self._now() - round_start - verify_seconds - model_seconds)
 
     def _observe(self, live: list[_Sequence], taps: torch.Tensor, rows) -> None:
         """Hand the drafter the rows just committed, unless every sequence is done."""
@@ -222,12 +232,33 @@ class DecodingEngine:
         self.drafter.observe(CommittedBlock(taps=taps, rows=rows, tokens=[s.tokens for s in live]))
         self._charge(live, "draft", t0)
 
-    def _propose(self, live: list[_Sequence], state) -> list[DraftTree]:
-        """The drafter's trees within each sequence's depth cap (no call when no sequence has room)."""
+    def _draft(self, live: list[_Sequence], state) -> tuple[list[DraftTree], float]:
+        """This round's trees (and the seconds the drafter's model took, 0 when it did not run).
+
+        With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
+        cut to the size the cost model chooses. Model work is charged as 'draft', building the
+        trees as 'tree'.
+        """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:
-            return [empty_tree() for _ in live]
-        return self.drafter.propose([s.tokens for s in live], caps)
+            return [empty_tree() for _ in live], 0.0
+        drafter, sizer = self.drafter, self.sizer
+        model_on = drafter.has_model and (sizer is None or sizer.model_wanted())
+        drafter.pause_model(drafter.has_model and not model_on)
+        t0 = self._now()
+        if model_on:
+            drafter.catch_up()
+        model_seconds = self._charge(live, "draft", t0) if model_on else 0.0
+        t0 = self._now()
+        trees = drafter.propose([s.tokens for s in live], caps)
+        tree_seconds = self._charge(live, "tree", t0)
+        if sizer is None:
+            return trees, model_seconds
+        if model_on:
+            sizer.record_model_seconds(model_seconds + tree_seconds)
+            model_seconds += tree_seconds
+        sized = sizer.fit(trees, model_ran=model_on)
+        return sized.trees, model_seconds
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:
         """Deepest draft node worth verifying per sequence: tokens left and context room."""
@@ -302,10 +333,12 @@ class DecodingEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _charge(self, live: list[_Sequence], stage: str, started: float) -> None:
+    def _charge(self, live: list[_Sequence], stage: str, started: float) -> float:
+        """Add the seconds since `started` to every live sequence's `stage`; return them."""
         elapsed = self._now() - started
         for seq in live:
             seq.stats.stage_seconds[stage] += elapsed
+        return elapsed
 
 
 def _row_logits(target: TargetAdapter, hidden: torch.Tensor):

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from dart_worker.cost_model import make_sizer
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
 from dart_worker.target import TargetAdapter
@@ -66,11 +67,13 @@ def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto",
 
 
 def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
-                 defer_logits: bool | None = None) -> DecodingEngine:
+                 defer_logits: bool | None = None, sizing: str = "fixed") -> DecodingEngine:
     """An engine decoding with the drafter registered as `mode`; ValueError if it needs a head and
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
     one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
-    see `DecodingEngine` (None = where it pays, on a CPU)."""
+    see `DecodingEngine` (None = where it pays, on a CPU). `sizing`: "auto" sizes every round's
+    trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; it
+    times the target once at build), "fixed" verifies the trees as the drafter builds them."""
     spec = drafter_spec(mode)
     if spec.needs_head and parts.head is None:
         raise ValueError(f"mode {mode!r} needs a draft head")
@@ -78,8 +81,11 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     resources = DrafterResources(head=parts.head, trie=parts.trie, eos_token_ids=parts.eos_token_ids,
                                  vocab_size=parts.target.vocab_size, device=parts.target.device)
     drafter = spec.build(resources, tree)
-    return DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
-                          defer_logits=defer_logits)
+    engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
+                            defer_logits=defer_logits)
+    if spec.uses_tree:
+        engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits)
+    return engine
 
 
 def _head(head, target: TargetAdapter):

@@ -33,6 +33,7 @@ from ngram_native.trees import TreeParams
 
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
 FULL_LOGITS = "+full_logits"
+FIXED = "+fixed"
 
 
 @dataclass
@@ -53,6 +54,11 @@ class BenchConfig:
     # Modes also run with logits at every tree row (label "<mode>+full_logits"), side by side with
     # the default (on a CPU: deferred, only the rows the greedy walk reads).
     full_logits_modes: list[str] = field(default_factory=list)
+    # Tree sizing of the engine modes: "auto" (the measured cost model, the pipeline's default)
+    # or "fixed" (every tree at `budget`); `fixed_modes` also run fixed, labelled "<mode>+fixed".
+    sizing: str = "auto"
+    fixed_modes: list[str] = field(default_factory=list)
+    batch_size: int = 1  # prompts decoded together per generate call (transformers' modes: 1)
     seed: int = 0
     output: str | None = None  # JSON file for all figures
 
@@ -122,9 +128,10 @@ def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[
     return prompts
 
 
-def run_record(prompt_id: str, repeat: int, result) -> dict:
-    """One engine run as a benchmark record: the request's stats row plus what the summary pairs on."""
-    return {"prompt": prompt_id, "repeat": repeat, "tokens": len(result.token_ids),
+def run_record(prompt_id: str, repeat: int, result, group: int = 0) -> dict:
+    """One engine run as a benchmark record: the request's stats row plus what the summary pairs on.
+    `seconds` is the wall time of the whole batch the prompt was decoded in (`group`)."""
+    return {"prompt": prompt_id, "repeat": repeat, "group": group, "tokens": len(result.token_ids),
             "seconds": result.stats.wall_seconds, "token_ids": result.token_ids, **result.stats.to_row()}
 
 
@@ -142,8 +149,11 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
                   for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
                   and ar[_run_key(r)]["tokens"]]
         agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
+        walls = {(r.get("group", 0), r.get("repeat", 0)): r["seconds"] for r in rows}
         entry = {
             "tokens_per_second": statistics.median(tps) if tps else 0.0,
+            # Whole-run throughput: every token over the wall time of every batch.
+            "throughput": sum(r["tokens"] for r in rows) / sum(walls.values()) if sum(walls.values()) else 0.0,
             "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
             "agreement_with_ar": sum(agree) / len(agree) if agree else None,
             "runs": len(rows),
@@ -173,16 +183,16 @@ def _run_key(record: dict) -> tuple:
 
 
 def print_table(summary: dict[str, dict]) -> None:
-    print(f"{'mode':<18}{'tok/s':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}  ms/round (draft/tree/verify/commit)"
-          "  accepted from head/context")
+    print(f"{'mode':<18}{'tok/s':>8}{'total':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}"
+          "  ms/round (draft/tree/verify/commit)  accepted from head/context")
     for mode, s in summary.items():
         stages = s.get("ms_per_round")
         stage_text = "/".join(f"{stages[k]:.1f}" for k in ("draft", "tree", "verify", "commit")) if stages else "-"
         agree = "-" if s["agreement_with_ar"] is None else f"{s['agreement_with_ar']:.2f}"
         sources = s.get("accepted_tokens_by_source")
         source_text = f"{sources['head']}/{sources['context']}" if sources else "-"
-        print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s['speedup_vs_ar']:>7.2f}{s.get('tau', 1.0):>6.2f}"
-              f"{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
+        print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s.get('throughput', 0):>8.1f}{s['speedup_vs_ar']:>7.2f}"
+              f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -194,30 +204,44 @@ def main(argv: list[str] | None = None) -> dict:
     configure_cpu_threads(cfg.threads)
     parts = load_parts(cfg, cfg.modes)
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
-    engines = {mode: build_engine(parts, mode, TreeParams(budget=cfg.budget))
+    tree = TreeParams(budget=cfg.budget)
+    engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
                for mode in cfg.modes if mode in drafter_names()}
     for mode in cfg.full_logits_modes:
-        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, TreeParams(budget=cfg.budget), defer_logits=False)
-    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes)]
+        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing)
+    for mode in cfg.fixed_modes:
+        engines[f"{mode}{FIXED}"] = build_engine(parts, mode, tree, sizing="fixed")
+    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes),
+                 *(f"{m}{FIXED}" for m in cfg.fixed_modes)]
+    if cfg.batch_size > 1 and any(m in HF_MODES for m in cfg.modes):
+        print("transformers' modes run one prompt at a time: skipped at batch_size > 1")
+        cfg.modes = [m for m in cfg.modes if m not in HF_MODES]
 
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
-          f"modes {cfg.modes}, repeats {cfg.repeats}")
+          f"batch {cfg.batch_size}, sizing {cfg.sizing}, modes {cfg.modes}, repeats {cfg.repeats}")
 
     records: dict[str, list[dict]] = {m: [] for m in cfg.modes}
+    groups = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
     for repeat in range(cfg.repeats):
-        for n, (pid, ids) in enumerate(prompts):
-            params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
+        for g, group in enumerate(groups):
+            params = [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
+                      for n in group]
             for mode in cfg.modes:
                 if mode in HF_MODES:
-                    token_ids, seconds = run_hf(model, ids, mode, cfg.max_new_tokens, eos,
+                    (n,) = group
+                    token_ids, seconds = run_hf(model, prompts[n][1], mode, cfg.max_new_tokens, eos,
                                                 cfg.temperature, cfg.seed + n)
-                    records[mode].append({"prompt": pid, "repeat": repeat, "tokens": len(token_ids),
-                                          "seconds": seconds, "token_ids": token_ids})
+                    records[mode].append({"prompt": prompts[n][0], "repeat": repeat, "group": g,
+                                          "tokens": len(token_ids), "seconds": seconds, "token_ids": token_ids})
                     continue
-                result = engines[mode].generate([ids], params)[0]
-                records[mode].append(run_record(pid, repeat, result))
-            print(f"  repeat {repeat} prompt {n + 1}/{len(prompts)} done")
+                results = engines[mode].generate([prompts[n][1] for n in group], params)
+                records[mode].extend(run_record(prompts[n][0], repeat, result, g) for n, result in zip(group, results))
+            print(f"  repeat {repeat} batch {g + 1}/{len(groups)} done")
+    for mode in cfg.modes:
+        sizer = getattr(engines.get(mode), "sizer", None)
+        if sizer is not None:
+            print(f"{mode} cost model after the run: {json.dumps(sizer.describe())}")
     summary = summarize(records)
     print_table(summary)
     report = {"config": asdict(cfg), "summary": summary, "records": records}

@@ -19,7 +19,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dart_worker.drafters import drafter_names, drafter_spec
+from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
 from ngram_native.trees import TreeParams
 
 FORMATS = ("jsonl", "parquet")
@@ -63,6 +63,10 @@ class DecodingConfig:
     # How draft trees are built (budget = nodes per round, top_k, beam_width, the DART weights,
     # max_depth): ngram_native.trees.TreeParams, handed as is to the drafter.
     tree: TreeParams = field(default_factory=TreeParams)
+    # "auto": a measured cost model cuts every round's trees to the size that maximises expected
+    # tokens per second (0 included: a plain step), up to tree.budget nodes, and pauses the draft
+    # head while it does not pay (dart_worker/cost_model.py); "fixed": every tree as built.
+    sizing: str = "auto"
 
 
 @dataclass
@@ -166,6 +170,7 @@ def validate(cfg: PipelineConfig) -> None:
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")
+    check(d.sizing in SIZING_MODES, "decoding.sizing", f"must be one of {list(SIZING_MODES)}, got {d.sizing!r}")
     for name, message in d.tree.problems():
         check(name == "budget", f"decoding.tree.{name}", message)  # budget: the stricter rule above
     check(m.tap_layers is None or len(m.tap_layers) == 3, "model.tap_layers", "must list 3 layer indices")

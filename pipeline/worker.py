@@ -65,7 +65,7 @@ class GenerationWorker:
             trie = acquire_trie(resolved["trie_url"], tokenizer_fingerprint(self.tokenizer))
         parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
-        self.engine = build_engine(parts, decoding.mode, decoding.tree)
+        self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
 

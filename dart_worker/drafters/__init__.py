@@ -7,6 +7,7 @@ drives. Adding a drafter = one module with a `Drafter` subclass + one `register_
 """
 
 from dart_worker.drafters.registry import (
+    SIZING_MODES,
     DrafterResources,
     DrafterSpec,
     drafter_names,
@@ -16,6 +17,7 @@ from dart_worker.drafters.registry import (
 )
 
 __all__ = [
+    "SIZING_MODES",
     "DrafterResources",
     "DrafterSpec",
     "drafter_names",

@@ -7,6 +7,7 @@ One batch of decoding drives a drafter like this (see `DecodingEngine._decode`):
     loop:
         drafter.finish(tokens of finished ones)    # sequences that ended, before they leave
         drafter.select(keep)                       # finished sequences leave the batch
+        drafter.pause_model(...); drafter.catch_up()  # the cost model: is the model worth running?
         trees = drafter.propose(tokens, depth_caps)  # one DraftTree per live sequence
         ... the target verifies the trees, the engine commits the accepted rows ...
         drafter.observe(verify block)              # the rows just committed
@@ -48,6 +49,9 @@ class Drafter(ABC):
     """Proposes draft trees for a batch; one instance serves one engine (one batch at a time)."""
 
     name: str = "?"
+    # True when proposing costs a model forward (a draft head) that the engine's cost model may
+    # pause for rounds where drafting does not pay (`pause_model`, `catch_up`).
+    has_model: bool = False
 
     def start(self, batch_size: int) -> None:  # noqa: B027 - optional hook, stateless drafters skip it
         """A new batch of `batch_size` sequences begins: forget any earlier batch."""
@@ -62,6 +66,13 @@ class Drafter(ABC):
 
     def select(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only the sequences at indices `keep` (the others finished), in that order."""
+
+    def catch_up(self) -> None:  # noqa: B027
+        """Run model work deferred since the last proposal (the engine times it as drafting)."""
+
+    def pause_model(self, paused: bool) -> None:  # noqa: B027
+        """While paused, `propose` must not run the model: it returns what it can draft without
+        it (empty trees, or a hybrid's context trees) and catches up on the rows when resumed."""
 
     @abstractmethod
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:

@@ -32,42 +32,78 @@ NGRAM_CONTEXT_TOKENS = 8
 
 
 class HeadDrafter(Drafter):
-    """Runs the draft head over every committed block and keeps its latest logits."""
+    """Runs the draft head over the committed rows and keeps its latest logits.
+
+    The head's forward is lazy: `observe` only gathers the committed rows' features, and
+    `catch_up` (called by the engine before a proposal) runs the head once over everything
+    gathered since its last run. So while the engine's cost model pauses the head (rounds where
+    drafting does not pay), it costs nothing, and resuming reads the missed rows in one call.
+    """
+
+    has_model = True
 
     def __init__(self, head, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.head = head
         self.tree = tree
         self.eos_ids = sorted(int(t) for t in eos_token_ids)
         self.cache = None
-        self.logits: torch.Tensor | None = None  # [B, D, draft vocab] from the last block
+        self.logits: torch.Tensor | None = None  # [B, D, draft vocab] after the last catch-up
+        self.paused = False
+        # Per live sequence: features [n, F] and next tokens of rows the head has not read yet.
+        self._pending_features: list[list[torch.Tensor]] = []
+        self._pending_tokens: list[list[int]] = []
 
     def start(self, batch_size: int) -> None:
         self.cache = self.head.new_cache(batch_size)
         self.logits = None
+        self._pending_features = [[] for _ in range(batch_size)]
+        self._pending_tokens = [[] for _ in range(batch_size)]
 
     def observe(self, block: CommittedBlock) -> None:
         device = self.head.device
-        batch = len(block.rows)
-        width = max(len(r) for r in block.rows)
-        row_index = torch.zeros(batch, width, dtype=torch.long)
-        next_tokens = torch.zeros(batch, width, dtype=torch.long)
-        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens)):
-            row_index[b, : len(rows)] = torch.as_tensor(rows)
+        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True)):
+            index = torch.as_tensor(rows, dtype=torch.long, device=block.taps.device)
+            self._pending_features[b].append(block.taps[b].index_select(0, index).to(device))
             # Row k of the block carries the features of its token and the embedding of the token
             # after it (shifted pairing): the last committed row pairs with the newest token.
-            next_tokens[b, : len(rows)] = torch.as_tensor(tokens[len(tokens) - len(rows) :])
-        taps = block.taps
-        row_index = row_index.to(taps.device)
-        features = torch.gather(taps, 1, row_index[:, :, None].expand(-1, -1, taps.shape[-1]))
-        num_new = torch.tensor([len(r) for r in block.rows], device=device)
-        self.logits = self.head.propose(features, next_tokens.to(device), num_new, self.cache)
+            self._pending_tokens[b].extend(tokens[len(tokens) - len(rows):])
+
+    def catch_up(self) -> None:
+        """Run the head over every row observed since its last run (one batched forward)."""
+        counts = [len(t) for t in self._pending_tokens]
+        if not any(counts):
+            return
+        if not all(counts):
+            raise RuntimeError(f"{self.name}: some sequences have no unread rows ({counts}): a block was missed")
+        device = self.head.device
+        batch, width = len(counts), max(counts)
+        features = self._pending_features
+        dim = features[0][0].shape[-1]
+        padded = torch.zeros(batch, width, dim, dtype=features[0][0].dtype, device=device)
+        next_tokens = torch.zeros(batch, width, dtype=torch.long)
+        for b in range(batch):
+            padded[b, : counts[b]] = torch.cat(features[b]) if len(features[b]) > 1 else features[b][0]
+            next_tokens[b, : counts[b]] = torch.as_tensor(self._pending_tokens[b])
+        num_new = torch.tensor(counts, device=device)
+        self.logits = self.head.propose(padded, next_tokens.to(device), num_new, self.cache)
+        self._pending_features = [[] for _ in range(batch)]
+        self._pending_tokens = [[] for _ in range(batch)]
+
+    def pause_model(self, paused: bool) -> None:
+        self.paused = paused
 
     def select(self, keep: torch.Tensor) -> None:
         self.cache.select(keep)
         if self.logits is not None:
             self.logits = self.logits[keep.to(self.logits.device)]
+        order = keep.tolist()
+        self._pending_features = [self._pending_features[b] for b in order]
+        self._pending_tokens = [self._pending_tokens[b] for b in order]
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        if self.paused:
+            return [empty_tree() for _ in tokens]
+        self.catch_up()
         if self.logits is None:
             raise RuntimeError(f"{self.name}: propose() before any observe(): the head has read nothing")
         caps = [min(c, self.tree.max_depth) if self.tree.max_depth else c for c in max_depths]

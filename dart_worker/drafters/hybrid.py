@@ -35,6 +35,16 @@ class HybridDrafter(Drafter):
         self.inner.observe(block)
         self.context.observe(block)
 
+    @property
+    def has_model(self) -> bool:
+        return self.inner.has_model
+
+    def catch_up(self) -> None:
+        self.inner.catch_up()
+
+    def pause_model(self, paused: bool) -> None:
+        self.inner.pause_model(paused)
+
     def finish(self, tokens: Sequence[Sequence[int]]) -> None:
         self.inner.finish(tokens)
         self.context.finish(tokens)

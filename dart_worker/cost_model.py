@@ -1,0 +1,324 @@
+"""A measured cost model that sizes every round's draft trees (`decoding.sizing: auto`).
+
+Speculation pays only when the tokens a tree adds are worth the time its rows cost, and both
+sides differ by machine, dtype, batch and text: a verify forward over 17 rows costs about one
+decoding step on a CPU with AMX bf16 or a GPU, but 4-6 steps on a CPU without matrix units;
+a draft head that is right half the time on one prompt is useless on the next. So nothing here
+is a constant; every round the engine asks:
+
+- `LatencyModel`: seconds of one verify forward carrying R rows (batch x (1 + tree size)),
+  measured at start-up over a grid of R and refined online from every round it runs;
+- `AcceptanceModel`: the probability that a draft node ends up on the accepted path, as a
+  function of the drafter's score of its path and of which drafter proposed it, calibrated
+  online from every verification (prior: exp(score), a calibrated drafter's path probability);
+- `TreeSizer`: from those, the tree size N (every tree cut to its best min(N, size) nodes, so
+  the padded verify block has B x (1 + N) rows) that maximises expected committed tokens per
+  second for the whole batch, 0 included (a plain decoding step). It also decides whether the
+  drafter's model forward (the draft head) is worth running next round: when trees without it
+  would commit tokens faster, the model pauses and is probed again after a back-off.
+
+Expected accepted tokens of a tree = the sum over its nodes of P(node on the accepted path)
+(linearity of expectation), which holds for greedy and sampled verification alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dart_worker.drafters.registry import SIZING_MODES
+from ngram_native.trees import SOURCE_HEAD, DraftTree
+
+# Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
+SCORE_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.15,
+                        -0.05])
+PRIOR_WEIGHT = 4.0  # pseudo-observations of the exp(score) prior per bin
+LATENCY_STEP = 0.3  # weight of one observation in the online latency refinement
+_MAX_PAUSE_ROUNDS = 32
+
+
+def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The nodes where `keep` (bool [N]) is set, which must be prefix-closed, in canonical order.
+
+    A subset of a canonical tree, in its original order, is canonical: depths stay sorted,
+    parents keep their relative order and siblings their score order.
+    """
+    if keep.all():
+        return tree
+    new_index = np.cumsum(keep) - 1
+    parents = tree.parents[keep]
+    remapped = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
+    return DraftTree(tree.tokens[keep], remapped, tree.depths[keep],
+                     None if tree.scores is None else tree.scores[keep],
+                     None if tree.sources is None else tree.sources[keep])
+
+
+class LatencyModel:
+    """Seconds of a verify forward as a piecewise-linear function of its rows, kept current online."""
+
+    def __init__(self, rows: list[int], seconds: list[float]):
+        if len(rows) < 2 or sorted(set(rows)) != list(rows):
+            raise ValueError(f"need >= 2 increasing grid rows, got {rows}")
+        self.rows = np.asarray(rows, dtype=np.float64)
+        self.seconds = np.maximum(np.asarray(seconds, dtype=np.float64), 1e-6)
+
+    @classmethod
+    def measure(cls, target, *, defer_logits: bool, max_rows: int = 128, context: int = 128,
+                passes: int = 3) -> LatencyModel:
+        """Time real verify forwards of one sequence (a `context`-token prefix, then chain trees of
+        R - 1 nodes) for R = 1, 2, 4, ... max_rows: the median of `passes` passes over the grid
+        after a warm-up (passes, not back-to-back repeats, so a burst of load elsewhere on the
+        machine lands on one sample of many sizes instead of every sample of one size).
+
+        On a CPU the cost of a forward grows with its rows whatever batch they belong to, on a
+        GPU it barely does; rows of a larger batch are charged through the same curve and the
+        online refinement corrects what that misses.
+        """
+        grid = [1]
+        while grid[-1] < max_rows:
+            grid.append(min(grid[-1] * 2, max_rows))
+        device = target.device
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, target.vocab_size, (context,), generator=generator).tolist()
+        state = target.new_state(1)
+        target.prefill(state, [prompt])
+
+        def seconds_of(rows: int) -> float:
+            tokens = torch.randint(0, target.vocab_size, (1, rows), generator=generator).to(device)
+            depth = torch.arange(rows, device=device)[None]
+            ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()[None]
+            start = _now(device)
+            out = target.verify(state, tokens, depth, ancestor, defer_logits=defer_logits)
+            if defer_logits:
+                target.logits_at(out.hidden[:, :1])
+            elapsed = _now(device) - start
+            target.commit(state, context, [[]])  # drop the block again
+            return elapsed
+
+        seconds_of(grid[-1])  # warm-up: first calls pay one-time costs
+        samples = np.array([[seconds_of(rows) for rows in grid] for _ in range(passes)])
+        return cls(grid, np.maximum.accumulate(np.median(samples, axis=0)).tolist())
+
+    def predict(self, rows: float | np.ndarray) -> np.ndarray:
+        """Seconds for `rows` (array-friendly); linear beyond the grid along its last segment."""
+        r = np.asarray(rows, dtype=np.float64)
+        inside = np.interp(r, self.rows, self.seconds)
+        slope = max(0.0, (self.seconds[-1] - self.seconds[-2]) / (self.rows[-1] - self.rows[-2]))
+        return np.where(r > self.rows[-1], self.seconds[-1] + slope * (r - self.rows[-1]), inside)
+
+    def update(self, rows: int, seconds: float) -> None:
+        """Move the grid points around `rows` toward one observed forward (multiplicatively, each by
+        its interpolation weight), so drifts (longer contexts, a busy machine) are followed."""
+        if seconds <= 0:
+            return
+        ratio = min(3.0, max(1 / 3, seconds / float(self.predict(rows))))
+        upper = int(np.searchsorted(self.rows, rows))
+        if upper == 0:
+            weights = {0: 1.0}
+        elif upper >= len(self.rows):
+            weights = {len(self.rows) - 1: 1.0}
+        else:
+            lo, hi = self.rows[upper - 1], self.rows[upper]
+            w = (rows - lo) / (hi - lo)
+            weights = {upper - 1: 1.0 - w, upper: w}
+        for i, w in weights.items():
+            self.seconds[i] *= ratio ** (LATENCY_STEP * w)
+        # Keep the curve non-decreasing (more rows never cost less), moving the other points
+        # the way the observation pushed: a cheaper forward than thought lowers smaller sizes too.
+        if ratio < 1:
+            self.seconds = np.minimum.accumulate(self.seconds[::-1])[::-1]
+        else:
+            self.seconds = np.maximum.accumulate(self.seconds)
+
+    def describe(self) -> dict[int, float]:
+        return {int(r): round(float(s) * 1e3, 2) for r, s in zip(self.rows, self.seconds)}
+
+
+class AcceptanceModel:
+    """P(node on the accepted path | score bin, source bits), calibrated online per source."""
+
+    def __init__(self):
+        self.accepted: dict[int, np.ndarray] = {}
+        self.offered: dict[int, np.ndarray] = {}
+        centers = np.concatenate([[SCORE_EDGES[0] - 2.0], (SCORE_EDGES[:-1] + SCORE_EDGES[1:]) / 2,
+                                  [SCORE_EDGES[-1] / 2]])
+        self.prior = np.exp(centers)
+
+    def _table(self, source: int) -> tuple[np.ndarray, np.ndarray]:
+        if source not in self.accepted:
+            self.accepted[source] = np.zeros(len(SCORE_EDGES) + 1)
+            self.offered[source] = np.zeros(len(SCORE_EDGES) + 1)
+        return self.accepted[source], self.offered[source]
+
+    @staticmethod
+    def _keys(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+        scores = tree.scores if tree.scores is not None else np.zeros(tree.size)
+        sources = tree.sources if tree.sources is not None else np.full(tree.size, SOURCE_HEAD, np.uint8)
+        return np.searchsorted(SCORE_EDGES, np.minimum(scores, 0.0)), sources.astype(np.int64)
+
+    def probabilities(self, tree: DraftTree) -> np.ndarray:
+        """Per node, the calibrated probability, never above its parent's (a child is accepted
+        only with its parent), so ranking by it keeps every prefix of the ranking a tree."""
+        bins, sources = self._keys(tree)
+        p = np.empty(tree.size)
+        for source in np.unique(sources):
+            accepted, offered = self._table(int(source))
+            rows = sources == source
+            b = bins[rows]
+            p[rows] = (accepted[b] + PRIOR_WEIGHT * self.prior[b]) / (offered[b] + PRIOR_WEIGHT)
+        parents = tree.parents
+        for i in range(tree.size):  # canonical order: parents first
+            if parents[i] >= 0 and p[parents[i]] < p[i]:
+                p[i] = p[parents[i]]
+        return p
+
+    def update(self, tree: DraftTree, accepted_nodes: np.ndarray) -> None:
+        if not tree.size:
+            return
+        bins, sources = self._keys(tree)
+        hit = np.zeros(tree.size, dtype=bool)
+        hit[accepted_nodes] = True
+        for source in np.unique(sources):
+            accepted, offered = self._table(int(source))
+            rows = sources == source
+            np.add.at(offered, bins[rows], 1.0)
+            np.add.at(accepted, bins[rows & hit], 1.0)
+
+    def describe(self) -> dict[str, list[float]]:
+        """Per source bits, the calibrated rate of each score bin (for logs and the job summary)."""
+        return {str(s): [round(float(x), 3) for x in (self.accepted[s] + PRIOR_WEIGHT * self.prior)
+                         / (self.offered[s] + PRIOR_WEIGHT)] for s in sorted(self.accepted)}
+
+
+@dataclass
+class SizedRound:
+    """What `TreeSizer.fit` chose for one round."""
+
+    trees: list[DraftTree]
+    expected_tokens: float  # committed tokens the batch should gain (bonus tokens included)
+    predicted_seconds: float  # verify forward of the chosen size
+    without_model_rate: float  # tokens/s of the best trees without model-only nodes (0: none)
+
+
+@dataclass
+class TreeSizer:
+    """Chooses each round's tree size from `LatencyModel` x `AcceptanceModel` (see module doc)."""
+
+    latency: LatencyModel
+    max_budget: int
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    model_seconds: float = 0.0  # EMA of the drafter's model work per round (catch-up + propose)
+    overhead_seconds: float = 0.0  # EMA of a round's time outside verify and model drafting
+    _pause_left: int = 0
+    _pause_length: int = 1
+
+    # ------------------------------------------------------------- the model
+
+    def model_wanted(self) -> bool:
+        """Run the drafter's model this round? False while paused (see `fit`)."""
+        if self._pause_left > 0:
+            self._pause_left -= 1
+            return False
+        return True
+
+    def record_model_seconds(self, seconds: float) -> None:
+        self.model_seconds = seconds if not self.model_seconds else 0.8 * self.model_seconds + 0.2 * seconds
+
+    def record_overhead(self, seconds: float) -> None:
+        self.overhead_seconds = seconds if not self.overhead_seconds else 0.8 * self.overhead_seconds + 0.2 * seconds
+
+    # ------------------------------------------------------------ the size
+
+    def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float):
+        """(rate, N, expected tokens, verify seconds) of the best common size N for these trees."""
+        batch = len(trees)
+        top = min(self.max_budget, max((t.size for t in trees), default=0))
+        sizes = np.arange(top + 1)
+        gain = np.full(top + 1, float(batch))
+        for p in probs:
+            cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
+            gain += cumulative[np.minimum(sizes, len(p))]
+        seconds = self.latency.predict(batch * (1 + sizes)) + self.overhead_seconds
+        seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
+        rate = gain / seconds
+        best = int(np.argmax(rate))
+        return float(rate[best]), best, float(gain[best]), float(seconds[best])
+
+    def fit(self, trees: list[DraftTree], model_ran: bool) -> SizedRound:
+        """Cut every tree to the size that maximises the batch's expected tokens per second.
+
+        The model's seconds are sunk this round (it ran); they count in the decision whether it
+        should run next round: if trees without its nodes would have been as fast, it pauses for
+        a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
+        """
+        probs = [self.acceptance.probabilities(t) for t in trees]
+        _, size, gain, seconds = self._best(trees, probs, 0.0)
+        out = []
+        for tree, p in zip(trees, probs):
+            if tree.size <= size:
+                out.append(tree)
+                continue
+            order = np.lexsort((np.arange(tree.size), -p))[:size]  # best first, parents before children
+            keep = np.zeros(tree.size, dtype=bool)
+            keep[order] = True
+            out.append(subtree(tree, keep))
+        without = 0.0
+        if model_ran:
+            with_model, *_ = self._best(trees, probs, self.model_seconds)
+            others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
+            without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
+            if without >= with_model:
+                self._pause_left = self._pause_length
+                self._pause_length = min(2 * self._pause_length, _MAX_PAUSE_ROUNDS)
+            else:
+                self._pause_length = 1
+        return SizedRound(out, gain, seconds - self.overhead_seconds, without)
+
+    def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float) -> None:
+        """Learn from one verified round: which nodes were accepted, what the forward cost."""
+        for tree, nodes in zip(trees, accepted):
+            self.acceptance.update(tree, nodes)
+        self.latency.update(rows, verify_seconds)
+
+    def describe(self) -> dict:
+        return {"latency_ms_by_rows": self.latency.describe(), "acceptance_by_source": self.acceptance.describe(),
+                "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2)}
+
+
+def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.ndarray]:
+    """The part of `tree` a drafter proposes without its model: nodes some other source proposed
+    (context lookup, the job cache); nothing for a tree of head nodes only."""
+    if tree.sources is None:
+        return DraftTree(tree.tokens[:0], tree.parents[:0], tree.depths[:0]), p[:0]
+    keep = (tree.sources & ~np.uint8(SOURCE_HEAD)) != 0
+    # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
+    # the kept set is a tree.
+    return subtree(tree, keep), p[keep]
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measured_latency(target, defer_logits: bool) -> LatencyModel:
+    """A copy of the target's latency curve, measured once per target adapter and logits mode
+    (the benchmarks build many engines over one target; each refines its own copy online)."""
+    cache = target.__dict__.setdefault("_latency_models", {})
+    if defer_logits not in cache:
+        cache[defer_logits] = LatencyModel.measure(target, defer_logits=defer_logits)
+    return copy.deepcopy(cache[defer_logits])
+
+
+def make_sizer(target, sizing: str, budget: int, defer_logits: bool) -> TreeSizer | None:
+    """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built)."""
+    if sizing not in SIZING_MODES:
+        raise ValueError(f"sizing must be one of {SIZING_MODES}, got {sizing!r}")
+    if sizing == "fixed" or budget == 0:
+        return None
+    return TreeSizer(measured_latency(target, defer_logits), max_budget=budget)

@@ -1,0 +1,233 @@
+"""The cost model sizes trees without changing what is decoded.
+
+Unit level: cut trees stay trees (hypothesis), the latency curve interpolates and follows
+observations, the acceptance calibration converges to the observed rates, the sizer picks big
+trees where rows are free and none where they are dear, and pauses a model that does not pay.
+Engine level: `sizing: auto` decodes exactly what `ar` decodes (greedy, every tree drafter,
+batched), and a head that was paused catches up to exactly the logits of one that never paused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dart_worker.cost_model import AcceptanceModel, LatencyModel, TreeSizer, make_sizer, subtree
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.drafters.base import CommittedBlock
+from dart_worker.drafters.head import DDTreeDrafter
+from dart_worker.engine_factory import EngineParts, build_engine
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from ngram_native import DraftTree, TreeParams
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
+from tests.tiny_models import tiny_model
+
+VOCAB = 32
+
+
+@st.composite
+def scored_trees(draw, max_nodes: int = 24) -> DraftTree:
+    """Random canonical trees with path scores that never grow along a path, random sources."""
+    n = draw(st.integers(0, max_nodes))
+    parents, depths, scores, tokens = [], [], [], []
+    for i in range(n):
+        parent = draw(st.integers(-1, i - 1))
+        parents.append(parent)
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        base = 0.0 if parent < 0 else scores[parent]
+        scores.append(base - draw(st.floats(0, 3)))
+        tokens.append(i)  # distinct, so siblings never collide
+    order = sorted(range(n), key=lambda i: (depths[i], -scores[i], i))
+    # Re-number into canonical order (by depth, then parent's new index, then score).
+    new = {}
+    ranked = []
+    for depth in range(1, max(depths, default=0) + 1):
+        level = [i for i in order if depths[i] == depth]
+        level.sort(key=lambda i: (new.get(parents[i], -1), -scores[i], tokens[i]))
+        for i in level:
+            new[i] = len(ranked)
+            ranked.append(i)
+    sources = draw(st.lists(st.sampled_from([SOURCE_HEAD, SOURCE_CONTEXT, SOURCE_HEAD | SOURCE_CONTEXT]),
+                            min_size=n, max_size=n))
+    tree = DraftTree(np.array([tokens[i] for i in ranked], np.int32),
+                     np.array([new[parents[i]] if parents[i] >= 0 else -1 for i in ranked], np.int32),
+                     np.array([depths[i] for i in ranked], np.int32),
+                     np.array([scores[i] for i in ranked], np.float64),
+                     np.array([sources[i] for i in ranked], np.uint8))
+    tree.validate()
+    return tree
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return set(paths)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scored_trees(), st.integers(0, 30), st.data())
+def test_cut_trees_are_the_best_prefix_closed_nodes(tree, size, data):
+    sizer = TreeSizer(LatencyModel([1, 64], [1.0, 1.0 + 1e-9]), max_budget=64)
+    # Pre-train the calibration on random outcomes so probabilities are not just the prior.
+    for _ in range(data.draw(st.integers(0, 3))):
+        hits = np.flatnonzero(np.asarray(data.draw(st.lists(st.booleans(), min_size=tree.size,
+                                                            max_size=tree.size)), dtype=bool))
+        sizer.acceptance.update(tree, hits)
+    probs = sizer.acceptance.probabilities(tree)
+    assert all(probs[i] <= probs[p] for i, p in enumerate(tree.parents) if p >= 0)
+    order = np.lexsort((np.arange(tree.size), -probs))[:size]
+    keep = np.zeros(tree.size, dtype=bool)
+    keep[order] = True
+    cut = subtree(tree, keep)
+    cut.validate()
+    assert cut.size == min(size, tree.size)
+    assert _paths(cut) <= _paths(tree)
+    # The kept nodes are the best by calibrated probability: nothing left out beats a kept node.
+    if 0 < cut.size < tree.size:
+        assert probs[~keep].max() <= probs[keep].min()
+
+
+def test_latency_interpolates_extrapolates_and_follows_observations():
+    model = LatencyModel([1, 4, 16], [0.1, 0.2, 0.5])
+    assert model.predict(1) == pytest.approx(0.1)
+    assert model.predict(10) == pytest.approx(0.35)
+    assert model.predict(32) == pytest.approx(0.5 + 16 * 0.3 / 12)
+    for _ in range(40):  # the machine got twice as slow at 16 rows: the curve follows
+        model.update(16, 1.0)
+    assert model.predict(16) == pytest.approx(1.0, rel=0.05)
+    assert np.all(np.diff(model.seconds) >= 0)
+    for _ in range(40):  # ... and cheaper at 4 rows pulls 1 row down with it (never above 4 rows)
+        model.update(4, 0.05)
+    assert model.predict(4) == pytest.approx(0.05, rel=0.05)
+    assert model.predict(1) <= model.predict(4)
+
+
+def test_acceptance_calibrates_to_the_observed_rate_per_source():
+    model = AcceptanceModel()
+    tree = DraftTree(np.array([5, 6], np.int32), np.array([-1, -1], np.int32), np.array([1, 1], np.int32),
+                     np.array([-0.1, -0.1]), np.array([SOURCE_HEAD, SOURCE_CONTEXT], np.uint8))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # the head's -0.1 nodes are right 20% of the time, the context's 90%
+        hits = [i for i, rate in enumerate((0.2, 0.9)) if rng.random() < rate]
+        model.update(tree, np.array(hits, dtype=np.int64))
+    head, context = model.probabilities(tree)
+    assert head == pytest.approx(0.2, abs=0.03)
+    assert context == pytest.approx(0.9, abs=0.03)
+
+
+def _chain(scores: list[float], source: int = SOURCE_HEAD) -> DraftTree:
+    n = len(scores)
+    return DraftTree(np.arange(n, dtype=np.int32) + 3, np.arange(-1, n - 1, dtype=np.int32),
+                     np.arange(1, n + 1, dtype=np.int32), np.array(scores, np.float64),
+                     np.full(n, source, np.uint8))
+
+
+def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dear():
+    confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
+    free = TreeSizer(LatencyModel([1, 128], [0.05, 0.0500001]), max_budget=16)
+    assert free.fit(confident, model_ran=True).trees[0].size == 16
+    dear = TreeSizer(LatencyModel([1, 2, 128], [0.05, 0.5, 30.0]), max_budget=16)
+    sized = dear.fit(confident, model_ran=True)
+    assert sized.trees[0].size == 0
+    # The model's trees never paid: it pauses with a growing back-off, then is probed again.
+    pauses = []
+    for _ in range(4):
+        waited = 0
+        while not dear.model_wanted():
+            waited += 1
+        pauses.append(waited)
+        dear.fit(confident, model_ran=True)
+    assert pauses == [1, 2, 4, 8]
+
+
+def test_sizer_keeps_context_nodes_when_only_they_pay():
+    head_only = _chain([-3.0 - d for d in range(8)])
+    context = _chain([-0.01 * (d + 1) for d in range(8)], SOURCE_CONTEXT)
+    sizer = TreeSizer(LatencyModel([1, 2, 128], [0.1, 0.11, 2.0]), max_budget=8)
+    sizer.record_model_seconds(0.2)  # the head costs twice a step: not worth it for its nodes
+    merged = sizer.fit([context], model_ran=True)
+    assert merged.trees[0].size >= 4 and set(merged.trees[0].sources.tolist()) == {SOURCE_CONTEXT}
+    sizer.fit([head_only], model_ran=True)
+    assert not sizer.model_wanted()
+
+
+def _parts(model, with_head: bool = True) -> EngineParts:
+    head = None
+    if with_head:
+        torch.manual_seed(7)
+        head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
+    return EngineParts(target=TargetAdapter(model), head=head, eos_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("gemma3", vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree", "dart", "lookup", "dart_lookup", "ddtree_lookup"])
+def test_auto_sizing_decodes_what_ar_decodes(model, mode):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 19, 12)]
+    prompts.append([5, 6, 7, 8] * 5)  # repeats: lookup drafts, context nodes are sized too
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    parts = _parts(model)
+    expected = [r.token_ids for r in build_engine(parts, "ar").generate(prompts, params)]
+    engine = build_engine(parts, mode, TreeParams(budget=12), sizing="auto")
+    assert engine.sizer is not None
+    for _ in range(2):  # the second call starts from a calibrated model
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+
+
+def test_paused_engine_still_decodes_what_ar_decodes(model):
+    """A sizer that pauses the head every other round: the head catches up, outputs stay exact."""
+    prompts = [[3, 4, 5, 9, 11, 3, 4], [7] * 9]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    parts = _parts(model)
+    expected = [r.token_ids for r in build_engine(parts, "ar").generate(prompts, params)]
+    engine = build_engine(parts, "dart", TreeParams(budget=8), sizing="auto")
+    flips = iter(range(10_000))
+    engine.sizer.model_wanted = lambda: next(flips) % 2 == 0
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.stage_seconds["draft"] > 0 for r in results)
+
+
+def test_sizing_fixed_or_zero_budget_has_no_sizer(model):
+    parts = _parts(model)
+    assert build_engine(parts, "dart", TreeParams(budget=8), sizing="fixed").sizer is None
+    assert build_engine(parts, "ar", sizing="auto").sizer is None
+    with pytest.raises(ValueError, match="sizing"):
+        make_sizer(parts.target, "sometimes", 8, False)
+
+
+def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
+    target = TargetAdapter(model)
+    torch.manual_seed(11)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
+    eager, lazy = (DDTreeDrafter(head, TreeParams(budget=8), ()) for _ in range(2))
+    state = target.new_state(2)
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+    out = target.prefill(state, prompts)
+    tokens = [[*p, 1] for p in prompts]
+    for drafter in (eager, lazy):
+        drafter.start(2)
+        drafter.observe(CommittedBlock(out.taps, [range(5), range(3)], tokens))
+    eager.catch_up()
+    # Three rounds of committed rows (random taps stand in for verify forwards).
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        taps = torch.randn(2, 4, out.taps.shape[-1], generator=gen)
+        rows = [[0, 1], [0]] if step % 2 == 0 else [[0], [0, 2, 3]]
+        for b, r in enumerate(rows):
+            tokens[b] = tokens[b] + [10 + step] * len(r)
+        for drafter in (eager, lazy):
+            drafter.observe(CommittedBlock(taps, rows, [list(t) for t in tokens]))
+        eager.catch_up()
+    lazy.catch_up()  # one call over everything since the prefill
+    torch.testing.assert_close(lazy.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(lazy.cache.lengths, eager.cache.lengths)
