@@ -16,6 +16,7 @@ distributed as the target's, whatever the trees hold.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class _Sequence:
     stats: RequestStats
     finish_reason: str = ""
     text_end: int | None = None  # where a stop string starts in the generated text
+    started: float = 0.0  # perf_counter when it joined the batch (its wall time starts there)
 
     @property
     def generated(self) -> list[int]:
@@ -97,33 +99,36 @@ class DecodingEngine:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        max_live: int | None = None,
     ) -> list[GenerationResult]:
-        """Decode all prompts together (one batch); one result per prompt, in order."""
+        """Decode all prompts; one result per prompt, in order.
+
+        `max_live`: at most this many sequences decode together (None: all at once). Continuous
+        batching: when a sequence finishes, the next waiting prompt is prefilled and joins the
+        running batch, so no slot idles while the longest request of a batch finishes.
+        """
         params = SamplingParams() if params is None else params
         per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_request)} sampling params")
+        if max_live is not None and max_live < 1:
+            raise ValueError(f"max_live must be >= 1, got {max_live}")
         results = [GenerationResult() for _ in prompts]
-        live = []
+        waiting: deque[_Sequence] = deque()
         for i, (prompt, p) in enumerate(zip(prompts, per_request)):
             try:
-                live.append(self._admit(i, prompt, p))
+                waiting.append(self._admit(i, prompt, p))
             except ValueError as exc:
                 results[i] = GenerationResult(finish_reason="error", error=str(exc))
-        if live:
-            started = time.perf_counter()
-            self._decode(live)
-            wall = time.perf_counter() - started
-            for seq in live:
-                seq.stats.wall_seconds = wall
-                seq.stats.num_generated_tokens = len(seq.generated)
-                results[seq.index] = GenerationResult(
-                    token_ids=seq.generated,
-                    text=self._detokenize(seq.generated)[: seq.text_end],
-                    finish_reason=seq.finish_reason,
-                    stats=seq.stats,
-                )
+        if waiting:
+            self._decode(waiting, max_live or len(waiting), results)
         return results
+
+    def _result(self, seq: _Sequence) -> GenerationResult:
+        seq.stats.wall_seconds = time.perf_counter() - seq.started
+        seq.stats.num_generated_tokens = len(seq.generated)
+        return GenerationResult(token_ids=seq.generated, text=self._detokenize(seq.generated)[: seq.text_end],
+                                finish_reason=seq.finish_reason, stats=seq.stats)
 
     # ---------------------------------------------------------------- set-up
 
@@ -165,31 +170,30 @@ class DecodingEngine:
 
     # ------------------------------------------------------------- main loop
 
-    def _decode(self, live: list[_Sequence]) -> None:
+    def _decode(self, waiting: deque[_Sequence], max_live: int, results: list[GenerationResult]) -> None:
+        """Rounds until every sequence has finished, admitting waiting ones as slots free up."""
         target, drafter = self.target, self.drafter
-        state = target.new_state(len(live))
-        drafter.start(len(live))
-
-        t0 = self._now()
-        out = target.prefill(state, [s.tokens for s in live])
-        first = self._sample_rows(out.logits[:, 0], live)
-        self._charge(live, "prefill", t0)
-        for seq, token in zip(live, first):
-            self._append(seq, [token])
-        self._finish_at_context_limit(live, state)
-        self._observe(live, out.taps, [range(s.num_prompt) for s in live])
-
-        while True:
-            keep = [b for b, s in enumerate(live) if not s.finish_reason]
-            if len(keep) < len(live):
+        live: list[_Sequence] = []
+        state = None
+        while live or waiting:
+            if any(s.finish_reason for s in live):
                 drafter.finish([s.tokens for s in live if s.finish_reason])
-            if not keep:
-                return
-            if len(keep) < len(live):
-                index = torch.tensor(keep, device=self.device)
-                state.select(index)
-                drafter.select(index)
+                for seq in live:
+                    if seq.finish_reason:
+                        results[seq.index] = self._result(seq)
+                keep = [b for b, s in enumerate(live) if not s.finish_reason]
+                if keep:
+                    index = torch.tensor(keep, device=self.device)
+                    state.select(index)
+                    drafter.select(index)
                 live = [live[b] for b in keep]
+            if waiting and len(live) < max_live:
+                joining = [waiting.popleft() for _ in range(min(max_live - len(live), len(waiting)))]
+                state = self._join(joining, live, state)
+                live = live + joining
+                continue  # a joiner may be done already (one-token requests): retire it first
+            if not live:
+                continue
 
             round_start = self._now()
             trees, model_seconds = self._draft(live, state)
@@ -223,6 +227,33 @@ class DecodingEngine:
                 self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
                                    verify_seconds)
                 self.sizer.record_overhead(self._now() - round_start - verify_seconds - model_seconds)
+
+    def _join(self, joining: list[_Sequence], live: list[_Sequence], state):
+        """Prefill `joining`, sample their first tokens and add them after `live` (a new batch
+        when nothing is live): the target's cache and the drafter's state grow by their rows."""
+        target, drafter = self.target, self.drafter
+        fresh = target.new_state(len(joining))
+        t0 = self._now()
+        for seq in joining:
+            seq.started = time.perf_counter()
+        out = target.prefill(fresh, [s.tokens for s in joining])
+        first = self._sample_rows(out.logits[:, 0], joining)
+        self._charge(joining, "prefill", t0)
+        for seq, token in zip(joining, first):
+            self._append(seq, [token])
+        self._finish_at_context_limit(joining, fresh)
+        block = CommittedBlock(taps=out.taps, rows=[range(s.num_prompt) for s in joining],
+                               tokens=[s.tokens for s in joining])
+        t0 = self._now()
+        if live:
+            state.extend(fresh)
+            drafter.join(block)
+        else:
+            state = fresh
+            drafter.start(len(joining))
+            drafter.observe(block)
+        self._charge(joining, "draft", t0)
+        return state
 
     def _observe(self, live: list[_Sequence], taps: torch.Tensor, rows) -> None:
         """Hand the drafter the rows just committed, unless every sequence is done."""

@@ -60,6 +60,25 @@ class TargetState:
             self.cache.batch_select_indices(batch_indices)
         self.lengths = self.lengths[batch_indices]
 
+    @torch.no_grad()
+    def extend(self, other: TargetState) -> None:
+        """Append `other`'s sequences after these (continuous batching: newly prefilled requests
+        join a running batch). Both caches are padded to the longer slot count; padded slots lie
+        past every sequence's length, so they are stale like any other and always masked out."""
+        if len(self.cache.layers) != len(other.cache.layers):
+            raise ValueError(f"cannot join caches of {len(self.cache.layers)} and {len(other.cache.layers)} layers")
+        slots = max(self.cache_len(), other.cache_len())
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_pad_slots(mine.keys, slots), _pad_slots(theirs.keys, slots)])
+            mine.values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+
+def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """[B, H, T, D] zero-padded to T = slots."""
+    missing = slots - tensor.shape[-2]
+    return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, 0, missing))
+
 
 @dataclass
 class ForwardOutput:

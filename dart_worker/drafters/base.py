@@ -5,6 +5,7 @@ One batch of decoding drives a drafter like this (see `DecodingEngine._decode`):
     drafter.start(batch_size)
     drafter.observe(prefill block)                 # the prompts' rows, committed by prefill
     loop:
+        drafter.join(prefill block of newcomers)   # continuous batching: they join at the end
         drafter.finish(tokens of finished ones)    # sequences that ended, before they leave
         drafter.select(keep)                       # finished sequences leave the batch
         drafter.pause_model(...); drafter.catch_up()  # the cost model: is the model worth running?
@@ -58,6 +59,11 @@ class Drafter(ABC):
 
     def observe(self, block: CommittedBlock) -> None:  # noqa: B027
         """Rows the target just committed (the prompts after prefill, then every round's)."""
+
+    def join(self, block: CommittedBlock) -> None:  # noqa: B027 - stateless drafters need nothing
+        """New sequences join the running batch, after the live ones (continuous batching);
+        `block` is their prefill block, as `observe` gets it after `start` for a first batch.
+        A drafter with per-sequence state must override this."""
 
     def finish(self, tokens: Sequence[Sequence[int]]) -> None:  # noqa: B027
         """Sequences that ended (each one's prompt + generated tokens), called once per sequence

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from ngram_native.trees import (
     SOURCE_HEAD,
@@ -60,13 +61,32 @@ class HeadDrafter(Drafter):
         self._pending_tokens = [[] for _ in range(batch_size)]
 
     def observe(self, block: CommittedBlock) -> None:
+        if len(block.rows) != len(self._pending_tokens):
+            raise ValueError(f"{self.name}: a block of {len(block.rows)} sequences for a batch of "
+                             f"{len(self._pending_tokens)}")
+        self._gather(block, offset=0)
+
+    def _gather(self, block: CommittedBlock, offset: int) -> None:
+        """Queue the committed rows of `block` for sequences offset, offset + 1, ..."""
         device = self.head.device
-        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True)):
+        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True), start=offset):
             index = torch.as_tensor(rows, dtype=torch.long, device=block.taps.device)
-            self._pending_features[b].append(block.taps[b].index_select(0, index).to(device))
+            self._pending_features[b].append(block.taps[b - offset].index_select(0, index).to(device))
             # Row k of the block carries the features of its token and the embedding of the token
             # after it (shifted pairing): the last committed row pairs with the newest token.
             self._pending_tokens[b].extend(tokens[len(tokens) - len(rows):])
+
+    def join(self, block: CommittedBlock) -> None:
+        """Newcomers get empty head caches after the live ones; their prompt rows wait for the
+        next catch-up like any other unread rows (so the latest logits no longer cover the batch)."""
+        count = len(block.rows)
+        self.cache = DraftKVCache.concat([self.cache, self.head.new_cache(count)])
+        self.logits = None
+        self._pending_features.extend([] for _ in range(count))
+        self._pending_tokens.extend([] for _ in range(count))
+        live = len(self._pending_tokens) - count
+        # Observe the newcomers' block into their own (new) slots.
+        self._gather(block, offset=live)
 
     def catch_up(self) -> None:
         """Run the head over every row observed since its last run (one batched forward)."""

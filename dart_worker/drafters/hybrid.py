@@ -45,6 +45,10 @@ class HybridDrafter(Drafter):
     def pause_model(self, paused: bool) -> None:
         self.inner.pause_model(paused)
 
+    def join(self, block: CommittedBlock) -> None:
+        self.inner.join(block)
+        self.context.join(block)
+
     def finish(self, tokens: Sequence[Sequence[int]]) -> None:
         self.inner.finish(tokens)
         self.context.finish(tokens)

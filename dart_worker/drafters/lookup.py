@@ -28,9 +28,17 @@ class ContextIndexes:
         self.indexes: list[ContextIndex] = []
 
     def start(self, batch_size: int) -> None:
-        self.indexes = [ContextIndex(min_match=self.tree.lookup_min_match,
-                                     max_match=max(self.tree.lookup_min_match, DEFAULT_MAX_MATCH))
-                        for _ in range(batch_size)]
+        self.indexes = [self._new_index() for _ in range(batch_size)]
+
+    def _new_index(self) -> ContextIndex:
+        return ContextIndex(min_match=self.tree.lookup_min_match,
+                            max_match=max(self.tree.lookup_min_match, DEFAULT_MAX_MATCH))
+
+    def join(self, block: CommittedBlock) -> None:
+        self.indexes.extend(self._new_index() for _ in block.rows)
+        live = len(self.indexes) - len(block.rows)
+        for index, tokens in zip(self.indexes[live:], block.tokens, strict=True):
+            index.append(tokens)
 
     def observe(self, block: CommittedBlock) -> None:
         # block.tokens[b] is all of sequence b so far; the index holds a prefix of it (the prefill
@@ -69,6 +77,9 @@ class LookupDrafter(Drafter):
 
     def observe(self, block: CommittedBlock) -> None:
         self.context.observe(block)
+
+    def join(self, block: CommittedBlock) -> None:
+        self.context.join(block)
 
     def finish(self, tokens: Sequence[Sequence[int]]) -> None:
         self.context.finish(tokens)
