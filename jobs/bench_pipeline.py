@@ -1,7 +1,10 @@
 """Pipeline benchmark: `python -m jobs.bench_pipeline [key=value ...]`.
 
 Measures, in one run on the same ShareGPT dev prompts:
-- rows/s and tokens/s of the whole pipeline (`python -m pipeline.run` in-process) for `dart` and `ar`;
+- rows/s and tokens/s of the whole pipeline (`python -m pipeline.run` in-process) per cell: a
+  mode, or `mode/batch/max_live` for a continuously batched worker (Ray Data hands `batch` rows
+  to the engine, which decodes `max_live` at a time and refills finished slots), with the tail
+  time (the last 10% of rows to finish) reported separately;
 - the pipeline's overhead against calling the engine directly on the same prompts, with the
   same batch size and prompt formatting (aim: under 10%), twice: end to end (the pipeline's wall
   time against the direct worker's construction plus decoding) and in steady state (the span
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -41,9 +45,12 @@ from pipeline.run import run_pipeline
 class PipelineBenchConfig:
     num_prompts: int = 64
     max_new_tokens: int = 128
-    modes: list[str] = field(default_factory=lambda: ["ar", "dart"])
+    # cells: "mode" (a static batch of batch_size) or "mode/batch/max_live" (continuous batching)
+    modes: list[str] = field(default_factory=lambda: ["ar", "dart_lookup", "ar/16/4", "dart_lookup/16/4"])
     batch_size: int = 4
     budget: int = 32
+    sizing: str = "auto"  # decoding.sizing of the speculative cells
+    direct: bool = True  # also time the engine without Ray Data, for the pipeline's overhead
     memory_workers: list[int] = field(default_factory=lambda: [1, 2])  # worker counts for the memory figure
     memory_prompts: int = 8
     output: str | None = None  # JSON with all figures
@@ -53,14 +60,27 @@ def write_prompts(path: Path, n: int) -> int:
     return write_prompts_jsonl(sharegpt_dev_prompts(n, max_chars=2000), path)
 
 
-def pipeline_config(work: Path, mode: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
+def parse_cell(cell: str, default_batch: int) -> tuple[str, int, int | None]:
+    """"mode" -> (mode, default_batch, None); "mode/batch/max_live" -> a continuously batched cell."""
+    parts = cell.split("/")
+    if len(parts) == 1:
+        return cell, default_batch, None
+    if len(parts) != 3:
+        raise ValueError(f"cell {cell!r}: want 'mode' or 'mode/batch/max_live'")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def pipeline_config(work: Path, cell: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
+    mode, batch, max_live = parse_cell(cell, cfg.batch_size)
     return load_config("configs/local.yaml", [
         f"input.urls=[{work / 'prompts.jsonl'}]", f"output.url={work / ('out-' + tag)}",
         f"decoding.mode={mode}", f"decoding.max_new_tokens={cfg.max_new_tokens}", f"decoding.tree.budget={cfg.budget}",
+        f"decoding.sizing={cfg.sizing}",
         # Reserve at most one CPU for all workers: the read and write stages need the other.
         f"resources.num_workers={workers}", f"resources.num_cpus_per_worker={1 / workers}",
-        f"resources.torch_threads={threads}",
-        f"resources.batch_size={cfg.batch_size}", f"run.run_id=bench-{tag}", "run.progress_interval_s=60",
+        f"resources.torch_threads={threads}", f"resources.batch_size={batch}",
+        f"resources.max_live={'null' if max_live is None else max_live}",
+        f"run.run_id=bench-{tag}", "run.progress_interval_s=60",
     ])
 
 
@@ -93,9 +113,13 @@ def steady_state(output_url: str) -> dict:
     timed = [(r["finished_at"].timestamp(), r["wall_s"]) for r in table
              if r["finished_at"] is not None and r["wall_s"] is not None]
     first_start = min(end - wall for end, wall in timed)
-    span = max(end for end, _ in timed) - first_start
+    ends = sorted(end for end, _ in timed)
+    span = ends[-1] - first_start
     tokens = sum(r["num_generated_tokens"] or 0 for r in table)
+    # The tail: from the moment 90% of the rows were done to the last row's end.
+    tail = ends[-1] - ends[max(0, math.ceil(0.9 * len(ends)) - 1)]
     return {"span_s": span, "tokens_per_s": tokens / span, "rows_per_s": len(table) / span,
+            "tail_s": tail, "tail_share": tail / span if span > 0 else 0.0,
             "first_batch_start_unix": first_start}
 
 
@@ -158,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         n = write_prompts(work / "prompts.jsonl", cfg.num_prompts)
         print(f"{n} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, batch {cfg.batch_size}")
         for mode in cfg.modes:
-            pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=mode)
+            pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=mode.replace("/", "-"))
             launched = time.time()
             summary = run_pipeline(pcfg)
             ray.shutdown()
@@ -169,9 +193,17 @@ def main(argv: list[str] | None = None) -> dict:
                                         "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean"),
                                         "startup_s": steady.pop("first_batch_start_unix") - launched,
                                         "steady": steady}
-            report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
-            print(mode, "pipeline", report["pipeline"][mode], "engine", report["engine_direct"][mode], flush=True)
+            print(mode, "pipeline", report["pipeline"][mode], flush=True)
+            if cfg.direct:
+                report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
+                print(mode, "engine", report["engine_direct"][mode], flush=True)
+        base = report["pipeline"][cfg.modes[0]]
         for mode in cfg.modes:
+            p = report["pipeline"][mode]
+            print(f"{mode}: {p['rows_per_s']:.3f} rows/s end to end ({p['rows_per_s'] / base['rows_per_s']:.2f}x "
+                  f"{cfg.modes[0]}), {p['steady']['rows_per_s']:.3f} steady, tau {p['mean_tau'] or 0:.2f}, "
+                  f"tail {p['steady']['tail_s']:.1f} s ({p['steady']['tail_share']:.0%} of the span)", flush=True)
+        for mode in report["engine_direct"]:
             p, e = report["pipeline"][mode], report["engine_direct"][mode]
             p["overhead_end_to_end"] = p["wall_s"] / (e["construct_s"] + e["wall_s"]) - 1
             p["overhead_steady_state"] = p["steady"]["span_s"] / e["wall_s"] - 1
@@ -180,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{p['overhead_steady_state']:+.1%} steady state", flush=True)
         write_prompts(work / "prompts.jsonl", cfg.memory_prompts)
         for workers in cfg.memory_workers:
-            pcfg = pipeline_config(work, "dart", cfg, workers=workers, threads=max(1, 2 // workers),
+            pcfg = pipeline_config(work, "dart_lookup", cfg, workers=workers, threads=max(1, 2 // workers),
                                    tag=f"mem{workers}")
             with PssSampler() as sampler:
                 run_pipeline(pcfg)

@@ -80,7 +80,11 @@ class ResourcesConfig:
     # while the engine's threads use every core keeps a small machine from deadlocking.
     torch_threads: int | None = None
     num_gpus_per_worker: float = 0.0  # > 0 puts one engine per GPU share
-    batch_size: int = 4  # prompts decoded together by one engine
+    batch_size: int = 4  # rows handed to one engine per call (Ray Data's map_batches batch)
+    # sequences decoding together inside the engine (null: batch_size, a static batch). Below
+    # batch_size the engine batches continuously: a finished row's slot is refilled from the
+    # rest of the batch at once, so slots do not idle while the longest row ends.
+    max_live: int | None = None
 
 
 @dataclass
@@ -183,6 +187,8 @@ def validate(cfg: PipelineConfig) -> None:
     check(r.torch_threads is None or r.torch_threads >= 1, "resources.torch_threads", "must be >= 1 or null")
     check(r.num_gpus_per_worker >= 0, "resources.num_gpus_per_worker", "must be >= 0")
     check(r.batch_size >= 1, "resources.batch_size", "must be >= 1")
+    check(r.max_live is None or 1 <= r.max_live <= r.batch_size, "resources.max_live",
+          "must be null (= batch_size) or between 1 and resources.batch_size")
     check(o.rows_per_file >= 1, "output.rows_per_file", "must be >= 1")
     check(cfg.run.progress_interval_s > 0, "run.progress_interval_s", "must be > 0")
     if cfg.run.run_id is not None:

@@ -95,7 +95,8 @@ class GenerationWorker:
         if not requests:
             return []
         try:
-            results = self.engine.generate([r[1] for r in requests], [r[2] for r in requests])
+            results = self.engine.generate([r[1] for r in requests], [r[2] for r in requests],
+                                           max_live=self.cfg.resources.max_live)
             return [(r[0], res) for r, res in zip(requests, results)]
         except Exception:  # one bad request must not fail its neighbours: retry one by one
             log.exception("batch of %d failed; retrying its rows one at a time", len(requests))

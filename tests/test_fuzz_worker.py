@@ -109,14 +109,16 @@ STOPS = [[], ["w5"], ["\u2028"], ["<eos>"], ["\x00"], ["w" * 200], ["w9", "w7 w8
     stop_token_ids=st.sampled_from([[], [5], [0, 1, 2, 3]]),
     template=st.booleans(),
     surrogate_decoding=st.booleans(),
+    max_live=st.sampled_from([None, 1, 2]),
 )
 def test_worker_writes_one_row_per_row(workers, tmp_path_factory, batch, mode, temperature, max_new_tokens, stop,
-                                       stop_token_ids, template, surrogate_decoding):
+                                       stop_token_ids, template, surrogate_decoding, max_live):
     rows, categories = batch
     for category in categories:
         event(f"prompt: {category}")
     event(f"stop: {stop!r}")
     worker = workers[mode]
+    worker.cfg.resources.max_live = max_live  # continuous batching when below the batch's rows
     d = worker.cfg.decoding
     d.temperature, d.max_new_tokens, d.stop, d.stop_token_ids = temperature, max_new_tokens, stop, stop_token_ids
     worker.cfg.input.apply_chat_template = template
@@ -180,3 +182,25 @@ def test_a_row_that_cannot_be_stored_becomes_an_error_row():
     assert (rows[1]["row_key"], rows[1]["id"], rows[1]["mode"], rows[1]["text"], rows[1]["finish_reason"]) == (
         "id:b", "b", "ar", None, "error")
     assert rows[1]["error"].startswith("internal error: result cannot be stored: output column 'num_generated_tokens'")
+
+
+def test_continuous_batching_in_the_worker_writes_the_static_batch_rows(workers):
+    """`resources.max_live` below the batch: rows join as others finish, and every row's text,
+    tokens and finish reason are those of the static batch (greedy), in input order."""
+    worker = workers["dart_lookup"]
+    d = worker.cfg.decoding
+    d.temperature, d.max_new_tokens, d.stop, d.stop_token_ids = 0.0, 12, [], []
+    worker.cfg.input.apply_chat_template = False
+    prompts = ["w5 w6 w7 w5 w6 w7 w5", "w9", "w11 w12 w13 w14 w15 w16 w17 w18", "w4 w4 w4", "w20 w21"]
+    rows = [{"row_key": f"id:{k}", "id": str(k), "prompt": p, "prompt_kind": "text", "source": "file:///b.jsonl",
+             "error": None} for k, p in enumerate(prompts)]
+    rows.insert(2, {"row_key": "row:e", "id": None, "prompt": None, "prompt_kind": "text",
+                    "source": "file:///b.jsonl", "error": "malformed JSON"})
+    table = pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)
+    columns = ["row_key", "text", "token_ids", "finish_reason", "error"]
+    worker.cfg.resources.max_live = None
+    static = worker(table).select(columns).to_pylist()
+    for max_live in (1, 2):
+        worker.cfg.resources.max_live = max_live
+        assert worker(table).select(columns).to_pylist() == static
+    assert sum(r["error"] is None for r in static) == len(prompts)

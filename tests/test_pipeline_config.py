@@ -91,3 +91,11 @@ def test_shipped_configs_validate():
     assert pipeline_configs
     for path in pipeline_configs:
         load_config(path)
+
+
+def test_max_live_is_null_or_within_the_batch(minimal):
+    assert load_config(minimal, ["resources.batch_size=8", "resources.max_live=3"]).resources.max_live == 3
+    assert load_config(minimal, []).resources.max_live is None
+    for bad in ("0", "9"):
+        with pytest.raises(ConfigError, match=r"resources.max_live: must be null \(= batch_size\) or between 1"):
+            load_config(minimal, ["resources.batch_size=8", f"resources.max_live={bad}"])
