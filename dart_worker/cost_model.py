@@ -284,6 +284,16 @@ class TreeSizer:
             self.acceptance.update(tree, nodes)
         self.latency.update(rows, verify_seconds)
 
+    def calibration_line(self) -> str:
+        """One line for a worker's log: the measured forward costs and where trees stop paying
+        double (the most nodes one sequence's tree can carry for under two plain steps)."""
+        shown = ", ".join(f"{r}: {float(self.latency.predict(r)) * 1e3:.0f}" for r in (1, 16, 64, 256))
+        one = float(self.latency.predict(1))
+        sizes = np.arange(self.max_budget + 1)
+        cheap = int(sizes[self.latency.predict(1 + sizes) <= 2 * one].max(initial=0))
+        return (f"verify forward ms by rows {{{shown}}} (grid up to {int(self.latency.rows[-1])}, linear beyond); "
+                f"trees up to {self.max_budget} nodes, at most {cheap} for under two plain steps at batch 1")
+
     def describe(self) -> dict:
         return {"latency_ms_by_rows": self.latency.describe(), "acceptance_by_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2)}

@@ -196,7 +196,7 @@ class DecodingEngine:
                 continue
 
             round_start = self._now()
-            trees, model_seconds = self._draft(live, state)
+            trees, model_seconds, model_ran = self._draft(live, state)
             t0 = self._now()
             batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
                                          vocab_size=target.vocab_size)
@@ -216,7 +216,7 @@ class DecodingEngine:
                                            [s.generator for s in live])
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
-                                       _sources_of(tree, acc.accepted))
+                                       _sources_of(tree, acc.accepted), live=len(live), model_ran=model_ran)
                 self._append(seq, acc.tokens.tolist())
             rows = [acc.committed_rows.tolist() for acc in acceptances]
             target.commit(state, block_start, rows)
@@ -263,8 +263,9 @@ class DecodingEngine:
         self.drafter.observe(CommittedBlock(taps=taps, rows=rows, tokens=[s.tokens for s in live]))
         self._charge(live, "draft", t0)
 
-    def _draft(self, live: list[_Sequence], state) -> tuple[list[DraftTree], float]:
-        """This round's trees (and the seconds the drafter's model took, 0 when it did not run).
+    def _draft(self, live: list[_Sequence], state) -> tuple[list[DraftTree], float, bool]:
+        """This round's trees, the seconds the drafter's model took (0 when it did not run) and
+        whether it ran.
 
         With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
         cut to the size the cost model chooses. Model work is charged as 'draft', building the
@@ -272,7 +273,7 @@ class DecodingEngine:
         """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:
-            return [empty_tree() for _ in live], 0.0
+            return [empty_tree() for _ in live], 0.0, False
         drafter, sizer = self.drafter, self.sizer
         model_on = drafter.has_model and (sizer is None or sizer.model_wanted())
         drafter.pause_model(drafter.has_model and not model_on)
@@ -284,12 +285,12 @@ class DecodingEngine:
         trees = drafter.propose([s.tokens for s in live], caps)
         tree_seconds = self._charge(live, "tree", t0)
         if sizer is None:
-            return trees, model_seconds
+            return trees, model_seconds, model_on
         if model_on:
             sizer.record_model_seconds(model_seconds + tree_seconds)
             model_seconds += tree_seconds
         sized = sizer.fit(trees, model_ran=model_on)
-        return sized.trees, model_seconds
+        return sized.trees, model_seconds, model_on
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:
         """Deepest draft node worth verifying per sequence: tokens left and context room."""

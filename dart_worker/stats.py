@@ -23,6 +23,8 @@ STAT_COLUMNS: dict[str, str] = {
     "acceptance_histogram": "list[int]",
     "per_position_acceptance": "list[float]",
     "mean_tree_size": "float",
+    "mean_batch_live": "float",  # sequences in the verify forward, mean over this request's rounds
+    "model_rounds": "int",  # rounds in which the drafter's model (the draft head) ran
     "accepted_head": "int",  # accepted draft tokens the draft head proposed
     "accepted_context": "int",  # ... that context lookup proposed (a token both proposed counts for both)
     **{f"{stage}_s": "float" for stage in STAGES},
@@ -40,13 +42,19 @@ class RequestStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
+    batch_live: list[int] = field(default_factory=list)  # sequences verified together per round
+    model_rounds: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0})
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     wall_seconds: float = 0.0
 
     def record_round(self, accepted: int, tree_size: int, tree_depth: int,
-                     accepted_sources: dict[str, int] | None = None) -> None:
-        """One verification round; `accepted_sources`: accepted draft tokens per source name."""
+                     accepted_sources: dict[str, int] | None = None, *, live: int = 1,
+                     model_ran: bool = False) -> None:
+        """One verification round; `accepted_sources`: accepted draft tokens per source name;
+        `live`: sequences in the verify forward; `model_ran`: the drafter's model ran for it."""
+        self.batch_live.append(live)
+        self.model_rounds += bool(model_ran)
         for source, count in (accepted_sources or {}).items():
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + count
         self.accept_lengths.append(accepted)
@@ -65,6 +73,10 @@ class RequestStats:
     @property
     def mean_tree_size(self) -> float:
         return sum(self.tree_sizes) / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_batch_live(self) -> float:
+        return sum(self.batch_live) / len(self.batch_live) if self.batch_live else 0.0
 
     def acceptance_histogram(self, max_len: int | None = None) -> list[int]:
         """Counts of rounds by accepted length 0..max_len."""
@@ -97,6 +109,8 @@ class RequestStats:
             "acceptance_histogram": self.acceptance_histogram(),
             "per_position_acceptance": self.per_position_acceptance(),
             "mean_tree_size": self.mean_tree_size,
+            "mean_batch_live": self.mean_batch_live,
+            "model_rounds": self.model_rounds,
             "accepted_head": self.accepted_by_source.get("head", 0),
             "accepted_context": self.accepted_by_source.get("context", 0),
             **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},

@@ -16,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
-                "mean_tree_size", "finish_reason", "accepted_head", "accepted_context")
+                "mean_tree_size", "mean_batch_live", "model_rounds", "finish_reason", "accepted_head",
+                "accepted_context")
 
 
 @dataclass
@@ -31,8 +32,8 @@ class RunTally:
     errors: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
     per_mode: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(
-        lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0, "accepted_head": 0,
-                 "accepted_context": 0}))
+        lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0, "live_sum": 0.0,
+                 "rounds": 0, "model_rounds": 0, "accepted_head": 0, "accepted_context": 0}))
     _last_print: float = 0.0
 
     def add(self, batch: pa.Table) -> None:
@@ -53,6 +54,9 @@ class RunTally:
                 mode["tau_sum"] += float(row["tau"])
                 mode["tau_rows"] += 1
                 mode["tree_sum"] += float(row.get("mean_tree_size") or 0.0)
+                mode["live_sum"] += float(row.get("mean_batch_live") or 0.0)
+                mode["rounds"] += int(row["rounds"])
+                mode["model_rounds"] += int(row.get("model_rounds") or 0)
                 for source in ("accepted_head", "accepted_context"):
                     mode[source] += int(row.get(source) or 0)
 
@@ -116,6 +120,10 @@ def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: i
                 mode: {"rows": m["rows"], "tokens": m["tokens"],
                        "mean_tau": m["tau_sum"] / m["tau_rows"] if m["tau_rows"] else None,
                        "mean_tree_size": m["tree_sum"] / m["tau_rows"] if m["tau_rows"] else None,
+                       # sequences decoding together (batch occupancy), mean over rows
+                       "mean_batch_live": m["live_sum"] / m["tau_rows"] if m["tau_rows"] else None,
+                       # share of rounds in which the draft head ran (sizing auto pauses it)
+                       "model_round_share": m["model_rounds"] / m["rounds"] if m["rounds"] else None,
                        "accepted_tokens_by_source": {"head": m["accepted_head"], "context": m["accepted_context"]}}
                 for mode, m in tally.per_mode.items()
             },

@@ -68,6 +68,8 @@ class GenerationWorker:
         self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
+        if self.engine.sizer is not None:
+            log.info("worker %s tree sizing calibrated: %s", self.worker_name, self.engine.sizer.calibration_line())
 
     # ------------------------------------------------------------------ batch
 

@@ -95,3 +95,22 @@ def test_slots_refill_as_sequences_finish(engines):
 def test_max_live_must_be_positive(engines):
     with pytest.raises(ValueError, match="max_live"):
         engines["ar", "fixed"].generate([[3, 4]], max_live=0)
+
+
+def test_rows_report_batch_occupancy_and_model_rounds(engines):
+    """`mean_batch_live` counts the sequences verified together (never above max_live, and 1
+    for a request decoded alone); `model_rounds` counts head forwards (every round when sizes
+    are fixed and a tree is wanted, none for a drafter without a model)."""
+    prompts = _prompts(11, 5)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=6 + 3 * k) for k in range(5)]
+    for max_live in (1, 2, 3):
+        for r in engines["dart", "fixed"].generate(prompts, params, max_live=max_live):
+            assert 1.0 <= r.stats.mean_batch_live <= max_live
+            # (a round where no live row wants a tree, e.g. each has one token left, runs no model)
+            assert sum(size > 0 for size in r.stats.tree_sizes) <= r.stats.model_rounds <= r.stats.rounds
+    static = engines["dart", "fixed"].generate(prompts, params)
+    assert static[0].stats.mean_batch_live == 5.0  # the shortest row ends while all five are live
+    assert max(r.stats.mean_batch_live for r in engines["ar", "fixed"].generate(prompts, params, max_live=1)) == 1.0
+    assert all(r.stats.model_rounds == 0 for r in engines["lookup", "fixed"].generate(prompts, params))
+    for r in engines["dart", "auto"].generate(prompts, params, max_live=2):
+        assert 0 <= r.stats.model_rounds <= r.stats.rounds

@@ -107,6 +107,16 @@ def test_latency_interpolates_extrapolates_and_follows_observations():
     assert model.predict(1) <= model.predict(4)
 
 
+def test_calibration_line_names_costs_and_the_cheap_tree_size():
+    # 100 ms for one row, +10 ms per further row: root + 10 nodes cost 200 ms, two plain steps.
+    sizer = TreeSizer(LatencyModel([1, 128], [0.1, 0.1 + 127 * 0.01]), max_budget=32)
+    line = sizer.calibration_line()
+    assert "{1: 100, 16: 250, 64: 730, 256: 2650}" in line
+    assert "trees up to 32 nodes, at most 10 for under two plain steps" in line
+    flat = TreeSizer(LatencyModel([1, 128], [0.1, 0.1]), max_budget=32)  # a GPU: rows are free
+    assert "at most 32 for under two plain steps" in flat.calibration_line()
+
+
 def test_acceptance_calibrates_to_the_observed_rate_per_source():
     model = AcceptanceModel()
     tree = DraftTree(np.array([5, 6], np.int32), np.array([-1, -1], np.int32), np.array([1, 1], np.int32),
