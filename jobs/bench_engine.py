@@ -58,7 +58,12 @@ class BenchConfig:
     # or "fixed" (every tree at `budget`); `fixed_modes` also run fixed, labelled "<mode>+fixed".
     sizing: str = "auto"
     fixed_modes: list[str] = field(default_factory=list)
+    # Budgets of the fixed cells (labels "<mode>+fixed@<budget>"); empty: `budget` ("<mode>+fixed").
+    fixed_budgets: list[int] = field(default_factory=list)
     batch_size: int = 1  # prompts decoded together per generate call (transformers' modes: 1)
+    # A batch sweep in one process (same engines, same prompts): every cell at each batch size,
+    # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
+    batch_sizes: list[int] = field(default_factory=list)
     seed: int = 0
     output: str | None = None  # JSON file for all figures
 
@@ -195,34 +200,11 @@ def print_table(summary: dict[str, dict]) -> None:
               f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
-                                                           OmegaConf.from_cli(argv)))
-    if cfg.temperature > 0 and "hf_prompt_lookup" in cfg.modes:
-        print("hf_prompt_lookup is greedy only: skipped at temperature > 0")
-        cfg.modes = [m for m in cfg.modes if m != "hf_prompt_lookup"]
-    configure_cpu_threads(cfg.threads)
-    parts = load_parts(cfg, cfg.modes)
-    tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
-    tree = TreeParams(budget=cfg.budget)
-    engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
-               for mode in cfg.modes if mode in drafter_names()}
-    for mode in cfg.full_logits_modes:
-        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing)
-    for mode in cfg.fixed_modes:
-        engines[f"{mode}{FIXED}"] = build_engine(parts, mode, tree, sizing="fixed")
-    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes),
-                 *(f"{m}{FIXED}" for m in cfg.fixed_modes)]
-    if cfg.batch_size > 1 and any(m in HF_MODES for m in cfg.modes):
-        print("transformers' modes run one prompt at a time: skipped at batch_size > 1")
-        cfg.modes = [m for m in cfg.modes if m not in HF_MODES]
-
-    prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
-    print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
-          f"batch {cfg.batch_size}, sizing {cfg.sizing}, modes {cfg.modes}, repeats {cfg.repeats}")
-
+def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, list[dict]]:
+    """Every cell on every prompt, `batch_size` prompts per generate call, cells interleaved
+    batch by batch (so drift in machine load hits all cells alike), `cfg.repeats` times."""
     records: dict[str, list[dict]] = {m: [] for m in cfg.modes}
-    groups = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts), cfg.batch_size)]
+    groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     for repeat in range(cfg.repeats):
         for g, group in enumerate(groups):
             params = [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
@@ -237,14 +219,69 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 results = engines[mode].generate([prompts[n][1] for n in group], params)
                 records[mode].extend(run_record(prompts[n][0], repeat, result, g) for n, result in zip(group, results))
-            print(f"  repeat {repeat} batch {g + 1}/{len(groups)} done")
+            print(f"  batch size {batch_size}: repeat {repeat} batch {g + 1}/{len(groups)} done", flush=True)
+    return records
+
+
+def print_sweep(sweeps: dict[int, dict[str, dict]]) -> None:
+    """Whole-run throughput of every cell relative to `ar` at each batch size, with tau and the
+    mean (chosen) tree size."""
+    modes = list(next(iter(sweeps.values())))
+    print(f"{'mode':<22}" + "".join(f"{'B=' + str(b):>22}" for b in sweeps))
+    print(f"{'':<22}" + "".join(f"{'tok/s  x ar  tau  tree':>22}" for _ in sweeps))
+    for mode in modes:
+        cells = []
+        for summary in sweeps.values():
+            s, ar = summary[mode], summary.get("ar")
+            ratio = s["throughput"] / ar["throughput"] if ar and ar["throughput"] else 0.0
+            tau, tree = s.get("tau", 1.0), s.get("mean_tree_size", 0)
+            cells.append(f"{s['throughput']:>8.1f}{ratio:>6.2f}{tau:>5.2f}{tree:>5.1f}")
+        print(f"{mode:<22}" + "".join(f"{c:>22}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
+                                                           OmegaConf.from_cli(argv)))
+    if cfg.temperature > 0 and "hf_prompt_lookup" in cfg.modes:
+        print("hf_prompt_lookup is greedy only: skipped at temperature > 0")
+        cfg.modes = [m for m in cfg.modes if m != "hf_prompt_lookup"]
+    configure_cpu_threads(cfg.threads)
+    parts = load_parts(cfg, cfg.modes)
+    tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
+    tree = TreeParams(budget=cfg.budget)
+    engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
+               for mode in cfg.modes if mode in drafter_names()}
+    for mode in cfg.full_logits_modes:
+        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing)
+    fixed = [(f"{mode}{FIXED}@{b}" if cfg.fixed_budgets else f"{mode}{FIXED}", mode, b)
+             for mode in cfg.fixed_modes for b in (cfg.fixed_budgets or [cfg.budget])]
+    for label, mode, budget in fixed:
+        engines[label] = build_engine(parts, mode, TreeParams(budget=budget), sizing="fixed")
+    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed)]
+    batch_sizes = cfg.batch_sizes or [cfg.batch_size]
+    if max(batch_sizes) > 1 and any(m in HF_MODES for m in cfg.modes):
+        print("transformers' modes run one prompt at a time: skipped at batch sizes > 1")
+        cfg.modes = [m for m in cfg.modes if m not in HF_MODES]
+
+    prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
+    print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
+          f"batch {batch_sizes}, sizing {cfg.sizing}, modes {cfg.modes}, repeats {cfg.repeats}")
+    sweep = {}
+    for batch_size in batch_sizes:
+        records = run_cells(cfg, engines, model, eos, prompts, batch_size)
+        sweep[batch_size] = {"summary": summarize(records), "records": records}
+    records, summary = sweep[batch_sizes[-1]]["records"], sweep[batch_sizes[-1]]["summary"]
     for mode in cfg.modes:
         sizer = getattr(engines.get(mode), "sizer", None)
         if sizer is not None:
             print(f"{mode} cost model after the run: {json.dumps(sizer.describe())}")
-    summary = summarize(records)
-    print_table(summary)
-    report = {"config": asdict(cfg), "summary": summary, "records": records}
+    for batch_size in batch_sizes:
+        print(f"batch {batch_size}:")
+        print_table(sweep[batch_size]["summary"])
+    if len(batch_sizes) > 1:
+        print_sweep({b: v["summary"] for b, v in sweep.items()})
+    report = {"config": asdict(cfg), "summary": summary, "records": records,
+              "sweep": {str(b): v["summary"] for b, v in sweep.items()}}
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.output).write_text(json.dumps(report, indent=1))

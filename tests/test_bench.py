@@ -289,3 +289,22 @@ def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_
     assert cond["head_trained"] and len(cond["head_fingerprint"]) > 8 and len(cond["trie_fingerprint"]) == 16
     assert cond["prompts"] == 2 and cond["max_new_tokens"] == 6
     assert (out / "report.md").is_file() and all((out / p).stat().st_size > 0 for p in PLOTS.values())
+
+
+def test_bench_engine_sweeps_batch_sizes_and_fixed_budgets_losslessly(tmp_path, capsys):
+    """The batch sweep runs every cell (auto-sized, fixed at each budget) at each batch size on
+    the same prompts; in fp32 greedy every cell decodes what `ar` decodes."""
+    from jobs import bench_engine
+    from tests.tiny_models import save_tiny_artifacts
+
+    art = save_tiny_artifacts(tmp_path / "art")
+    report = bench_engine.main([f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
+                                "dtype=fp32", "device=cpu", "num_prompts=3", "max_prompt_tokens=200",
+                                "max_new_tokens=6", "modes=[ar,dart_lookup]", "fixed_modes=[dart]",
+                                "fixed_budgets=[4,8]", "batch_sizes=[1,2]", "budget=8"])
+    assert set(report["sweep"]) == {"1", "2"}
+    for summary in report["sweep"].values():
+        assert set(summary) == {"ar", "dart_lookup", "dart+fixed@4", "dart+fixed@8"}
+        assert all(cell["agreement_with_ar"] == 1.0 and cell["runs"] == 3 for cell in summary.values())
+        assert summary["dart+fixed@4"]["mean_tree_size"] <= 4 < summary["dart+fixed@8"]["mean_tree_size"] <= 8
+    assert "tok/s  x ar  tau  tree" in capsys.readouterr().out
