@@ -75,8 +75,14 @@ class DecodingEngine:
         eos_token_ids: Sequence[int] = (),
         defer_logits: bool | None = None,
         sizer: TreeSizer | None = None,
+        sync_timing: bool = False,
     ):
-        """`defer_logits`: in rounds where every request is greedy, project to the vocabulary only
+        """`sync_timing`: on a GPU, synchronise at every stage boundary so each stage's time is
+        its own (a benchmark asks for it); off, the only host waits in a round are the
+        verification transfers, and a stage's queued GPU work is charged where the host next
+        waits (verification). On a CPU every stage's time is exact either way.
+
+        `defer_logits`: in rounds where every request is greedy, project to the vocabulary only
         the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU where a
         short measurement says it pays (`TargetAdapter.deferred_logits_pay`: without matrix units
         the projection over every tree row is most of a verify forward); never on a GPU, where
@@ -89,6 +95,7 @@ class DecodingEngine:
         if defer_logits is None:
             defer_logits = self.device.type == "cpu" and target.deferred_logits_pay()
         self.defer_logits = defer_logits
+        self.sync_timing = sync_timing
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
         # drafter's trees as built (`fixed`).
         self.sizer = sizer
@@ -214,6 +221,9 @@ class DecodingEngine:
             if not deferred:
                 acceptances = verify_batch(trees, out.logits, [s.params for s in live],
                                            [s.generator for s in live])
+            # The forward until its verdict is on the host: what the sizer learns the cost of (on a
+            # GPU without sync_timing, `verify_seconds` alone would be the launch time only).
+            verified_seconds = verify_seconds + (self._now() - t0 if not deferred else 0.0)
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
                                        _sources_of(tree, acc.accepted), live=len(live), model_ran=model_ran)
@@ -225,8 +235,8 @@ class DecodingEngine:
             self._observe(live, out.taps, rows)
             if self.sizer is not None:
                 self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
-                                   verify_seconds)
-                self.sizer.record_overhead(self._now() - round_start - verify_seconds - model_seconds)
+                                   verified_seconds)
+                self.sizer.record_overhead(self._now() - round_start - verified_seconds - model_seconds)
 
     def _join(self, joining: list[_Sequence], live: list[_Sequence], state):
         """Prefill `joining`, sample their first tokens and add them after `live` (a new batch
@@ -361,7 +371,7 @@ class DecodingEngine:
                 seq.finish_reason = "context_limit"
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
+        if self.sync_timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

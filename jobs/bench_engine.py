@@ -65,6 +65,9 @@ class BenchConfig:
     # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
     batch_sizes: list[int] = field(default_factory=list)
     seed: int = 0
+    # On a GPU: synchronise at every stage boundary so the per-stage times are each stage's own
+    # (the pipeline's workers do not: only the verification transfer waits there).
+    sync_timing: bool = True
     output: str | None = None  # JSON file for all figures
 
 
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     for label, mode, budget in fixed:
         engines[label] = build_engine(parts, mode, TreeParams(budget=budget), sizing="fixed")
     cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed)]
+    for engine in engines.values():
+        engine.sync_timing = cfg.sync_timing
     batch_sizes = cfg.batch_sizes or [cfg.batch_size]
     if max(batch_sizes) > 1 and any(m in HF_MODES for m in cfg.modes):
         print("transformers' modes run one prompt at a time: skipped at batch sizes > 1")

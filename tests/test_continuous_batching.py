@@ -114,3 +114,17 @@ def test_rows_report_batch_occupancy_and_model_rounds(engines):
     assert all(r.stats.model_rounds == 0 for r in engines["lookup", "fixed"].generate(prompts, params))
     for r in engines["dart", "auto"].generate(prompts, params, max_live=2):
         assert 0 <= r.stats.model_rounds <= r.stats.rounds
+
+
+def test_stage_clocks_synchronise_a_gpu_only_when_asked(engines, monkeypatch):
+    """Without `sync_timing` a CUDA round waits on the device only for the verification
+    transfer: the stage clock must not call torch.cuda.synchronize."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    engine = engines["dart", "fixed"]
+    monkeypatch.setattr(engine, "device", torch.device("cuda", 0))  # only the clock reads it here
+    engine._now()
+    assert calls == []
+    monkeypatch.setattr(engine, "sync_timing", True)
+    engine._now()
+    assert calls == [torch.device("cuda", 0)]
