@@ -16,7 +16,9 @@ from typing import Any
 import pyarrow as pa
 
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
-                "mean_tree_size", "finish_reason", "accepted_head", "accepted_context")
+                "mean_tree_size", "finish_reason", "accepted_head", "accepted_context", "accepted_job_cache")
+
+ACCEPTED_SOURCES = ("accepted_head", "accepted_context", "accepted_job_cache")  # per-row provenance columns
 
 
 @dataclass
@@ -32,7 +34,7 @@ class RunTally:
     finish_reasons: Counter = field(default_factory=Counter)
     per_mode: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(
         lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0, "accepted_head": 0,
-                 "accepted_context": 0}))
+                 "accepted_context": 0, "accepted_job_cache": 0}))
     _last_print: float = 0.0
 
     def add(self, batch: pa.Table) -> None:
@@ -53,7 +55,7 @@ class RunTally:
                 mode["tau_sum"] += float(row["tau"])
                 mode["tau_rows"] += 1
                 mode["tree_sum"] += float(row.get("mean_tree_size") or 0.0)
-                for source in ("accepted_head", "accepted_context"):
+                for source in ACCEPTED_SOURCES:
                     mode[source] += int(row.get(source) or 0)
 
     @property
@@ -116,7 +118,7 @@ def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: i
                 mode: {"rows": m["rows"], "tokens": m["tokens"],
                        "mean_tau": m["tau_sum"] / m["tau_rows"] if m["tau_rows"] else None,
                        "mean_tree_size": m["tree_sum"] / m["tau_rows"] if m["tau_rows"] else None,
-                       "accepted_tokens_by_source": {"head": m["accepted_head"], "context": m["accepted_context"]}}
+                       "accepted_tokens_by_source": {s.removeprefix("accepted_"): m[s] for s in ACCEPTED_SOURCES}}
                 for mode, m in tally.per_mode.items()
             },
         },

@@ -71,6 +71,7 @@ def test_rows_to_table_full_row_and_nulls():
         "mean_tree_size": 12.0,
         "accepted_head": 1,
         "accepted_context": 0,
+        "accepted_job_cache": 0,
         "prefill_s": 0.1,
         "draft_s": 0.01,
         "tree_s": 0.002,
