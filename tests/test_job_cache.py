@@ -209,7 +209,7 @@ def templated_prompts(seed: int, rows: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     head = torch.randint(3, VOCAB, (9,), generator=gen).tolist()
     tail = torch.randint(3, VOCAB, (5,), generator=gen).tolist()
-    return [head + [3 + (r * 7) % (VOCAB - 3)] + tail for r in range(rows)]
+    return [[*head, 3 + (r * 7) % (VOCAB - 3), *tail] for r in range(rows)]
 
 
 @pytest.mark.parametrize("cache_prompts", [False, True])
