@@ -313,6 +313,19 @@ def test_parts_of_schema_version_1_read_back_with_null_added_columns(tmp_path):
     with pytest.raises(StorageError, match="does not match the output schema"):
         read_output(str(out))
 
+def test_parts_of_schema_version_3_read_back_with_null_accepted_job_cache(tmp_path):
+    """Parts written before the job cache (version 3) lack `accepted_job_cache`: resume and reads keep
+    working, the column reads as null there."""
+    out = tmp_path / "out"
+    write_part(rows_to_table([output_row("a", accepted_job_cache=4)]), str(out), RUN)
+    old = table_of("b").drop_columns(["accepted_job_cache"])
+    (out / part_name(["b"])).write_bytes(pq_bytes(old))
+    assert existing_row_keys(str(out)) == {"a", "b"}
+    table = read_output(str(out))
+    assert table.schema.equals(OUTPUT_SCHEMA.remove_metadata(), check_metadata=False)
+    assert sorted(table.column("accepted_job_cache").to_pylist(), key=lambda v: v is None) == [4, None]
+
+
 def test_filter_done(ray_session):
     keys = [f"id:{i}" for i in range(500)]
     ds = ray.data.from_items([{"row_key": k, "prompt": "p"} for k in keys], override_num_blocks=4)
