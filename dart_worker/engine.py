@@ -184,7 +184,8 @@ class DecodingEngine:
         state = None
         while live or waiting:
             if any(s.finish_reason for s in live):
-                drafter.finish([s.tokens for s in live if s.finish_reason])
+                done = [s for s in live if s.finish_reason]
+                drafter.finish([s.tokens for s in done], [s.num_prompt for s in done])
                 for seq in live:
                     if seq.finish_reason:
                         results[seq.index] = self._result(seq)

@@ -27,6 +27,7 @@ STAT_COLUMNS: dict[str, str] = {
     "model_rounds": "int",  # rounds in which the drafter's model (the draft head) ran
     "accepted_head": "int",  # accepted draft tokens the draft head proposed
     "accepted_context": "int",  # ... that context lookup proposed (a token both proposed counts for both)
+    "accepted_job_cache": "int",  # ... that the job cache (earlier rows' outputs) proposed
     **{f"{stage}_s": "float" for stage in STAGES},
     "wall_s": "float",
     "tokens_per_s": "float",
@@ -44,7 +45,7 @@ class RequestStats:
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
     batch_live: list[int] = field(default_factory=list)  # sequences verified together per round
     model_rounds: int = 0
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0})
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0, "job_cache": 0})
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     wall_seconds: float = 0.0
 
@@ -113,6 +114,7 @@ class RequestStats:
             "model_rounds": self.model_rounds,
             "accepted_head": self.accepted_by_source.get("head", 0),
             "accepted_context": self.accepted_by_source.get("context", 0),
+            "accepted_job_cache": self.accepted_by_source.get("job_cache", 0),
             **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},
             "wall_s": self.wall_seconds,
             "tokens_per_s": self.tokens_per_second,

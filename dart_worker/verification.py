@@ -58,7 +58,7 @@ import torch
 
 from dart_worker.sampling import SamplingParams, warp_logits_to_probs
 from dart_worker.tree_batch import TreeLike, check_tree
-from ngram_native.trees import SOURCE_CONTEXT, children
+from ngram_native.trees import SOURCE_COPIED, children
 
 # Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
 # anything further off means non-finite or otherwise broken logits.
@@ -133,9 +133,9 @@ def verify_greedy_by_rows(
     `row_logits(batch_index, rows)` returns [len(rows), V] logits of those (sequence, row) pairs
     (row 0 = root, i + 1 = node i). Each call asks, per tree still walking, for the row of its
     current node and, ahead of the walk, the rows of the chain of first children below it that
-    context lookup proposed (`SOURCE_CONTEXT` nodes: copied text, accepted in long runs; head
-    nodes are accepted about one level at a time, so projecting ahead through them mostly wastes
-    rows). One call then covers a whole accepted lookup span; a walk that leaves the predicted
+    context lookup or the job cache proposed (`SOURCE_COPIED` nodes: copied text, accepted in long
+    runs; head nodes are accepted about one level at a time, so projecting ahead through them
+    mostly wastes rows). One call then covers a whole accepted lookup span; a walk that leaves the predicted
     chain asks again from where it is. The result equals `verify_batch` on full logits (same
     argmax rule: the first maximum), while the projection runs on about the accepted path instead
     of all N + 1 rows (on a CPU most of a verify forward's cost).
@@ -171,13 +171,14 @@ def verify_greedy_by_rows(
 
 def _predicted_chain(table: tuple[np.ndarray, np.ndarray], tree: TreeLike, node: int) -> list[int]:
     """`node` (-1 = the root), then its first child, that child's first child, ... as long as
-    each is a context-lookup node (trees that do not record sources: `node` alone)."""
+    each is a copied-text node (context lookup or the job cache; trees that do not record sources:
+    `node` alone)."""
     sources = getattr(tree, "sources", None)
     offsets, child_idx = table
     chain = [node]
     while sources is not None and offsets[node + 2] > offsets[node + 1]:
         node = int(child_idx[offsets[node + 1]])
-        if not sources[node] & SOURCE_CONTEXT:
+        if not sources[node] & SOURCE_COPIED:
             break
         chain.append(node)
     return chain

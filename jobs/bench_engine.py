@@ -29,7 +29,7 @@ from dart_worker.loading import load_target
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
 from dart_worker.stats import STAGES
-from ngram_native.trees import TreeParams
+from ngram_native.trees import SOURCE_NAMES, TreeParams
 
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
 FULL_LOGITS = "+full_logits"
@@ -176,7 +176,7 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             entry["mean_tree_size"] = statistics.mean(r["mean_tree_size"] for r in rows)
             # Accepted draft tokens by the source that proposed them (records of older runs lack them).
             entry["accepted_tokens_by_source"] = {
-                source: sum(r.get(f"accepted_{source}", 0) for r in rows) for source in ("head", "context")}
+                source: sum(r.get(f"accepted_{source}", 0) for r in rows) for source in SOURCE_NAMES.values()}
             depth = max(len(r["per_position_acceptance"]) for r in rows)
             entry["per_position_acceptance"] = [
                 statistics.mean(r["per_position_acceptance"][d] for r in rows if len(r["per_position_acceptance"]) > d)
@@ -192,13 +192,13 @@ def _run_key(record: dict) -> tuple:
 
 def print_table(summary: dict[str, dict]) -> None:
     print(f"{'mode':<18}{'tok/s':>8}{'total':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}"
-          "  ms/round (draft/tree/verify/commit)  accepted from head/context")
+          "  ms/round (draft/tree/verify/commit)  accepted from head/context/job_cache")
     for mode, s in summary.items():
         stages = s.get("ms_per_round")
         stage_text = "/".join(f"{stages[k]:.1f}" for k in ("draft", "tree", "verify", "commit")) if stages else "-"
         agree = "-" if s["agreement_with_ar"] is None else f"{s['agreement_with_ar']:.2f}"
         sources = s.get("accepted_tokens_by_source")
-        source_text = f"{sources['head']}/{sources['context']}" if sources else "-"
+        source_text = "/".join(str(sources.get(s, 0)) for s in SOURCE_NAMES.values()) if sources else "-"
         print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s.get('throughput', 0):>8.1f}{s['speedup_vs_ar']:>7.2f}"
               f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
 

@@ -9,7 +9,8 @@ Figures dict (what jobs.bench.measure returns and bench.json holds):
   conditions  machine, dtype, threads, prompts, max_new_tokens, head/trie fingerprints, date, ...
   summary     one entry per cell: mode, temperature, budget (None for ar/hf), headline (bool),
               tokens_per_second, speedup_vs_ar, tau, mean_tree_size, agreement_with_ar,
-              ms_per_round {prefill, draft, tree, verify, commit}, tokens_per_round_histogram, ...
+              ms_per_round {prefill, draft, tree, verify, commit}, tokens_per_round_histogram,
+              accepted_tokens_by_source {head, context, job_cache}, ...
   records     one entry per run (prompt x repeat x cell)
 """
 
@@ -229,17 +230,25 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _provenance(entry: dict) -> str:
+    """Accepted draft tokens by source (records of older runs lack some sources, or all)."""
+    by_source = entry.get("accepted_tokens_by_source")
+    if not by_source:
+        return "-"
+    return " / ".join(str(by_source.get(s, 0)) for s in ("head", "context", "job_cache"))
+
+
 def summary_table(summary: list[dict]) -> list[str]:
     lines = ["| mode | budget | T | tok/s | speedup vs ar | tau | mean tree | agrees with ar (T=0) |"
-             " ms/round draft / tree / verify / commit | runs |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             " ms/round draft / tree / verify / commit | accepted head / context / job cache | runs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for t in _temps(summary):
         for e in sorted((e for e in summary if e["temperature"] == t), key=_mode_key):
             ms = e.get("ms_per_round")
             stages = " / ".join(f"{ms.get(s, 0.0):.1f}" for s in STAGES) if ms else "-"
             lines.append(f"| {e['mode']} | {e.get('budget') or '-'} | {t:g} | {e['tokens_per_second']:.1f} | "
                          f"{e['speedup_vs_ar']:.2f} | {_fmt(e.get('tau'))} | {_fmt(e.get('mean_tree_size'), '.1f')} | "
-                         f"{_fmt(e.get('agreement_with_ar'))} | {stages} | {e['runs']} |")
+                         f"{_fmt(e.get('agreement_with_ar'))} | {stages} | {_provenance(e)} | {e['runs']} |")
     return lines
 
 

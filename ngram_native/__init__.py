@@ -5,10 +5,11 @@ Depends on numpy only. The trie (`NgramTrie`, `TrieBuilder`, `build_trie`, and
 memory-mapped file shared by every process on a node; the tree builders
 (`build_dart_trees`, `build_ddtree_trees`, `build_chain_trees`) return `DraftTree`s in one
 canonical flattened form that masks, positions and verification walks derive from;
-`ContextIndex` + `build_lookup_trees` draft from a request's own text (prompt lookup).
+`ContextIndex` + `build_lookup_trees` draft from a request's own text (prompt lookup), `JobCache` +
+`build_job_cache_trees` from the finished outputs of a job's earlier rows.
 """
 
-from ngram_native.context import ContextIndex, build_lookup_trees
+from ngram_native.context import ContextIndex, JobCache, build_job_cache_trees, build_lookup_trees
 from ngram_native.trees import (
     DraftTree,
     NgramScorer,
@@ -41,6 +42,7 @@ __all__ = [
     "TRIE_HEADER_SIZE",
     "ContextIndex",
     "DraftTree",
+    "JobCache",
     "NgramScorer",
     "NgramTrie",
     "TokenizerMismatchError",
@@ -55,6 +57,7 @@ __all__ = [
     "build_chain_trees",
     "build_dart_trees",
     "build_ddtree_trees",
+    "build_job_cache_trees",
     "build_lookup_trees",
     "build_trie",
     "children",

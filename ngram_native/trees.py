@@ -54,7 +54,11 @@ NgramScorer = _core.NgramScorer
 # engine can report how many accepted tokens each source contributed.
 SOURCE_HEAD = 1  # the draft head's distributions (chain, ddtree, dart)
 SOURCE_CONTEXT = 2  # the request's own text (context lookup)
-SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context"}
+SOURCE_JOB_CACHE = 4  # earlier rows' finished outputs (the job-level cache of the lookup drafters)
+SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE: "job_cache"}
+# Sources that copy earlier text: accepted in long runs, unlike a head's one-level-at-a-time drafts
+# (the deferred greedy walk projects ahead through them).
+SOURCE_COPIED = SOURCE_CONTEXT | SOURCE_JOB_CACHE
 ValuesKind = Literal["logits", "logprobs"]
 
 _INT32_LIMIT = 2**31
@@ -174,12 +178,16 @@ class TreeParams:
     lookup_min_match: int = 2  # shortest suffix match worth drafting from (transformers uses 2)
     lookup_depth_factor: float = 4.0  # draft depth <= factor x match length (SuffixDecoding's rule)
     lookup_max_occurrences: int = 32  # most recent earlier occurrences that vote on the continuation
+    # The job-level cache (ngram_native.context.JobCache) of the lookup drafters: earlier rows'
+    # finished outputs, one cache per worker; its token budget (oldest rows evicted first), 0 = off.
+    lookup_cache_tokens: int = 262144
+    lookup_cache_prompts: bool = False  # also cache each finished row's prompt (before its output)
 
     def problems(self) -> list[tuple[str, str]]:
         """Every invalid field as (name, what is wrong); empty when the parameters are usable."""
         out = []
         for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
-                              ("lookup_max_occurrences", 1)):
+                              ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 out.append((name, f"must be an integer, got {type(value).__name__}"))
@@ -196,6 +204,10 @@ class TreeParams:
         if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) \
                 or not math.isfinite(float(factor)) or factor <= 0:
             out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
+        if isinstance(self.lookup_cache_tokens, (int, np.integer)) and self.lookup_cache_tokens > 2**28:
+            out.append(("lookup_cache_tokens", f"must be <= 2**28 (268435456), got {self.lookup_cache_tokens}"))
+        if not isinstance(self.lookup_cache_prompts, (bool, np.bool_)):
+            out.append(("lookup_cache_prompts", f"must be true or false, got {self.lookup_cache_prompts!r}"))
         depth = self.max_depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
             out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))

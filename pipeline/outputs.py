@@ -57,7 +57,7 @@ SCHEMA_VERSION = "4"
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
 ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3", "mean_batch_live": "4",
-                 "model_rounds": "4"}
+                 "model_rounds": "4", "accepted_job_cache": "4"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),

@@ -17,7 +17,9 @@ import pyarrow as pa
 
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
                 "mean_tree_size", "mean_batch_live", "model_rounds", "finish_reason", "accepted_head",
-                "accepted_context")
+                "accepted_context", "accepted_job_cache")
+
+ACCEPTED_SOURCES = ("accepted_head", "accepted_context", "accepted_job_cache")  # per-row provenance columns
 
 
 @dataclass
@@ -33,7 +35,7 @@ class RunTally:
     finish_reasons: Counter = field(default_factory=Counter)
     per_mode: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(
         lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0, "live_sum": 0.0,
-                 "rounds": 0, "model_rounds": 0, "accepted_head": 0, "accepted_context": 0}))
+                 "rounds": 0, "model_rounds": 0, **dict.fromkeys(ACCEPTED_SOURCES, 0)}))
     _last_print: float = 0.0
 
     def add(self, batch: pa.Table) -> None:
@@ -57,7 +59,7 @@ class RunTally:
                 mode["live_sum"] += float(row.get("mean_batch_live") or 0.0)
                 mode["rounds"] += int(row["rounds"])
                 mode["model_rounds"] += int(row.get("model_rounds") or 0)
-                for source in ("accepted_head", "accepted_context"):
+                for source in ACCEPTED_SOURCES:
                     mode[source] += int(row.get(source) or 0)
 
     @property
@@ -124,7 +126,7 @@ def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: i
                        "mean_batch_live": m["live_sum"] / m["tau_rows"] if m["tau_rows"] else None,
                        # share of rounds in which the draft head ran (sizing auto pauses it)
                        "model_round_share": m["model_rounds"] / m["rounds"] if m["rounds"] else None,
-                       "accepted_tokens_by_source": {"head": m["accepted_head"], "context": m["accepted_context"]}}
+                       "accepted_tokens_by_source": {s.removeprefix("accepted_"): m[s] for s in ACCEPTED_SOURCES}}
                 for mode, m in tally.per_mode.items()
             },
         },

@@ -308,3 +308,26 @@ def test_bench_engine_sweeps_batch_sizes_and_fixed_budgets_losslessly(tmp_path, 
         assert all(cell["agreement_with_ar"] == 1.0 and cell["runs"] == 3 for cell in summary.values())
         assert summary["dart+fixed@4"]["mean_tree_size"] <= 4 < summary["dart+fixed@8"]["mean_tree_size"] <= 8
     assert "tok/s  x ar  tau  tree" in capsys.readouterr().out
+
+
+def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):
+    """jobs.bench_templated: both arms decode every row; in fp32 greedy they agree token for token."""
+    import json
+
+    from jobs.bench_templated import main as templated_main
+
+    template = "w5 w6 w7 w8 {0} w9 w10 w11 w12 {1} w13 w14"
+    out = tmp_path / "templated.json"
+    report = templated_main([f"target={tiny_artifacts['target']}", "dtype=fp32", "device=cpu", "threads=1",
+                             "rows=6", "max_new_tokens=8", "batch_size=2", "chunk_rows=3", "budget=8",
+                             "sizing=fixed", f"template='{template}'", "slot_values=[[w20,w21],[w22,w23]]",
+                             f"output={out}"])
+    assert report["greedy_agreement"] == 1.0
+    for arm in ("cache_off", "cache_on"):
+        s = report["summary"][arm]
+        assert s["rows"] == 6 and s["rows_failed"] == 0 and s["tokens"] > 0 and s["tau"] >= 1.0
+        assert set(s["accepted_tokens_by_source"]) == {"head", "context", "job_cache"}
+        assert s["us_per_seq_round"]["index_plus_graft"]["p99"] >= s["us_per_seq_round"]["index_plus_graft"]["median"]
+    assert report["summary"]["cache_off"]["accepted_tokens_by_source"]["job_cache"] == 0
+    assert report["summary"]["cache_on"]["cache"]["documents"] == 6
+    assert json.loads(out.read_text())["summary"]["cache_on"]["rows"] == 6

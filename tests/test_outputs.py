@@ -73,6 +73,7 @@ def test_rows_to_table_full_row_and_nulls():
         "model_rounds": 2,
         "accepted_head": 1,
         "accepted_context": 0,
+        "accepted_job_cache": 0,
         "prefill_s": 0.1,
         "draft_s": 0.01,
         "tree_s": 0.002,
@@ -313,6 +314,19 @@ def test_parts_of_schema_version_1_read_back_with_null_added_columns(tmp_path):
     (out / part_name(["d"])).write_bytes(pq_bytes(table_of("d").drop_columns(["text"])))
     with pytest.raises(StorageError, match="does not match the output schema"):
         read_output(str(out))
+
+def test_parts_of_schema_version_3_read_back_with_null_accepted_job_cache(tmp_path):
+    """Parts written before the job cache (version 3) lack `accepted_job_cache`: resume and reads keep
+    working, the column reads as null there."""
+    out = tmp_path / "out"
+    write_part(rows_to_table([output_row("a", accepted_job_cache=4)]), str(out), RUN)
+    old = table_of("b").drop_columns(["accepted_job_cache"])
+    (out / part_name(["b"])).write_bytes(pq_bytes(old))
+    assert existing_row_keys(str(out)) == {"a", "b"}
+    table = read_output(str(out))
+    assert table.schema.equals(OUTPUT_SCHEMA.remove_metadata(), check_metadata=False)
+    assert sorted(table.column("accepted_job_cache").to_pylist(), key=lambda v: v is None) == [4, None]
+
 
 def test_filter_done(ray_session):
     keys = [f"id:{i}" for i in range(500)]

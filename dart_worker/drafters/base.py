@@ -6,7 +6,7 @@ One batch of decoding drives a drafter like this (see `DecodingEngine._decode`):
     drafter.observe(prefill block)                 # the prompts' rows, committed by prefill
     loop:
         drafter.join(prefill block of newcomers)   # continuous batching: they join at the end
-        drafter.finish(tokens of finished ones)    # sequences that ended, before they leave
+        drafter.finish(tokens, num_prompt of finished ones)  # sequences that ended, before they leave
         drafter.select(keep)                       # finished sequences leave the batch
         drafter.pause_model(...); drafter.catch_up()  # the cost model: is the model worth running?
         trees = drafter.propose(tokens, depth_caps)  # one DraftTree per live sequence
@@ -65,10 +65,11 @@ class Drafter(ABC):
         `block` is their prefill block, as `observe` gets it after `start` for a first batch.
         A drafter with per-sequence state must override this."""
 
-    def finish(self, tokens: Sequence[Sequence[int]]) -> None:  # noqa: B027
-        """Sequences that ended (each one's prompt + generated tokens), called once per sequence
-        before `select` drops it: a drafter that learns from finished outputs (a job-level cache)
-        reads them here. Errors never reach it: only rows that decoded."""
+    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:  # noqa: B027
+        """Sequences that ended (each one's prompt + generated tokens, and num_prompt[b]: how many
+        of tokens[b] are its prompt), called once per sequence before `select` drops it: a drafter
+        that learns from finished outputs (the lookup drafters' job cache) reads them here. Errors
+        never reach it: only rows that decoded."""
 
     def select(self, keep: torch.Tensor) -> None:  # noqa: B027
         """Keep only the sequences at indices `keep` (the others finished), in that order."""

@@ -1,5 +1,6 @@
 """Hybrid drafters (`dart_lookup`, `ddtree_lookup`): a head drafter's tree with the context
-lookup tree of the same round grafted in, within the same node budget.
+lookup tree of the same round (itself merged with the job cache's tree) grafted in, within the
+same node budget.
 
 The head drafts well where the text is new, lookup where it repeats; one merged tree
 (`ngram_native.merge.merge_trees`: prefix-merged, no duplicate siblings, nodes kept by score)
@@ -13,8 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
-from dart_worker.drafters.lookup import ContextIndexes
-from ngram_native.merge import merge_trees
+from dart_worker.drafters.lookup import ContextIndexes, graft
 from ngram_native.trees import DraftTree, TreeParams
 
 
@@ -49,9 +49,9 @@ class HybridDrafter(Drafter):
         self.inner.join(block)
         self.context.join(block)
 
-    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
-        self.inner.finish(tokens)
-        self.context.finish(tokens)
+    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
+        self.inner.finish(tokens, num_prompt)
+        self.context.finish(tokens, num_prompt)
 
     def select(self, keep: torch.Tensor) -> None:
         self.inner.select(keep)
@@ -60,4 +60,4 @@ class HybridDrafter(Drafter):
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         model_trees = self.inner.propose(tokens, max_depths)
         lookup_trees = self.context.propose(tokens, max_depths)
-        return [merge_trees(m, c, self.budget) if c.size else m for m, c in zip(model_trees, lookup_trees, strict=True)]
+        return [graft(m, c, self.budget) for m, c in zip(model_trees, lookup_trees, strict=True)]

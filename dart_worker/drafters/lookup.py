@@ -5,27 +5,52 @@ round proposes the continuation trie of the longest earlier match of the sequenc
 (`build_lookup_trees`, one C++ call for the batch), so repetitive requests (code edits, quotes,
 summaries that copy) get long accepted drafts while a draft costs no forward pass at all. A
 sequence with no match proposes an empty tree: that round is a plain decoding step.
-`ContextIndexes` is the per-batch state, shared with the hybrid drafters (`hybrid.py`).
+
+The job-level cache (`ngram_native.JobCache`, `decoding.tree.lookup_cache_tokens`, 0 = off) spans
+batches: every finished row's output (and its prompt, with `lookup_cache_prompts`) is added in
+`finish`, and each round the same suffix is also matched against those earlier rows. Its tree
+(nodes marked `SOURCE_JOB_CACHE`) is grafted into the context tree of the round
+(`ngram_native.merge.merge_trees`: prefix-merged, unique siblings, the best `budget` nodes by
+score, ln(count / occurrences) for both), so a templated job's later rows draft from its earlier
+ones. `ContextIndexes` is the per-batch state plus the cache, shared with the hybrid drafters
+(`hybrid.py`); one drafter serves one engine, so the cache is per worker.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
-from ngram_native.context import DEFAULT_MAX_MATCH, ContextIndex, build_lookup_trees
-from ngram_native.trees import SOURCE_CONTEXT, DraftTree, TreeParams
+from ngram_native.context import (
+    DEFAULT_JOB_MAX_MATCH,
+    DEFAULT_MAX_MATCH,
+    ContextIndex,
+    JobCache,
+    build_job_cache_trees,
+    build_lookup_trees,
+)
+from ngram_native.merge import merge_trees
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_JOB_CACHE, DraftTree, TreeParams
 
 
 class ContextIndexes:
-    """One `ContextIndex` per live sequence, kept in step with the engine's batch."""
+    """One `ContextIndex` per live sequence, kept in step with the engine's batch, and the job
+    cache of this drafter's engine (None when `tree.lookup_cache_tokens` is 0)."""
 
     def __init__(self, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.tree = tree
         self.eos_ids = sorted(int(t) for t in eos_token_ids)
         self.indexes: list[ContextIndex] = []
+        self.job_cache: JobCache | None = None
+        if tree.lookup_cache_tokens:
+            self.job_cache = JobCache(max_tokens=int(tree.lookup_cache_tokens), min_match=tree.lookup_min_match,
+                                      max_match=max(tree.lookup_min_match, DEFAULT_JOB_MAX_MATCH))
+        # Set to a list to record, per `propose`, {"batch", "context_s", "job_cache_s", "graft_s"}
+        # (jobs.bench_templated reads it); None: nothing recorded.
+        self.profile: list[dict] | None = None
 
     def start(self, batch_size: int) -> None:
         self.indexes = [self._new_index() for _ in range(batch_size)]
@@ -47,8 +72,19 @@ class ContextIndexes:
             if len(tokens) > len(index):
                 index.append(tokens[len(index):])
 
-    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
-        """Finished sequences: nothing kept yet (a job-level cache of outputs would read them)."""
+    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
+        """Finished sequences go into the job cache: their outputs (tokens after the first
+        num_prompt[b]), or prompt + output with `lookup_cache_prompts` (one document, so a later
+        row whose prompt ends alike drafts the start of this row's output)."""
+        if self.job_cache is None:
+            return
+        start = time.perf_counter()
+        for seq, prompt_len in zip(tokens, num_prompt, strict=True):
+            document = seq if self.tree.lookup_cache_prompts else seq[int(prompt_len):]
+            if len(document):
+                self.job_cache.add(document)
+        if self.profile is not None:
+            self.profile.append({"finished": len(tokens), "add_s": time.perf_counter() - start})
 
     def select(self, keep: torch.Tensor) -> None:
         self.indexes = [self.indexes[b] for b in keep.tolist()]
@@ -60,10 +96,33 @@ class ContextIndexes:
                                    "observe() missed a committed block")
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
-        trees = build_lookup_trees(self.indexes, caps, budget=self.tree.budget, eos_ids=self.eos_ids,
-                                   depth_factor=self.tree.lookup_depth_factor,
-                                   max_occurrences=self.tree.lookup_max_occurrences)
-        return [t.from_source(SOURCE_CONTEXT) for t in trees]
+        knobs = dict(budget=self.tree.budget, eos_ids=self.eos_ids, depth_factor=self.tree.lookup_depth_factor,
+                     max_occurrences=self.tree.lookup_max_occurrences)
+        t0 = time.perf_counter()
+        trees = [t.from_source(SOURCE_CONTEXT) for t in build_lookup_trees(self.indexes, caps, **knobs)]
+        t1 = time.perf_counter()
+        if self.job_cache is None or not len(self.job_cache):
+            if self.profile is not None:
+                self.profile.append({"batch": len(trees), "context_s": t1 - t0, "job_cache_s": 0.0, "graft_s": 0.0})
+            return trees
+        cached = build_job_cache_trees(self.job_cache, self.indexes, caps, **knobs)
+        t2 = time.perf_counter()
+        budget = self.tree.budget
+        trees = [graft(t, c.from_source(SOURCE_JOB_CACHE), budget) for t, c in zip(trees, cached, strict=True)]
+        if self.profile is not None:
+            self.profile.append({"batch": len(trees), "context_s": t1 - t0, "job_cache_s": t2 - t1,
+                                 "graft_s": time.perf_counter() - t2})
+        return trees
+
+
+def graft(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """`second` grafted into `first` (prefix-merged, unique siblings, the best `budget` nodes by
+    score); either alone when the other is empty."""
+    if not second.size:
+        return first
+    if not first.size:
+        return second
+    return merge_trees(first, second, budget)
 
 
 class LookupDrafter(Drafter):
@@ -81,8 +140,8 @@ class LookupDrafter(Drafter):
     def join(self, block: CommittedBlock) -> None:
         self.context.join(block)
 
-    def finish(self, tokens: Sequence[Sequence[int]]) -> None:
-        self.context.finish(tokens)
+    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
+        self.context.finish(tokens, num_prompt)
 
     def select(self, keep: torch.Tensor) -> None:
         self.context.select(keep)
