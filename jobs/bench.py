@@ -58,6 +58,10 @@ class BenchReportConfig:
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
     repeats: int = 1
+    # The lookup modes' job cache: off, because every cell decodes the same prompts (at each
+    # temperature and repeat), so a cache would draft each prompt from its own earlier answer.
+    # jobs.bench_templated measures the cache on distinct rows.
+    lookup_cache_tokens: int = 0
     seed: int = 0
     output_dir: str = "bench_report"
 
@@ -279,7 +283,8 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
     engines = {}
     for c in cells:
         if c.mode in drafter_names() and (c.mode, c.budget) not in engines:
-            engines[c.mode, c.budget] = build_engine(parts, c.mode, TreeParams(budget=c.budget or 1))
+            engines[c.mode, c.budget] = build_engine(parts, c.mode, TreeParams(budget=c.budget or 1,
+                                                                             lookup_cache_tokens=cfg.lookup_cache_tokens))
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     if not prompts:
         raise RuntimeError(f"no ShareGPT dev prompt fits max_prompt_tokens={cfg.max_prompt_tokens}")

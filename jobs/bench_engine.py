@@ -51,6 +51,10 @@ class BenchConfig:
     temperature: float = 0.0
     repeats: int = 1
     budget: int = 60
+    # The lookup modes' job cache: off, because the cells decode the same prompts at every batch
+    # size and repeat, so a cache would draft each prompt from its own earlier answer
+    # (jobs.bench_templated measures the cache on distinct rows).
+    lookup_cache_tokens: int = 0
     # Modes also run with logits at every tree row (label "<mode>+full_logits"), side by side with
     # the default (on a CPU: deferred, only the rows the greedy walk reads).
     full_logits_modes: list[str] = field(default_factory=list)
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     configure_cpu_threads(cfg.threads)
     parts = load_parts(cfg, cfg.modes)
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
-    tree = TreeParams(budget=cfg.budget)
+    tree = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
     engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
                for mode in cfg.modes if mode in drafter_names()}
     for mode in cfg.full_logits_modes:
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     fixed = [(f"{mode}{FIXED}@{b}" if cfg.fixed_budgets else f"{mode}{FIXED}", mode, b)
              for mode in cfg.fixed_modes for b in (cfg.fixed_budgets or [cfg.budget])]
     for label, mode, budget in fixed:
-        engines[label] = build_engine(parts, mode, TreeParams(budget=budget), sizing="fixed")
+        sized = TreeParams(budget=budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+        engines[label] = build_engine(parts, mode, sized, sizing="fixed")
     cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed)]
     for engine in engines.values():
         engine.sync_timing = cfg.sync_timing
