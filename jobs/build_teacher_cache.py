@@ -86,7 +86,8 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
                         conversations: Callable[[int], Iterator[Conversation]] | None = None,
                         target_fingerprint: str | None = None, progress: bool = True,
                         stop_after_shards: int | None = None) -> dict:
-    """Build (or finish) the cache at cfg.data.teacher_cache; returns its manifest.
+    """Build (or finish) the cache at cfg.data.teacher_cache; returns its manifest (+ `last_run`:
+    tokens, seconds and tokens/s of this call's target forwards and writes, when it built any).
 
     `model`/`tokenizer` may be given (already loaded); `target_fingerprint` defaults to the files
     behind `cfg.target`. `stop_after_shards` stops after writing that many new shards (tests).
@@ -195,12 +196,13 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
                     bytes=sum(s["bytes"] for s in shards),
                     mean_rest_mass=sum(s["rest_mass_sum"] for s in shards) / max(tokens, 1),
                     skipped_examples=stream.skipped)
-    write_manifest(url, manifest)
+    write_manifest(url, manifest)  # deterministic: a resumed build writes the same bytes
     print(f"teacher cache {url}: {manifest['examples']} examples, {tokens} tokens, {len(shards)} shards, "
           f"{manifest['bytes'] / max(tokens, 1):.0f} bytes/token, mean remaining mass outside the top {top_k}: "
           f"{manifest['mean_rest_mass']:.4f}; this run {new_tokens} tokens in {elapsed:.1f} s "
           f"({new_tokens / max(elapsed, 1e-9):.0f} tokens/s)", flush=True)
-    return manifest
+    return {**manifest, "last_run": {"tokens": new_tokens, "seconds": elapsed,
+                                     "tokens_per_s": new_tokens / max(elapsed, 1e-9)}}
 
 
 def _write_shard(url: str, manifest: dict, examples: list[CachedExample], draft_vocab_size: int,

@@ -288,3 +288,22 @@ def test_training_from_the_cache_checkpoints_and_resumes_identically(setup, tmp_
     head_b = load_draft_head(checkpoint_dirs(tmp_path / "b")[-1], model.config, embed)
     for (name, a), (_, b) in zip(head_a.state_dict().items(), head_b.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_cache_on_an_object_store_url_equals_the_local_one(setup, tmp_path):
+    """A non-local fsspec URL (memory://, as s3:// through s3fs): single-put writes, same bytes."""
+    import fsspec
+
+    local = tmp_path / "local"
+    build(setup, local)
+    url = "memory://teacher-cache-test/tc"
+    try:
+        build(setup, url, stop_after_shards=1)
+        build(setup, url)
+        fs = fsspec.filesystem("memory")
+        remote = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.ls("/teacher-cache-test/tc", detail=False)}
+        assert remote == cache_files(local)
+        stream = CachedExampleStream(TeacherCache(url), seed=0)
+        assert stream.next_example().ids == CachedExampleStream(TeacherCache(str(local)), seed=0).next_example().ids
+    finally:
+        fsspec.filesystem("memory").rm("/teacher-cache-test", recursive=True)
