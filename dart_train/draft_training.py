@@ -227,8 +227,78 @@ def draft_training_logits(head: DartDraftHead, taps: torch.Tensor, input_ids: to
 # ------------------------------------------------------------------------------------ loss
 
 
-def kl_per_row(teacher_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_teacher || q_draft) per row over the last axis (forward KL: teacher-weighted)."""
+@dataclass
+class TopKTeacher:
+    """A teacher kept as its top-k draft ids, their log-probabilities and the remaining mass.
+
+    ids [..., k] (draft ids, most probable first), logprobs [..., k] (log p over the whole draft
+    vocabulary, float32) and rest [...] = 1 - sum(exp(logprobs)) (the mass of the other Vd - k
+    ids, computed from the logits, not by subtraction). Indexing applies to the leading axes, so
+    `dart_kl_loss` selects teacher rows of a TopKTeacher exactly as of a dense logits tensor.
+    This is what the teacher cache stores (jobs/teacher_cache.py); with k = Vd it is exact.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    rest: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.ids.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ids.device
+
+    def __getitem__(self, index) -> TopKTeacher:
+        return TopKTeacher(self.ids[index], self.logprobs[index], self.rest[index])
+
+    def to(self, device) -> TopKTeacher:
+        return TopKTeacher(self.ids.to(device), self.logprobs.to(device), self.rest.to(device))
+
+    def argmax(self, dim: int = -1) -> torch.Tensor:
+        if dim != -1:
+            raise ValueError("TopKTeacher.argmax works over the vocabulary axis only")
+        return self.ids[..., 0].long()
+
+
+def top_k_teacher(teacher_logits: torch.Tensor, k: int) -> TopKTeacher:
+    """The top-k form of dense teacher logits [..., Vd] over the draft vocabulary (k <= Vd)."""
+    logits = teacher_logits.float()
+    k = min(k, logits.shape[-1])
+    log_p = F.log_softmax(logits, dim=-1)
+    top = log_p.topk(k, dim=-1)  # sorted: most probable first
+    if k == logits.shape[-1]:
+        rest = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    else:
+        others = log_p.scatter(-1, top.indices, float("-inf"))
+        rest = torch.logsumexp(others, dim=-1).exp()
+    return TopKTeacher(top.indices, top.values, rest)
+
+
+_MASKED = -1.0e30  # finite "minus infinity": no NaN gradients when every id is in the top k
+
+
+def kl_per_row(teacher_logits: torch.Tensor | TopKTeacher, draft_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_teacher || q_draft) per row over the last axis (forward KL: teacher-weighted).
+
+    A `TopKTeacher` gives the KL of the two distributions coarsened to k + 1 outcomes: the
+    teacher's top-k ids one by one and "any other draft id" as one bucket (teacher mass `rest`,
+    draft mass 1 - q(top-k)). By the chain rule of KL,
+    KL_full = KL_coarse + rest * KL(p_tail / rest || q_tail / q_rest) >= KL_coarse: the gap is
+    the remaining mass times how differently the two spread it inside the tail; it is 0 when
+    k = Vd (rest = 0) or when the draft's tail is proportional to the teacher's.
+    """
+    if isinstance(teacher_logits, TopKTeacher):
+        draft = draft_logits.float()
+        log_norm = torch.logsumexp(draft, dim=-1)
+        ids = teacher_logits.ids.long()
+        log_q_top = draft.gather(-1, ids) - log_norm[..., None]
+        log_p_top = teacher_logits.logprobs.float()
+        kl_top = (log_p_top.exp() * (log_p_top - log_q_top)).sum(-1)
+        log_q_rest = torch.logsumexp(draft.scatter(-1, ids, _MASKED), dim=-1) - log_norm
+        rest = teacher_logits.rest.float()
+        return kl_top + torch.xlogy(rest, rest) - rest * log_q_rest
     log_p = F.log_softmax(teacher_logits.float(), dim=-1)
     log_q = F.log_softmax(draft_logits.float(), dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1)
@@ -242,8 +312,8 @@ class LossTerms:
     count_per_position: torch.Tensor  # [D] number of (anchor, row) pairs that entered each mean
 
 
-def teacher_targets(teacher_logits: torch.Tensor, anchors: torch.Tensor,
-                    draft_length: int) -> torch.Tensor:
+def teacher_targets(teacher_logits: torch.Tensor | TopKTeacher, anchors: torch.Tensor,
+                    draft_length: int) -> torch.Tensor | TopKTeacher:
     """Teacher logits for MASK row i of anchor p: l_{p+1+i}. Returns [B, K, m, Vd] (clamped index)."""
     batch, seq, _ = teacher_logits.shape
     offsets = torch.arange(2, draft_length + 2, device=anchors.device)
@@ -252,12 +322,13 @@ def teacher_targets(teacher_logits: torch.Tensor, anchors: torch.Tensor,
     return teacher_logits[rows, index]
 
 
-def dart_kl_loss(teacher_logits: torch.Tensor, real_logits: torch.Tensor, mask_logits: torch.Tensor,
+def dart_kl_loss(teacher_logits: torch.Tensor | TopKTeacher, real_logits: torch.Tensor, mask_logits: torch.Tensor,
                  lengths: torch.Tensor, loss_starts: torch.Tensor, anchors: torch.Tensor,
                  anchor_valid: torch.Tensor, gamma: float = 0.6) -> LossTerms:
     """The DART objective on one batch (see the module docstring for the pairing and weights).
 
-    teacher_logits [B, S, Vd]; real_logits [B, S-1, Vd]; mask_logits [B, K, m, Vd]; lengths and
+    teacher_logits [B, S, Vd] (or a TopKTeacher [B, S, k], see `kl_per_row`); real_logits
+    [B, S-1, Vd]; mask_logits [B, K, m, Vd]; lengths and
     loss_starts [B]: row 0 is trained for anchors p in [loss_start, L-2], MASK row i for sampled
     valid anchors with p+1+i <= L-1.
     """

@@ -52,6 +52,7 @@ from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dt
 from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.prompt_format import format_user_prompt
+from jobs.teacher_cache import CacheConfig, CachedExample, CachedExampleStream, TeacherCache, collate_teacher
 
 TRAINER_STATE_NAME = "trainer_state.pt"
 SUMMARY_NAME = "training_summary.json"
@@ -72,6 +73,9 @@ class DataConfig:
     max_seq_len: int = 512  # prompt + response, cut at this many tokens
     shuffle_buffer: int = 2048  # conversations; streaming shuffle, seeded
     loss_on_prompt: bool = False  # False: anchors start where generation starts (P-1)
+    # A teacher cache (jobs.build_teacher_cache) to train from instead of running the target:
+    # the cache's examples replace the data above, which only decides the dev split here.
+    teacher_cache: str | None = None
 
 
 @dataclass
@@ -150,6 +154,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)  # how jobs.build_teacher_cache writes it
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
@@ -528,8 +533,12 @@ def make_head(cfg: TrainConfig, model, kept: torch.Tensor, device: torch.device,
         with torch.no_grad():
             head.lm_head.weight.copy_(out_emb[kept.to(out_emb.device)].float())
     if cfg.head.scale_fc_to_taps and probe is not None:
-        batch = collate(probe())
-        taps = TeacherPass(model, kept[:1])(batch.input_ids.to(device)).taps
+        examples = probe()
+        batch = collate(examples)
+        if isinstance(examples[0], CachedExample):  # the teacher cache holds the taps
+            taps = collate_teacher(examples, batch.input_ids.shape[1])[0].to(device)
+        else:
+            taps = TeacherPass(model, kept[:1])(batch.input_ids.to(device)).taps
         rms = tap_rms(taps, batch.lengths)
         scale_fc_to_taps(head, rms)
         print(f"fc columns scaled by 1/rms of the taps: {[round(v, 1) for v in rms.tolist()]}", flush=True)
@@ -543,6 +552,9 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
 
     `model`/`tokenizer` may be given (tests, or an already loaded target); otherwise
     `cfg.target` is loaded on `ctx.device`. `conversations(epoch)` replaces the corpus stream.
+    With `data.teacher_cache` the steps read taps and teacher from the cache and never run the
+    target (it is still loaded: the head uses its input embeddings, and the dev and tau
+    evaluations run it); the cache must match the target, tokenizer, tap layers and draft vocabulary.
     """
     from dart_worker.loading import load_target
 
@@ -560,6 +572,7 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         resume_from = Path(ctx.resume_dir)
     elif tc.resume and checkpoint_dirs(out_dir):
         resume_from = checkpoint_dirs(out_dir)[-1]
+    cache = TeacherCache(cfg.data.teacher_cache) if cfg.data.teacher_cache else None
     if resume_from is not None:
         head = load_draft_head(resume_from, model.config, model.get_input_embeddings(), device=device,
                                dtype=torch.float32).train()
@@ -569,6 +582,18 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         head = make_head(cfg, model, torch.empty(0, dtype=torch.long), device)
         kept = head_vocab(head)
         vocab_info = {"draft_vocab_size": len(kept), "from": str(cfg.head.init_from)}
+    elif cache is not None:  # the vocabulary the cache was built over (counted as below, at build time)
+        kept, vocab_info = cache.kept_target_ids, cache.manifest.get("vocab_info", {})
+        if len(kept) != min(cfg.head.draft_vocab_size, vocab_size):
+            raise ValueError(f"teacher cache {cache.url} was built for a different draft_vocab: "
+                             f"{len(kept)} ids, this run asks head.draft_vocab_size={cfg.head.draft_vocab_size}")
+
+        def probe() -> list[CachedExample]:  # the cache's first examples, on every rank
+            reader = CachedExampleStream(cache, tc.seed)
+            return [reader.next_example() for _ in range(cfg.head.scale_fc_sequences)]
+
+        check_teacher_cache(cache, cfg, tokenizer, TeacherPass(model, kept))  # before reading its taps
+        head = make_head(cfg, model, kept, device, probe)
     else:
         first = None
         if conversations is not None:
@@ -599,8 +624,17 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         history = json.loads(state.get("history", "[]"))
         if ctx.is_main:
             print(f"resumed from {resume_from} at step {step}", flush=True)
-    stream = ExampleStream(cfg.data, tokenizer, tc.seed, ctx.rank, ctx.world_size, epoch, position, conversations)
     teacher = TeacherPass(model, kept)
+    if cache is not None:
+        if resume_from is not None or cfg.head.init_from:  # the head's own vocabulary against the cache's
+            check_teacher_cache(cache, cfg, tokenizer, teacher)
+        stream = CachedExampleStream(cache, tc.seed, ctx.rank, ctx.world_size, epoch, position)
+        if ctx.is_main:
+            print(f"training from teacher cache {cache.url}: {cache.manifest['examples']} examples, "
+                  f"{cache.manifest['tokens']} tokens, top_k {cache.manifest['build']['top_k']}", flush=True)
+    else:
+        stream = ExampleStream(cfg.data, tokenizer, tc.seed, ctx.rank, ctx.world_size, epoch, position,
+                               conversations)
     use_amp = tc.amp and resolve_dtype("auto", device) == torch.bfloat16
 
     if dev_examples is None and ctx.is_main and cfg.eval.dev_sequences > 0:
@@ -645,18 +679,25 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
     started = time.perf_counter()
     window_tokens, window_start = 0, time.perf_counter()
     last_eval_step = step
+    steady_start, steady_tokens, steady_seconds = None, 0, 0.0
     while step < tc.max_steps:
         if tc.max_minutes is not None and (time.perf_counter() - started) / 60 > tc.max_minutes:
             if ctx.is_main:
                 print(f"max_minutes={tc.max_minutes} reached at step {step}", flush=True)
             break
-        batch = collate([stream.next_example() for _ in range(tc.batch_size)], cfg.data.loss_on_prompt)
+        examples = [stream.next_example() for _ in range(tc.batch_size)]
+        batch = collate(examples, cfg.data.loss_on_prompt)
         ids = batch.input_ids.to(device)
-        teacher_out = teacher(ids)
+        if cache is not None:
+            taps, teacher_dist = collate_teacher(examples, ids.shape[1])
+            taps, teacher_dist = taps.to(device), teacher_dist.to(device)
+        else:
+            teacher_out = teacher(ids)
+            taps, teacher_dist = teacher_out.taps, teacher_out.logits
         anchors, valid = sample_anchors(batch.lengths, batch.loss_starts, cfg.loss.anchors_per_sequence, generator)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            real_logits, mask_logits = draft_training_logits(head, teacher_out.taps, ids, anchors.to(device))
-        terms = dart_kl_loss(teacher_out.logits, real_logits, mask_logits, batch.lengths, batch.loss_starts,
+            real_logits, mask_logits = draft_training_logits(head, taps, ids, anchors.to(device))
+        terms = dart_kl_loss(teacher_dist, real_logits, mask_logits, batch.lengths, batch.loss_starts,
                              anchors, valid, cfg.loss.gamma)
         optimizer.zero_grad(set_to_none=True)
         terms.loss.backward()
@@ -667,6 +708,11 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         step += 1
         tokens_seen += batch.num_tokens
         window_tokens += batch.num_tokens
+        if steady_start is None:  # steps after the first: no warm-up in the throughput figure
+            steady_start = time.perf_counter()
+        else:
+            steady_tokens += batch.num_tokens
+            steady_seconds = time.perf_counter() - steady_start
         if ctx.is_main and (step % tc.log_every == 0 or step == 1):
             elapsed = time.perf_counter() - window_start
             record = {"kind": "train", "step": step, "loss": terms.loss.item(), "lr": scheduler.get_last_lr()[0],
@@ -692,6 +738,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
     if ctx.is_main:
         summary = {"steps": step, "tokens_seen": tokens_seen * ctx.world_size,
                    "train_minutes_this_run": (time.perf_counter() - started) / 60, "vocab": vocab_info,
+                   "steady_tokens_per_s": steady_tokens * ctx.world_size / steady_seconds if steady_seconds else None,
+                   "teacher_cache": cache.url if cache is not None else None,
                    "final_eval": final_metrics, "eval_history": history, "skipped_examples_rank0": stream.skipped,
                    "config": config_to_dict(cfg), "torch": torch.__version__}
         (out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=1))
@@ -702,6 +750,16 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
             OmegaConf.save(OmegaConf.structured(cfg), export_dir / CONFIG_COPY_NAME)
             print(f"exported head to {export_dir}", flush=True)
     return summary
+
+
+def check_teacher_cache(cache: TeacherCache, cfg: TrainConfig, tokenizer, teacher: TeacherPass) -> None:
+    """Refuse a cache built for another target, tokenizer, tap layers or draft vocabulary."""
+    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.loading import model_fingerprint
+    from jobs.teacher_cache import cache_fingerprint
+
+    cache.check(cache_fingerprint(model_fingerprint(cfg.target), tokenizer_fingerprint(tokenizer),
+                                  teacher.tap_layers, teacher.kept.cpu()))
 
 
 def _checkpoint_only(ctx, out_dir, head, optimizer, scheduler, generator, stream, step, tokens_seen, vocab_info,
