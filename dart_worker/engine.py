@@ -216,7 +216,7 @@ class DecodingEngine:
                                            [s.generator for s in live])
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
-                                       _sources_of(tree, acc.accepted))
+                                       _sources_of(tree, acc.accepted), live=len(live))
                 self._append(seq, acc.tokens.tolist())
             rows = [acc.committed_rows.tolist() for acc in acceptances]
             target.commit(state, block_start, rows)

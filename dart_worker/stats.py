@@ -23,6 +23,7 @@ STAT_COLUMNS: dict[str, str] = {
     "acceptance_histogram": "list[int]",
     "per_position_acceptance": "list[float]",
     "mean_tree_size": "float",
+    "mean_live_batch": "float",  # sequences verified together, mean over this request's rounds
     "accepted_head": "int",  # accepted draft tokens the draft head proposed
     "accepted_context": "int",  # ... that context lookup proposed (a token both proposed counts for both)
     **{f"{stage}_s": "float" for stage in STAGES},
@@ -40,18 +41,21 @@ class RequestStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
+    live_batch: list[int] = field(default_factory=list)  # sequences in the verify batch per round
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0})
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     wall_seconds: float = 0.0
 
     def record_round(self, accepted: int, tree_size: int, tree_depth: int,
-                     accepted_sources: dict[str, int] | None = None) -> None:
-        """One verification round; `accepted_sources`: accepted draft tokens per source name."""
+                     accepted_sources: dict[str, int] | None = None, live: int = 1) -> None:
+        """One verification round; `accepted_sources`: accepted draft tokens per source name;
+        `live`: how many sequences (this one included) the round verified together."""
         for source, count in (accepted_sources or {}).items():
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + count
         self.accept_lengths.append(accepted)
         self.tree_sizes.append(tree_size)
         self.tree_depths.append(tree_depth)
+        self.live_batch.append(live)
 
     @property
     def rounds(self) -> int:
@@ -65,6 +69,10 @@ class RequestStats:
     @property
     def mean_tree_size(self) -> float:
         return sum(self.tree_sizes) / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_live_batch(self) -> float:
+        return sum(self.live_batch) / len(self.live_batch) if self.live_batch else 0.0
 
     def acceptance_histogram(self, max_len: int | None = None) -> list[int]:
         """Counts of rounds by accepted length 0..max_len."""
@@ -97,6 +105,7 @@ class RequestStats:
             "acceptance_histogram": self.acceptance_histogram(),
             "per_position_acceptance": self.per_position_acceptance(),
             "mean_tree_size": self.mean_tree_size,
+            "mean_live_batch": self.mean_live_batch,
             "accepted_head": self.accepted_by_source.get("head", 0),
             "accepted_context": self.accepted_by_source.get("context", 0),
             **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},

@@ -53,10 +53,11 @@ logger = logging.getLogger(__name__)
 # Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
 _STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
                "list[float]": pa.list_(pa.float64())}
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
-ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3"}
+ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3",
+                 "mean_live_batch": "4"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),

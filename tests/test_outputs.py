@@ -69,6 +69,7 @@ def test_rows_to_table_full_row_and_nulls():
         "acceptance_histogram": [1, 1],
         "per_position_acceptance": [0.5],
         "mean_tree_size": 12.0,
+        "mean_live_batch": 2.0,
         "accepted_head": 1,
         "accepted_context": 0,
         "prefill_s": 0.1,
