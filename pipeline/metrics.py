@@ -31,7 +31,7 @@ is logged once and never fails a batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from dart_worker.stats import STAGES, STAT_COLUMNS
@@ -52,38 +52,55 @@ ROUND_SECONDS_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 BATCH_SECONDS_BOUNDARIES = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250]
 
 
+# name -> (kind, description with unit, extra labels, histogram boundaries): the one list of the
+# metrics; docs/metrics.md and k8s/grafana/dart-dashboard.json are checked against it.
+METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
+    "rows_done": ("counter", "Rows finished: generated or error rows (rows)", (), None),
+    "rows_failed": ("counter", "Error rows, by error kind (rows)", ("error_kind",), None),
+    "generated_tokens": ("counter", "Tokens generated (tokens)", (), None),
+    "accepted_tokens": ("counter", "Accepted draft tokens by proposing source (tokens)", ("source",), None),
+    "stage_seconds": ("counter", "Engine time by stage, once per batch (seconds)", ("stage",), None),
+    "tokens_per_s": ("gauge", "Tokens generated per second over the worker's last batch (tokens/s)", (), None),
+    "batch_occupancy": ("gauge", "Mean sequences verified together per round / batch_size, last batch (0..1)",
+                        (), None),
+    "tau": ("histogram", "Tokens committed per verification round, per row (tokens)", (), TAU_BOUNDARIES),
+    "tree_size": ("histogram", "Mean draft nodes verified per round, per row (nodes)", (), TREE_SIZE_BOUNDARIES),
+    "stage_seconds_per_round": ("histogram", "Seconds per verification round by stage, per row (seconds)",
+                                ("stage",), ROUND_SECONDS_BOUNDARIES),
+    "batch_seconds": ("histogram", "Wall time of one worker batch (seconds)", (), BATCH_SECONDS_BOUNDARIES),
+}
+
+
+def exported_names() -> set[str]:
+    """Every series name Ray's Prometheus endpoint shows for these metrics."""
+    names = set()
+    for name, (kind, *_rest) in METRICS.items():
+        full = "ray_" + PREFIX + name
+        names |= ({full + "_total"} if kind == "counter" else {full} if kind == "gauge"
+                  else {full + "_bucket", full + "_count", full + "_sum"})
+    return names
+
+
 class _Metrics:
     """The metric objects of one process (Ray registers each name once per process)."""
 
     def __init__(self) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        def counter(name: str, description: str, extra: Sequence[str] = ()) -> Any:
-            return Counter(PREFIX + name, description=description, tag_keys=(*LABELS, *extra))
-
-        def gauge(name: str, description: str) -> Any:
-            return Gauge(PREFIX + name, description=description, tag_keys=LABELS)
-
-        def histogram(name: str, description: str, boundaries: list[float], extra: Sequence[str] = ()) -> Any:
-            return Histogram(PREFIX + name, description=description, boundaries=boundaries,
-                             tag_keys=(*LABELS, *extra))
-
-        self.rows_done = counter("rows_done", "Rows finished: generated or error rows (rows)")
-        self.rows_failed = counter("rows_failed", "Error rows, by error kind (rows)", ("error_kind",))
-        self.generated_tokens = counter("generated_tokens", "Tokens generated (tokens)")
-        self.accepted_tokens = counter("accepted_tokens", "Accepted draft tokens by proposing source (tokens)",
-                                       ("source",))
-        self.stage_seconds = counter("stage_seconds", "Engine time by stage, once per batch (seconds)", ("stage",))
-        self.tokens_per_s = gauge("tokens_per_s", "Tokens generated per second over the worker's last batch")
-        self.batch_occupancy = gauge("batch_occupancy",
-                                     "Mean sequences verified together per round / batch_size, last batch (0..1)")
-        self.tau = histogram("tau", "Tokens committed per verification round, per row", TAU_BOUNDARIES)
-        self.tree_size = histogram("tree_size", "Mean draft nodes verified per round, per row (nodes)",
-                                   TREE_SIZE_BOUNDARIES)
-        self.stage_per_round = histogram("stage_seconds_per_round", "Seconds per verification round by stage, "
-                                         "per row", ROUND_SECONDS_BOUNDARIES, ("stage",))
-        self.batch_seconds = histogram("batch_seconds", "Wall time of one worker batch (seconds)",
-                                       BATCH_SECONDS_BOUNDARIES)
+        made = {}
+        for name, (kind, description, extra, boundaries) in METRICS.items():
+            tags = (*LABELS, *extra)
+            if kind == "counter":
+                made[name] = Counter(PREFIX + name, description=description, tag_keys=tags)
+            elif kind == "gauge":
+                made[name] = Gauge(PREFIX + name, description=description, tag_keys=tags)
+            else:
+                made[name] = Histogram(PREFIX + name, description=description, boundaries=boundaries, tag_keys=tags)
+        self.rows_done, self.rows_failed = made["rows_done"], made["rows_failed"]
+        self.generated_tokens, self.accepted_tokens = made["generated_tokens"], made["accepted_tokens"]
+        self.stage_seconds, self.tokens_per_s = made["stage_seconds"], made["tokens_per_s"]
+        self.batch_occupancy, self.tau, self.tree_size = made["batch_occupancy"], made["tau"], made["tree_size"]
+        self.stage_per_round, self.batch_seconds = made["stage_seconds_per_round"], made["batch_seconds"]
 
 
 _metrics: _Metrics | None = None
