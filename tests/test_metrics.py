@@ -125,3 +125,10 @@ def test_metrics_reach_the_prometheus_endpoint(tmp_path):
     assert samples["ray_dart_tokens_per_s"] and all(v >= 0 for _, v in samples["ray_dart_tokens_per_s"])
     assert all(0 < v <= 1 for _, v in samples["ray_dart_batch_occupancy"])
     assert total(samples, "ray_dart_batch_seconds_count", **run) >= 3  # 9 rows in batches of 3
+
+
+def test_docs_list_every_metric():
+    text = (REPO / "docs" / "metrics.md").read_text()
+    for name, (kind, *_rest) in metrics.METRICS.items():
+        exported = f"ray_dart_{name}" + ("_total" if kind == "counter" else "")
+        assert f"`{exported}`" in text, exported
