@@ -93,7 +93,16 @@ def run_and_scrape(config: str, overrides: list[str], interval: float) -> tuple[
     return series, result["summary"]
 
 
-def plot(series: list[dict[str, Any]], summary: dict, out: Path) -> None:
+def quantile_from_buckets(sample: dict[str, float], name: str, q: float) -> float | None:
+    """The q-quantile of a scraped histogram: the upper bound of the bucket where it falls."""
+    buckets = sorted((float(k.split("le=")[1]), v) for k, v in sample.items() if k.startswith(f"{name}_bucket|"))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    target = q * buckets[-1][1]
+    return next(le for le, count in buckets if count >= target)
+
+
+def plot(series: list[dict[str, Any]], this_run: dict, mode: str, out: Path, window_s: float = 20.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,8 +114,12 @@ def plot(series: list[dict[str, Any]], summary: dict, out: Path) -> None:
         return [s.get(key, 0.0) for s in series]
 
     def rate(key: str) -> list[float]:
-        values = col(key)
-        return [0.0] + [max(0.0, (values[i] - values[i - 1]) / max(t[i] - t[i - 1], 1e-9)) for i in range(1, len(t))]
+        """Per-second increase over the last `window_s` (like PromQL rate): Ray exports in steps."""
+        values, out_ = col(key), []
+        for i in range(len(t)):
+            j = next(k for k in range(i + 1) if t[i] - t[k] <= window_s)
+            out_.append((values[i] - values[j]) / (t[i] - t[j]) if t[i] > t[j] else 0.0)
+        return out_
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     ax = axes[0][0]
@@ -119,7 +132,7 @@ def plot(series: list[dict[str, Any]], summary: dict, out: Path) -> None:
     ax.plot(t, col("generated_tokens_total"), label="generated tokens", color="C2")
     ax.set_title("generated tokens (counter)")
     twin = ax.twinx()
-    twin.plot(t, rate("generated_tokens_total"), color="C3", alpha=0.6, label="tokens/s (scrape-to-scrape)")
+    twin.plot(t, rate("generated_tokens_total"), color="C3", alpha=0.6, label=f"tokens/s (rate over {window_s:g} s)")
     twin.plot(t, col("tokens_per_s"), color="C4", ls="--", label="tokens/s gauge (last batch)")
     twin.legend(loc="lower right", fontsize=8)
     ax = axes[0][2]
@@ -144,20 +157,22 @@ def plot(series: list[dict[str, Any]], summary: dict, out: Path) -> None:
     ax.set_title("engine seconds by stage (counter)")
     ax.legend()
     ax = axes[1][2]
-    ax.plot(t, col("batch_occupancy"), label="batch occupancy (gauge)")
-    tree_count = col("tree_size_count")
+    ax.plot(t, col("batch_occupancy"), label="batch occupancy (gauge, last batch)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("batch occupancy, last batch")
+    ax.set_title("batch occupancy; median chosen tree size")
+    ax.legend(loc="lower left", fontsize=8)
     ax2 = ax.twinx()
-    ax2.plot(t, tree_count, color="C1", alpha=0.6, label="rows with a tree-size sample")
+    ax2.plot(t, [quantile_from_buckets(s, "tree_size", 0.5) for s in series], color="C1",
+             label="tree size p50 (nodes/round)")
     ax2.legend(loc="lower right", fontsize=8)
     for row in axes:
         for a in row:
             a.set_xlabel("seconds since start")
-    this = summary["this_run"]
+    axes[1][0].set_xlabel("tokens committed per round")
+    this = this_run
     fig.suptitle(f"Live metrics scraped from Ray's Prometheus endpoint: {this['rows']} rows, "
                  f"{this['generated_tokens']} tokens, {this['tokens_per_s']:.1f} tok/s, "
-                 f"mean tau {this['tau'].get('mean') or 0:.2f} (mode {summary['config']['decoding']['mode']})")
+                 f"mean tau {this['tau'].get('mean') or 0:.2f} (mode {mode})")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -169,17 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--out", default="docs/metrics/local_run.png")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
+    parser.add_argument("--replot", metavar="JSON", help="plot the scrapes saved by an earlier run; run nothing")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot(saved["series"], saved["this_run"], saved.get("mode", "?"), out)
+        print(f"plot {out}")
+        return 0
     overrides = list(args.overrides)
     if not any(o.startswith("output.url=") for o in overrides):
         overrides.append(f"output.url={tempfile.mkdtemp(prefix='metrics-plot-')}")
     if not any(o.startswith("run.run_id=") for o in overrides):
         overrides.append("run.run_id=metrics-plot")
     series, summary = run_and_scrape(args.config, overrides, args.interval)
-    out = Path(args.out)
-    plot(series, summary, out)
-    out.with_suffix(".json").write_text(json.dumps({"series": series, "this_run": summary["this_run"]}, indent=1,
-                                                   default=str))
+    mode = summary["config"]["decoding"]["mode"]
+    plot(series, summary["this_run"], mode, out)
+    out.with_suffix(".json").write_text(json.dumps({"series": series, "this_run": summary["this_run"], "mode": mode},
+                                                   indent=1, default=str))
     print(f"{len(series)} scrapes; plot {out}, data {out.with_suffix('.json')}")
     return 0
 
