@@ -36,7 +36,7 @@ from dart_train.corpus import (
     iter_conversations,
     tokenize_conversations,
 )
-from dart_worker.cache_dir import build_atomically, cache_dir, write_text_atomically
+from dart_worker.cache_dir import announce, build_atomically, cache_dir, write_text_atomically
 from dart_worker.default_target import default_tokenizer
 from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from dart_worker.loading import load_tokenizer
@@ -350,6 +350,8 @@ def default_trie_path() -> Path:
     final = cache_dir("tries") / f"sharegpt-train-{order}gram-{fingerprint[:16]}.ngram"
 
     def build(tmp: Path) -> None:
+        announce(f"first run: building the default N-gram trie (ShareGPT train split, order {order}, the default "
+                 f"tokenizer) for model.trie=default; cached at {final}; about a minute, once (progress below)")
         build_ngram(BuildNgramConfig(output=str(tmp), tmp_dir=str(final.parent)), tokenizer=tokenizer)
         os.replace(str(tmp) + ".json", str(final) + ".json")
 

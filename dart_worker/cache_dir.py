@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,6 +84,32 @@ def file_lock(lock_path: Path | str, timeout: float | None = None, poll_seconds:
     finally:
         # Closing the descriptor releases the flock.
         os.close(fd)
+
+
+def announce(message: str) -> None:
+    """One line on stderr before a slow one-time step (or for its progress): what, why, where it is
+    cached and roughly how long. stderr, not the log, so a first run says why it is slow even where
+    logging is not configured (a Ray worker's stderr lands in its log file and the driver's console)."""
+    print(f"[dart-batch] {message}", file=sys.stderr, flush=True)
+
+
+class Steps:
+    """Per-step progress lines for a slow one-time build: `step(text)` prints "<title> k/n: text"
+    with the time since the previous step, `done()` the total."""
+
+    def __init__(self, title: str, total: int):
+        self.title, self.total, self.k = title, total, 0
+        self.started = self.last = time.monotonic()
+
+    def step(self, text: str) -> None:
+        now = time.monotonic()
+        self.k += 1
+        after = f" (previous step {now - self.last:.1f} s)" if self.k > 1 else ""
+        announce(f"{self.title} {self.k}/{self.total}: {text}{after}")
+        self.last = now
+
+    def done(self, where: Path | str) -> None:
+        announce(f"{self.title} finished in {time.monotonic() - self.started:.1f} s; cached at {where}")
 
 
 def lock_path_for(final_path: Path) -> Path:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from dart_worker.cache_dir import build_atomically, cache_dir
+from dart_worker.cache_dir import Steps, announce, build_atomically, cache_dir
 from dart_worker.fingerprint import CONVERSION_STAMP_NAME, file_fingerprint
 from dart_worker.gguf import load_gguf, load_gguf_tokenizer
 
@@ -70,11 +70,15 @@ def default_gguf_path() -> Path:
     def complete(path: Path) -> bool:
         return path.is_file() and path.stat().st_size == expected_size
 
+    final = cache_dir("gguf") / package.MODEL_NAME
+
     def assemble(tmp: Path) -> None:
-        log.info("assembling %s from the %s chunks", package.MODEL_NAME, SOURCE_PACKAGE)
+        announce(f"first run: assembling {package.MODEL_NAME} ({expected_size / 1e6:.0f} MB) from the chunks of "
+                 f"the {SOURCE_PACKAGE} package, the source of the default target; cached at {final}; "
+                 "a few seconds, once")
         package.assemble(output_path=tmp)  # verifies the sha256 of the result
 
-    return build_atomically(cache_dir("gguf") / package.MODEL_NAME, assemble, is_valid=complete)
+    return build_atomically(final, assemble, is_valid=complete)
 
 
 def check_converted_dir(path: Path) -> str | None:
@@ -123,6 +127,12 @@ def _convert_into(out_dir: Path) -> None:
     """Dequantise the packaged GGUF into a bf16 model directory at `out_dir` (which must not exist)."""
     package = _source_package()
     started = time.monotonic()
+    final = converted_dir_path()
+    announce(f"first run: converting the default target (Gemma-3-270M, Q4_K_M GGUF -> bf16 model directory) "
+             f"so that every worker loads it in seconds instead of a minute; cached at {final}; "
+             "about a minute, once")
+    steps = Steps("default target conversion", 4)
+    steps.step("assembling and checking the GGUF")
     gguf_path = default_gguf_path()
     gguf_sha256 = file_fingerprint(gguf_path)
     if gguf_sha256 != package.EXPECTED_SHA256:
@@ -130,7 +140,9 @@ def _convert_into(out_dir: Path) -> None:
                          f"{package.EXPECTED_SHA256}; delete it and retry")
 
     # Dequantise in fp32, then round once to bf16.
-    model, tokenizer = load_gguf(gguf_path, dtype=torch.float32)
+    phases = iter(["reading the tokenizer from the GGUF (~20 s)", "reading and dequantising the weights (~35 s)"])
+    model, tokenizer = load_gguf(gguf_path, dtype=torch.float32, progress=lambda: steps.step(next(phases)))
+    steps.step("casting to bf16 and saving the model directory")
     model = model.to(CONVERTED_DTYPE)
     model.config.dtype = CONVERTED_DTYPE
 
@@ -172,6 +184,7 @@ def _convert_into(out_dir: Path) -> None:
     # Written last: its presence marks the conversion as complete.
     (out_dir / CONVERSION_STAMP_NAME).write_text(json.dumps(stamp, indent=2), encoding="utf-8")
     log.info("default target conversion finished in %.1f s", time.monotonic() - started)
+    steps.done(final)
 
 
 def default_target_dir() -> Path:
@@ -182,9 +195,6 @@ def default_target_dir() -> Path:
         return path
     if path.exists():
         log.warning("cached default target at %s is unusable (%s); rebuilding it", path, problem)
-    else:
-        log.info("converting the default target (Gemma-3-270M Q4_K_M GGUF -> bf16) into %s; "
-                 "this takes about a minute once", path)
     build_atomically(path, _convert_into, is_valid=lambda p: check_converted_dir(p) is None)
     log.info("default target ready at %s", path)
     return path
@@ -204,12 +214,17 @@ def default_tokenizer() -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(model_dir))
     package = _source_package()
 
+    # Named after the GGUF's digest: a new package version gets a fresh copy.
+    final = cache_dir("tokenizers") / f"{TOKENIZER_DIR_NAME}-{package.EXPECTED_SHA256[:12]}"
+
     def convert(out_dir: Path) -> None:
-        load_gguf_tokenizer(default_gguf_path()).save_pretrained(str(out_dir))
+        gguf_path = default_gguf_path()
+        announce(f"first run: reading the default tokenizer from {gguf_path.name} (Gemma-3, 262k tokens) and "
+                 f"saving it for fast loads; cached at {final}; about 20 s, once")
+        load_gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))
 
     tok_dir = build_atomically(
-        # Named after the GGUF's digest: a new package version gets a fresh copy.
-        cache_dir("tokenizers") / f"{TOKENIZER_DIR_NAME}-{package.EXPECTED_SHA256[:12]}",
+        final,
         convert,
         is_valid=lambda p: (p / "tokenizer_config.json").is_file() and (p / "tokenizer.json").is_file(),
     )

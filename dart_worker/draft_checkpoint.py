@@ -130,6 +130,20 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
     return head.to(device=device, dtype=dtype).eval()
 
 
+def check_head_config_fits_target(directory: str | os.PathLike, target_config: PretrainedConfig,
+                                  tap_layers: Sequence[int] | None = None) -> None:
+    """The config-level checks of `load_draft_head`, without reading weights or building the target:
+    the head's vocabulary, hidden sizes and tap layers against the target's config (a driver's
+    start-up check). `tap_layers` None: the taps the target adapter uses by default."""
+    directory = Path(directory)
+    config = read_draft_config(directory)
+    text_config = target_text_config(target_config)
+    _check_config_fits_target(config, text_config, None, directory)
+    layers = text_config.num_hidden_layers
+    check_tap_layers(config, tap_layers if tap_layers is not None else default_tap_layers(layers), layers,
+                     f"draft head {directory / CONFIG_NAME}")
+
+
 def check_tap_layers(config: DraftHeadConfig, tap_layers: Sequence[int], num_layers: int, where: str) -> None:
     """A head reads the taps it was trained on: refuse one recorded (or, if unrecorded, the
     reference taps) that differ from the taps the target adapter feeds."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,8 +29,11 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike) -> PreTrainedTokenizerBase
 
 
 def load_gguf(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              attn_implementation: str = "sdpa") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+              attn_implementation: str = "sdpa",
+              progress: Callable[[], None] | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer + dequantised model from a GGUF file, on CPU in `dtype`.
+
+    `progress`, if given, is called before reading the tokenizer and before reading the weights.
 
     transformers keeps GGUF weights in their packed blocks by default; dequantize=True gives
     plain nn.Linear weights the engine (and save_pretrained) can work with. The default
@@ -38,7 +42,11 @@ def load_gguf(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     from transformers import GgufConfig
 
     gguf_path = Path(gguf_path)
+    if progress is not None:
+        progress()
     tokenizer = load_gguf_tokenizer(gguf_path)
+    if progress is not None:
+        progress()
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation=attn_implementation,

@@ -88,7 +88,7 @@ def engine_direct(pcfg, prompts_path: Path) -> dict:
     """The same work without Ray Data: one worker object (one engine) called on the same batches,
     so prompt formatting, decoding and row building are identical; only the dataflow is missing."""
     from pipeline.config import to_dict
-    from pipeline.run import resolve_artifacts
+    from pipeline.preflight import resolve_artifacts
     from pipeline.worker import GenerationWorker
 
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Batch generation job: `python -m pipeline.run config.yaml [key=value ...]`.
+"""Batch generation job: `python -m pipeline.run config.yaml [key=value ...] [--dry-run]`.
 
 Locally this starts a Ray instance; under `ray job submit` (or with RAY_ADDRESS set) it joins
 the cluster. The flow:
@@ -8,8 +8,10 @@ the cluster. The flow:
       -> write tasks: one atomic Parquet part per group of rows -> per-row stats to the driver
       -> progress lines, then the job summary (printed and written next to the output)
 
-Everything that can be checked before work starts is checked first: the config, the inputs,
-the output location, the target, the draft head and the N-gram trie.
+Everything that can be checked before work starts is checked first (pipeline/preflight.py): the
+config, the inputs, the output location, the target, the draft head and the N-gram trie.
+`--dry-run` runs those checks, prints the inputs (with a row estimate), the output and resume
+state and the worker plan, and exits 0 without starting Ray (pipeline/dry_run.py).
 
 Exit status: 0 when every input row has its output row (bad rows are error rows, not failures);
 2 for a problem found before any generation (config, artifacts, an input file that cannot be
@@ -26,28 +28,22 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import ray
 
-from dart_worker.drafters import drafter_spec
-from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.inputs import InputError, read_prompts_with_report
-from pipeline.ngram_store import TrieUnavailableError, check_trie_url, shutdown_ngram_stores
+from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
-from pipeline.storage import StorageError, expand_inputs, filesystem_for
+from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
+from pipeline.storage import StorageError, filesystem_for
 from pipeline.summary import STAT_COLUMNS, RunTally, build_summary
 from pipeline.worker import GenerationWorker
 
 log = logging.getLogger("pipeline")
 SUMMARY_NAME = "_job_summary.json"
-
-
-class StartupError(RuntimeError):
-    """Something the job needs is missing or broken; raised before any generation."""
 
 
 class JobFailed(RuntimeError):
@@ -80,72 +76,6 @@ def storage_failure(exc: BaseException) -> str | None:
         pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
     found = _REMOTE_FAILURE.search(str(exc))
     return found.group(1) if found else None
-
-
-# ------------------------------------------------------------------------------- artifacts
-
-
-def resolve_artifacts(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
-    """Check every artifact the workers will need and fix their locations and fingerprints."""
-    from dart_worker.loading import load_tokenizer, model_fingerprint, resolve_source
-
-    resolved: dict[str, Any] = {"run_id": run_id}
-    try:
-        resolved["input_files"] = expand_inputs(cfg.input.urls)
-    except (OSError, ValueError, StorageError) as exc:
-        raise StartupError(f"input: {exc}") from None
-    if not resolved["input_files"]:
-        raise StartupError(f"input: no files match {cfg.input.urls}")
-    try:
-        fs, path = filesystem_for(cfg.output.url)
-        fs.makedirs(path, exist_ok=True)
-    except Exception as exc:  # any storage error here means the job cannot write
-        raise StartupError(f"output {cfg.output.url} is not writable: {exc}") from None
-
-    try:
-        source = resolve_source(cfg.model.target)
-        resolved["target_fingerprint"] = model_fingerprint(source.location)
-        tokenizer = load_tokenizer("default" if cfg.model.target == "default" else str(source.location))
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"model.target {cfg.model.target!r}: {exc}") from None
-
-    spec = drafter_spec(cfg.decoding.mode)
-    if spec.needs_head:
-        resolved["head_dir"] = str(_resolve_head(cfg.model.draft_head))
-        resolved["head_fingerprint"] = file_fingerprint(Path(resolved["head_dir"]) / "model.safetensors")
-    if spec.needs_trie:
-        resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(cfg.model.trie, tokenizer)
-    return resolved
-
-
-def _resolve_head(spec: str | None) -> Path:
-    from dart_worker.default_head import default_head_dir
-    from dart_worker.draft_checkpoint import read_draft_config
-
-    path = default_head_dir() if spec == "default" else Path(spec).expanduser() if spec else None
-    if path is None:
-        raise StartupError("model.draft_head=default, but this build ships no default draft head; "
-                           "train one with jobs.train_draft and pass its directory, or use decoding.mode=ar")
-    try:
-        read_draft_config(path)
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"model.draft_head {str(path)!r}: {exc}") from None
-    if not (path / "model.safetensors").is_file():
-        raise StartupError(f"model.draft_head {str(path)!r}: model.safetensors is missing")
-    return path
-
-
-def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
-    """The trie URL and its fingerprint (the payload checksum from its header)."""
-    if spec == "default":
-        from dart_train.ngram_build import default_trie_path
-
-        spec = str(default_trie_path())
-    try:
-        header = check_trie_url(spec, tokenizer_fingerprint(tokenizer))
-    except (OSError, ValueError, TrieUnavailableError) as exc:
-        raise StartupError(f"model.trie {spec!r}: {exc}") from None
-    return spec, header.content_key
 
 
 # -------------------------------------------------------------------------------- dataflow
@@ -210,22 +140,21 @@ def check_cpu_budget(cfg: PipelineConfig) -> None:
     """Workers that reserve every CPU leave none for the read and write tasks: Ray Data then
     waits forever. On a cluster started here that is certain, so it is an error; on an external
     cluster the autoscaler may add nodes, so it is a warning."""
-    r = cfg.resources
-    reserved = (r.min_workers or r.num_workers) * r.num_cpus_per_worker
-    total = ray.cluster_resources().get("CPU", 0.0)
-    if total >= reserved + 1:
+    message = cpu_budget_problem(cfg, ray.cluster_resources().get("CPU", 0.0))
+    if message is None:
         return
-    message = (f"resources: {r.min_workers or r.num_workers} workers x num_cpus_per_worker={r.num_cpus_per_worker} "
-               f"reserve {reserved:g} of the cluster's {total:g} CPUs and leave none for reading and writing; "
-               f"lower num_cpus_per_worker (resources.torch_threads still sets the engine's threads)")
     if os.environ.get("RAY_ADDRESS"):
         log.warning("%s (waiting for the autoscaler to add CPUs)", message)
     else:
         raise StartupError(message)
 
 
+def run_id_of(cfg: PipelineConfig) -> str:
+    return cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
-    run_id = cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    run_id = run_id_of(cfg)
     resolved = resolve_artifacts(cfg, run_id)
     removed = remove_temp_files(cfg.output.url)  # leftovers of writers killed mid-write
     if removed:
@@ -269,10 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. decoding.mode=ar")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config and every artifact, list inputs, output, worker plan; no generation")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            from pipeline.dry_run import dry_run, format_report
+
+            print(format_report(dry_run(cfg, run_id_of(cfg))))
+            return 0
         summary = run_pipeline(cfg)
     except (ConfigError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -44,7 +44,7 @@ class RunTally:
             self.finish_reasons[row.get("finish_reason") or "error"] += 1
             if row.get("error"):
                 self.failed += 1
-                self.errors[_error_kind(row["error"])] += 1
+                self.errors[error_kind(row["error"])] += 1
                 continue
             tokens = int(row.get("num_generated_tokens") or 0)
             self.tokens += tokens
@@ -78,7 +78,7 @@ class RunTally:
             print(self.progress_line(), flush=True)
 
 
-def _error_kind(message: str) -> str:
+def error_kind(message: str) -> str:
     """Group error messages by their stable prefix (before any row-specific detail); a row with several
     problems ("missing id; empty prompt") counts under its first."""
     return message.split(";")[0].split(":")[0].split("(")[0].strip()[:80]

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +29,7 @@ from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_messages, format_user_prompt
 from dart_worker.sampling import SamplingParams
 from pipeline.config import PipelineConfig, from_dict
+from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
 from pipeline.outputs import result_rows_to_table
 
@@ -75,6 +77,7 @@ class GenerationWorker:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         _maybe_crash_for_test()
+        started = time.perf_counter()
         rows = batch.to_pylist()
         outputs: list[dict | None] = [None] * len(rows)
         requests = []  # (row index, token ids, params)
@@ -91,6 +94,9 @@ class GenerationWorker:
         finished_at = datetime.now(UTC)
         for out in outputs:
             out["finished_at"] = finished_at
+        resources = self.cfg.resources
+        record_batch(outputs, run_id=self.resolved["run_id"], worker=self.worker_name, mode=self.cfg.decoding.mode,
+                     batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started)
         return result_rows_to_table(outputs)
 
     def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:

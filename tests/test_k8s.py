@@ -542,3 +542,54 @@ def test_dockerignore_keeps_local_build_products_out():
     for needed in (*(f"!{package}/" for package in installed_packages()), "!configs/", "!pyproject.toml",
                    "!setup.py", "!README.md"):
         assert needed in ignore
+
+
+# ----------------------------------------------------------------------------------- metrics
+
+METRICS_PORT = 8080
+
+
+@pytest.mark.parametrize(("file", "cluster"), CLUSTER_SPECS, ids=[n for n, _ in CLUSTER_SPECS])
+def test_every_ray_pod_exports_metrics_on_a_named_port(file, cluster):
+    groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster.get("workerGroupSpecs", [])]
+    for name, group in groups:
+        assert group["rayStartParams"].get("metrics-export-port") == str(METRICS_PORT), f"{file}:{name}"
+        ports = group["template"]["spec"]["containers"][0].get("ports", [])
+        assert {"containerPort": METRICS_PORT, "name": "metrics"} in ports, f"{file}:{name}"
+
+
+def test_podmonitor_scrapes_every_ray_pod_on_the_metrics_port():
+    (monitor,) = load_docs(K8S / "monitoring" / "podmonitor.yaml")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"]["matchNames"] == [monitor["metadata"]["namespace"]] == ["dart-batch"]
+    assert [e["port"] for e in spec["podMetricsEndpoints"]] == ["metrics"]
+    assert set(spec) <= {"namespaceSelector", "selector", "podMetricsEndpoints", "jobLabel", "podTargetLabels"}
+
+    def selected(labels: dict[str, str]) -> bool:
+        sel = spec["selector"]
+        return (all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+                and all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", [])
+                        if e["operator"] == "In"))
+
+    for file, cluster in CLUSTER_SPECS:
+        for group, template in ray_pod_templates(cluster):
+            assert selected(template["metadata"]["labels"]), f"{file}:{group} is not scraped"
+    for file, spec_ in RAYJOB_SPECS:  # the submitter has no metrics port: not selected
+        assert not selected(spec_["submitterPodTemplate"].get("metadata", {}).get("labels", {})), file
+
+
+def test_grafana_dashboard_queries_only_exported_metrics_and_shows_all_of_them():
+    import json
+
+    from pipeline.metrics import METRICS, exported_names
+
+    dashboard = json.loads((K8S / "grafana" / "dart-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    used = {name for e in exprs for name in re.findall(r"\bray_dart_\w+", e)}
+    assert used <= exported_names(), used - exported_names()
+    for name in METRICS:
+        assert any(u.startswith(f"ray_dart_{name}_") or u == f"ray_dart_{name}" for u in used), name
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"]

@@ -1,0 +1,134 @@
+"""`python -m pipeline.run config.yaml --dry-run`: everything the real run checks, then a plan; no generation.
+
+The dry run validates the config, resolves and verifies every artifact with the code the real
+run uses (`pipeline.preflight.resolve_artifacts`: the target and its fingerprint, the draft head
+against the target, the trie's header and tokenizer fingerprint), then lists the input files with
+a row estimate, the output location and resume state, and the worker plan. It starts no Ray
+instance and writes nothing under the output. Like the real run it builds the first-run caches
+(the converted default target, the default trie) when they are missing, so a dry run also makes
+the first real run start fast.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import PipelineConfig
+from pipeline.inputs import InputError, jsonl_codec
+from pipeline.outputs import existing_row_keys
+from pipeline.preflight import StartupError, cpu_budget_problem, local_cpu_count, resolve_artifacts
+from pipeline.storage import filesystem_for, redact
+
+EXACT_COUNT_BYTES = 64 << 20  # JSONL files up to this size are counted line by line
+SAMPLE_BYTES = 1 << 20  # larger ones: rows estimated from the mean line length of the first MiB
+
+
+def estimate_rows(url: str, fmt: str) -> tuple[int | None, bool]:
+    """(rows, exact) for one input file: Parquet from its footer, JSONL by counting non-blank lines
+    (or extrapolating from the first MiB of a large file; a large compressed file: unknown)."""
+    fs, path = filesystem_for(url)
+    if fmt == "parquet":
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows, True
+    codec = jsonl_codec(url)
+    size = fs.size(path)
+    with fs.open(path, "rb") as raw:
+        f = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), codec) if codec else raw
+        if size <= EXACT_COUNT_BYTES:
+            rows, tail = 0, b""
+            while chunk := f.read(SAMPLE_BYTES):
+                lines = (tail + chunk).split(b"\n")
+                tail = lines.pop()
+                rows += sum(1 for line in lines if line.strip())
+            return rows + (1 if tail.strip() else 0), True
+        if codec:
+            return None, False
+        sample = f.read(SAMPLE_BYTES)
+    lines = sample.split(b"\n")[:-1] or [sample]
+    return max(1, round(size / (len(sample) / len(lines)))), False
+
+
+def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
+    """The plan of a run of `cfg`, after every start-up check; raises StartupError like the real run."""
+    resolved = resolve_artifacts(cfg, run_id, create_output=False)
+    inputs = []
+    for url in resolved["input_files"]:
+        try:
+            rows, exact = estimate_rows(url, cfg.input.format)
+        except (OSError, ValueError, InputError, pa.ArrowException) as exc:
+            raise StartupError(f"input: cannot read {redact(url)}: {exc}") from None
+        inputs.append({"url": redact(url), "rows": rows, "exact": exact})
+    known = [i["rows"] for i in inputs if i["rows"] is not None]
+    output: dict[str, Any] = {"url": redact(cfg.output.url), "exists": resolved["output_exists"],
+                              "resume": cfg.run.resume}
+    if cfg.run.resume and resolved["output_exists"]:
+        output["rows_done"] = len(existing_row_keys(cfg.output.url))
+    r, m, d = cfg.resources, cfg.model, cfg.decoding
+    external = bool(os.environ.get("RAY_ADDRESS"))
+    if not external:
+        problem = cpu_budget_problem(cfg, local_cpu_count())
+        if problem:
+            raise StartupError(problem)
+    workers = (f"{r.min_workers}..{r.max_workers} (autoscaling)" if r.min_workers is not None
+               else str(r.num_workers))
+    return {
+        "run_id": run_id,
+        "artifacts": {
+            "target": {"spec": m.target, "location": resolved["target_location"],
+                       "fingerprint": resolved["target_fingerprint"]},
+            "draft_head": ({"location": resolved["head_dir"], "fingerprint": resolved["head_fingerprint"]}
+                           if "head_dir" in resolved else None),
+            "trie": ({"url": redact(resolved["trie_url"]), "fingerprint": resolved["trie_fingerprint"]}
+                     if "trie_url" in resolved else None),
+        },
+        "inputs": {"files": inputs, "rows": sum(known) if known else None,
+                   "exact": all(i["exact"] for i in inputs), "format": cfg.input.format},
+        "output": output,
+        "workers": {"workers": workers, "cpus_per_worker": r.num_cpus_per_worker,
+                    "torch_threads": r.torch_threads or max(1, int(r.num_cpus_per_worker)),
+                    "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size, "mode": d.mode,
+                    "sizing": d.sizing, "tree_budget": d.tree.budget, "max_new_tokens": d.max_new_tokens,
+                    "temperature": d.temperature, "device": m.device, "dtype": m.dtype,
+                    "cluster": os.environ["RAY_ADDRESS"] if external else f"local Ray, {local_cpu_count()} CPUs"},
+    }
+
+
+def format_report(plan: dict[str, Any]) -> str:
+    """The plan as the lines `--dry-run` prints."""
+    a, i, o, w = plan["artifacts"], plan["inputs"], plan["output"], plan["workers"]
+    lines = [f"dry run {plan['run_id']}: config valid, every artifact checked; nothing generated",
+             f"target      {a['target']['spec']} -> {a['target']['location']}",
+             f"            fingerprint {a['target']['fingerprint']}"]
+    if a["draft_head"]:
+        lines += [f"draft head  {a['draft_head']['location']}",
+                  f"            fingerprint {a['draft_head']['fingerprint']} (fits the target)"]
+    else:
+        lines.append(f"draft head  not used by mode {w['mode']}")
+    if a["trie"]:
+        lines += [f"trie        {a['trie']['url']}",
+                  f"            fingerprint {a['trie']['fingerprint']} (tokenizer matches)"]
+    else:
+        lines.append(f"trie        not used by mode {w['mode']}")
+    total = "unknown" if i["rows"] is None else f"{'' if i['exact'] else '~'}{i['rows']}"
+    lines.append(f"inputs      {len(i['files'])} {i['format']} file(s), {total} rows")
+    for f in i["files"][:20]:
+        rows = "? rows" if f["rows"] is None else f"{'' if f['exact'] else '~'}{f['rows']} rows"
+        lines.append(f"            {f['url']}  ({rows})")
+    if len(i["files"]) > 20:
+        lines.append(f"            ... and {len(i['files']) - 20} more")
+    state = "exists" if o["exists"] else "will be created"
+    if o["resume"]:
+        resume = (f"resume: {o.get('rows_done', 0)} rows already written will be skipped" if o["exists"]
+                  else "resume: nothing written yet")
+    else:
+        resume = "resume off: rows already there are generated again" if o["exists"] else "fresh output"
+    lines.append(f"output      {o['url']} ({state}; {resume})")
+    gpus = f", {w['gpus_per_worker']:g} GPU" if w["gpus_per_worker"] else ""
+    lines.append(f"workers     {w['workers']} x ({w['cpus_per_worker']:g} CPU{gpus}, {w['torch_threads']} torch "
+                 f"threads), batch {w['batch_size']}, mode {w['mode']} (sizing {w['sizing']}, tree budget "
+                 f"{w['tree_budget']}), device {w['device']}, dtype {w['dtype']}, on {w['cluster']}")
+    return "\n".join(lines)

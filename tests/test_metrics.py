@@ -1,0 +1,134 @@
+"""Live metrics (pipeline/metrics.py): a small job on a local Ray cluster with the Prometheus
+export port set; the scraped series must agree with the rows the job wrote."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from dart_worker.stats import STAT_COLUMNS
+from pipeline import metrics
+from pipeline.config import load_config
+from pipeline.outputs import read_output
+from pipeline.run import run_pipeline
+from pipeline.summary import error_kind
+from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sources_and_stages_come_from_the_stats_columns():
+    assert set(metrics.SOURCES) == {c.removeprefix("accepted_") for c in STAT_COLUMNS if c.startswith("accepted_")}
+    assert {"head", "context"} <= set(metrics.SOURCES)
+    assert set(metrics.ROUND_STAGES) == {"draft", "tree", "verify", "commit"}
+
+
+def test_record_batch_outside_ray_is_a_no_op():
+    ray.shutdown()
+    metrics.record_batch([{"error": None, "num_generated_tokens": 3, "rounds": 2, "tau": 1.5}],
+                         run_id="r", worker="w", mode="ar", batch_size=1, wall_s=0.1)
+    assert metrics._metrics is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, list]:
+    """name -> [(labels, value)] for every dart_ sample on Ray's metrics endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("ray_dart_"):
+                found[sample.name].append((sample.labels, sample.value))
+    return found
+
+
+def total(samples: dict[str, list], name: str, **labels) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+@pytest.mark.integration
+def test_metrics_reach_the_prometheus_endpoint(tmp_path):
+    artifacts = save_tiny_artifacts(tmp_path / "artifacts")
+    rng = np.random.default_rng(1)
+    lines = [json.dumps({"id": f"r{k}", "prompt": " ".join(f"w{int(t)}" for t in rng.integers(4, TINY_VOCAB, 6))})
+             for k in range(7)]
+    lines += [json.dumps({"id": "empty", "prompt": ""}), '{"id": "broken", "prompt": ']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = {
+        "input": {"urls": [str(tmp_path / "in.jsonl")]},
+        "model": {"target": artifacts["target"], "draft_head": artifacts["head"], "trie": artifacts["trie"],
+                  "dtype": "fp32", "device": "cpu"},
+        "decoding": {"mode": "dart", "max_new_tokens": 10, "tree": {"budget": 8}},
+        "resources": {"num_workers": 1, "num_cpus_per_worker": 0.5, "batch_size": 3},
+        "output": {"url": str(tmp_path / "out"), "rows_per_file": 4},
+        "run": {"run_id": "metrics-test", "progress_interval_s": 5},
+    }
+    (tmp_path / "job.yaml").write_text(json.dumps(cfg))
+
+    port = free_port()
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=port)
+    try:
+        run_pipeline(load_config(tmp_path / "job.yaml"))
+        table = read_output(str(tmp_path / "out")).to_pylist()
+        assert len(table) == 9
+        ok = [r for r in table if not r["error"]]
+        failed = defaultdict(int)
+        for r in table:
+            if r["error"]:
+                failed[error_kind(r["error"])] += 1
+
+        # Ray's metrics agent exports every few seconds: poll until the counters are complete.
+        deadline, samples = time.time() + 90, {}
+        while time.time() < deadline:
+            samples = scrape(port)
+            if total(samples, "ray_dart_rows_done_total") >= 9 and "ray_dart_tau_count" in samples:
+                break
+            time.sleep(2)
+    finally:
+        ray.shutdown()
+
+    run = {"run_id": "metrics-test", "mode": "dart"}
+    assert total(samples, "ray_dart_rows_done_total", **run) == 9
+    for kind, count in failed.items():
+        assert total(samples, "ray_dart_rows_failed_total", error_kind=kind, **run) == count
+    assert total(samples, "ray_dart_rows_failed_total") == 9 - len(ok)
+    assert total(samples, "ray_dart_generated_tokens_total", **run) == sum(r["num_generated_tokens"] for r in ok)
+    for source in metrics.SOURCES:
+        assert total(samples, "ray_dart_accepted_tokens_total", source=source, **run) == \
+            sum(r[f"accepted_{source}"] for r in ok)
+    with_rounds = [r for r in ok if r["rounds"]]
+    assert total(samples, "ray_dart_tau_count", **run) == len(with_rounds)
+    # Ray exports histogram sums from bucket midpoints, so the buckets are what is exact.
+    for lab, value in samples["ray_dart_tau_bucket"]:
+        assert value == sum(r["tau"] <= float(lab["le"]) for r in with_rounds), lab["le"]
+    assert total(samples, "ray_dart_tree_size_count", **run) == len(with_rounds)
+    for stage in ("verify", "draft", "tree"):
+        assert total(samples, "ray_dart_stage_seconds_per_round_count", stage=stage, **run) == len(with_rounds)
+        assert total(samples, "ray_dart_stage_seconds_total", stage=stage, **run) > 0
+    workers = {lab["worker"] for lab, _ in samples["ray_dart_rows_done_total"]}
+    assert workers == {r["worker"] for r in table if r["worker"]}
+    assert samples["ray_dart_tokens_per_s"] and all(v >= 0 for _, v in samples["ray_dart_tokens_per_s"])
+    assert all(0 < v <= 1 for _, v in samples["ray_dart_batch_occupancy"])
+    assert total(samples, "ray_dart_batch_seconds_count", **run) >= 3  # 9 rows in batches of 3
+
+
+def test_docs_list_every_metric():
+    text = (REPO / "docs" / "metrics.md").read_text()
+    for name, (kind, *_rest) in metrics.METRICS.items():
+        exported = f"ray_dart_{name}" + ("_total" if kind == "counter" else "")
+        assert f"`{exported}`" in text, exported
