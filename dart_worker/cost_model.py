@@ -65,6 +65,16 @@ class LatencyModel:
             raise ValueError(f"need >= 2 increasing grid rows, got {rows}")
         self.rows = np.asarray(rows, dtype=np.float64)
         self.seconds = np.maximum(np.asarray(seconds, dtype=np.float64), 1e-6)
+        self._make_consistent()
+
+    def _make_consistent(self) -> None:
+        """More rows never cost less, and never more per row: a forward over R rows costs at most
+        what R/r forwards over r < R rows would (batched matrix products amortise, they do not
+        get dearer per row). The second bound caps a size that one burst of load made look dear,
+        which the sizer would otherwise avoid for good and never observe again."""
+        self.seconds = np.maximum.accumulate(self.seconds)
+        per_row = np.minimum.accumulate(self.seconds / self.rows)
+        self.seconds = np.minimum(self.seconds, per_row * self.rows)
 
     @classmethod
     def measure(cls, target, *, defer_logits: bool, max_rows: int = 128, context: int = 128,
@@ -101,7 +111,9 @@ class LatencyModel:
 
         seconds_of(grid[-1])  # warm-up: first calls pay one-time costs
         samples = np.array([[seconds_of(rows) for rows in grid] for _ in range(passes)])
-        return cls(grid, np.maximum.accumulate(np.median(samples, axis=0)).tolist())
+        # The fastest pass per size: load elsewhere on the machine only ever adds time, and a
+        # size measured too dear is never tried again, so never corrected online.
+        return cls(grid, samples.min(axis=0).tolist())
 
     def predict(self, rows: float | np.ndarray) -> np.ndarray:
         """Seconds for `rows` (array-friendly); linear beyond the grid along its last segment."""
@@ -131,8 +143,7 @@ class LatencyModel:
         # the way the observation pushed: a cheaper forward than thought lowers smaller sizes too.
         if ratio < 1:
             self.seconds = np.minimum.accumulate(self.seconds[::-1])[::-1]
-        else:
-            self.seconds = np.maximum.accumulate(self.seconds)
+        self._make_consistent()
 
     def describe(self) -> dict[int, float]:
         return {int(r): round(float(s) * 1e3, 2) for r, s in zip(self.rows, self.seconds)}

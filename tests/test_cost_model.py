@@ -97,14 +97,27 @@ def test_latency_interpolates_extrapolates_and_follows_observations():
     assert model.predict(1) == pytest.approx(0.1)
     assert model.predict(10) == pytest.approx(0.35)
     assert model.predict(32) == pytest.approx(0.5 + 16 * 0.3 / 12)
-    for _ in range(40):  # the machine got twice as slow at 16 rows: the curve follows
-        model.update(16, 1.0)
-    assert model.predict(16) == pytest.approx(1.0, rel=0.05)
+    for _ in range(40):  # the machine got slower at 16 rows: the curve follows ...
+        model.update(16, 0.75)
+    assert model.predict(16) == pytest.approx(0.75, rel=0.05)
     assert np.all(np.diff(model.seconds) >= 0)
+    for _ in range(40):  # ... but never past four 4-row forwards (0.8 s): more rows never cost more per row
+        model.update(16, 2.0)
+    assert model.predict(16) == pytest.approx(0.8)
     for _ in range(40):  # ... and cheaper at 4 rows pulls 1 row down with it (never above 4 rows)
         model.update(4, 0.05)
     assert model.predict(4) == pytest.approx(0.05, rel=0.05)
     assert model.predict(1) <= model.predict(4)
+
+
+def test_a_grid_point_that_a_burst_of_load_made_dear_is_capped_per_row():
+    """Measured 8 rows at 0.34 s, then 16 rows at 2.4 s (a burst elsewhere on the machine): 16
+    rows cannot cost more than two 8-row forwards, so the sizer still sees trees of 15 nodes as
+    affordable instead of never trying (and never re-measuring) them."""
+    model = LatencyModel([1, 2, 4, 8, 16, 32], [0.13, 0.22, 0.28, 0.34, 2.4, 2.6])
+    assert model.predict(16) == pytest.approx(0.68)
+    assert model.predict(32) == pytest.approx(1.36)
+    assert np.all(np.diff(model.seconds) >= 0) and np.all(np.diff(model.seconds / model.rows) <= 1e-12)
 
 
 def test_calibration_line_names_costs_and_the_cheap_tree_size():
