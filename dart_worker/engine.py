@@ -42,6 +42,7 @@ class GenerationResult:
     finish_reason: str = ""  # "stop", "length", "context_limit" or "error"
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    finished_unix: float | None = None  # wall clock (time.time()) when its last token was decided
 
 
 @dataclass
@@ -135,7 +136,7 @@ class DecodingEngine:
         seq.stats.wall_seconds = time.perf_counter() - seq.started
         seq.stats.num_generated_tokens = len(seq.generated)
         return GenerationResult(token_ids=seq.generated, text=self._detokenize(seq.generated)[: seq.text_end],
-                                finish_reason=seq.finish_reason, stats=seq.stats)
+                                finish_reason=seq.finish_reason, stats=seq.stats, finished_unix=time.time())
 
     # ---------------------------------------------------------------- set-up
 

@@ -8,7 +8,7 @@ Measures, in one run on the same ShareGPT dev prompts:
 - the pipeline's overhead against calling the engine directly on the same prompts, with the
   same batch size and prompt formatting (aim: under 10%), twice: end to end (the pipeline's wall
   time against the direct worker's construction plus decoding) and in steady state (the span
-  from the first batch's start to the last batch's end, from the rows' `finished_at` and
+  from the first row's start to the last row's end, from the rows' `finished_at` and
   `wall_s`, against the direct decoding time: what start-up costs aside, Ray Data's reading,
   scheduling and writing add between batches);
 - resident memory per node with 1 and 2 workers (sum of the workers' PSS, and the trie's
@@ -108,7 +108,8 @@ def engine_direct(pcfg, prompts_path: Path) -> dict:
 
 
 def steady_state(output_url: str) -> dict:
-    """Decoding span of a pipeline run from its rows: first batch start to last batch end."""
+    """Decoding span of a pipeline run from its rows (each row's own start and finish): first start
+    to last finish, and the tail: from the moment 90% of the rows were done to the last finish."""
     table = read_output(output_url, columns=["finished_at", "wall_s", "num_generated_tokens"]).to_pylist()
     timed = [(r["finished_at"].timestamp(), r["wall_s"]) for r in table
              if r["finished_at"] is not None and r["wall_s"] is not None]
@@ -116,7 +117,6 @@ def steady_state(output_url: str) -> dict:
     ends = sorted(end for end, _ in timed)
     span = ends[-1] - first_start
     tokens = sum(r["num_generated_tokens"] or 0 for r in table)
-    # The tail: from the moment 90% of the rows were done to the last row's end.
     tail = ends[-1] - ends[max(0, math.ceil(0.9 * len(ends)) - 1)]
     return {"span_s": span, "tokens_per_s": tokens / span, "rows_per_s": len(table) / span,
             "tail_s": tail, "tail_share": tail / span if span > 0 else 0.0,

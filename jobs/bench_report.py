@@ -357,13 +357,16 @@ def _timed(rows: list[dict]) -> bool:
 
 
 def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, int]]]:
-    """Per worker: (seconds at batch end, batch tokens/s, cumulative tokens) per engine batch.
+    """Per worker: (seconds, tokens/s, cumulative tokens) at each moment rows finished.
 
-    Rows with `finished_at` (output schema 2) are grouped by (worker, finished_at) and placed on
-    the job's clock: seconds since the first batch began (`finished_at - wall_s`), the same axis
-    for every worker. Older rows have only their batch's wall time (`wall_s`, equal for every row
-    of one batch): a batch is then the rows of one worker sharing one wall_s, and the worker's
-    axis is the running sum of its batch times in row_key order (its busy time).
+    Rows with `finished_at` (output schema 2) are placed on the job's clock: seconds since the
+    first row began decoding (`finished_at - wall_s`), the same axis for every worker; the rate
+    at a point is the tokens of the rows finishing then over the time since the worker's previous
+    point (its first row's start for the first point). `finished_at` is each row's own finish
+    (outputs written before 2026-11-25: the batch's end, one point per batch). Older rows have only their batch's
+    wall time (`wall_s`, equal for every row of one batch): a batch is then the rows of one worker
+    sharing one wall_s, its rate batch tokens / wall_s, and the worker's axis the running sum of
+    its batch times in row_key order (its busy time).
     """
     ok, timed = _ok_rows(rows), _timed(rows)
     several_runs = len({r.get("run_id") for r in ok}) > 1  # a resumed job: workers of each attempt apart
@@ -371,19 +374,28 @@ def throughput_timeline(rows: list[dict]) -> dict[str, list[tuple[float, float, 
     for r in ok:
         worker = r.get("worker") or "?"
         worker = f"{r.get('run_id')}/{worker}" if several_runs else worker
-        batches[worker, r["finished_at"] if timed else float(r["wall_s"])].append(r)
-    origin = min((r["finished_at"].timestamp() - float(r["wall_s"]) for r in ok), default=0.0) if timed else 0.0
+        batches[worker, r["finished_at"].timestamp() if timed else float(r["wall_s"])].append(r)
     per_worker: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
-    if timed:  # by worker, then finishing time
-        order = sorted(batches.items(), key=lambda kv: kv[0])
-    else:  # by worker, then row_key (the processing order is not recorded)
-        order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
-    clock: dict[str, float] = defaultdict(float)
     total: dict[str, int] = defaultdict(int)
-    for (worker, key), batch in order:
-        wall = float(batch[0]["wall_s"])
+    if timed:  # by worker, then finishing time
+        starts: dict[str, float] = {}
+        for (worker, end), batch in batches.items():
+            start = min(end - float(r["wall_s"]) for r in batch)
+            starts[worker] = min(starts.get(worker, start), start)
+        origin = min(starts.values(), default=0.0)
+        previous = dict(starts)
+        for (worker, end), batch in sorted(batches.items(), key=lambda kv: kv[0]):
+            tokens = sum(int(r.get("num_generated_tokens") or 0) for r in batch)
+            total[worker] += tokens
+            per_worker[worker].append((end - origin, tokens / max(end - previous[worker], 1e-9), total[worker]))
+            previous[worker] = end
+        return dict(per_worker)
+    # by worker, then row_key (the processing order is not recorded)
+    order = sorted(batches.items(), key=lambda kv: (kv[0][0], min(str(r.get("row_key", "")) for r in kv[1])))
+    clock: dict[str, float] = defaultdict(float)
+    for (worker, wall), batch in order:
         tokens = sum(int(r.get("num_generated_tokens") or 0) for r in batch)
-        clock[worker] = key.timestamp() - origin if timed else clock[worker] + wall
+        clock[worker] += wall
         total[worker] += tokens
         per_worker[worker].append((clock[worker], tokens / wall, total[worker]))
     return dict(per_worker)
@@ -417,7 +429,7 @@ def plot_job_tau(rows: list[dict], path: Path, summary: dict | None = None) -> P
 
 
 def plot_job_throughput(rows: list[dict], path: Path) -> Path:
-    """Per-batch tokens/s and cumulative tokens over each worker's busy time."""
+    """Tokens/s of finished rows and cumulative tokens over the job's clock (or each worker's busy time)."""
     timeline = throughput_timeline(rows)
     fig, (ax_r, ax_c) = plt.subplots(1, 2, figsize=(11, 4))
     for worker, pts in sorted(timeline.items()):
@@ -426,10 +438,10 @@ def plot_job_throughput(rows: list[dict], path: Path) -> Path:
         ax_c.plot([0.0, *xs], [0, *[p[2] for p in pts]], label=worker)
     if not timeline:
         ax_r.text(0.5, 0.5, "no successful row", ha="center", va="center", transform=ax_r.transAxes)
-    ax_r.set_ylabel("tokens/s per batch")
+    ax_r.set_ylabel("tokens/s (rows finished since the last point)" if _timed(rows) else "tokens/s per batch")
     ax_c.set_ylabel("generated tokens (cumulative)")
     for ax in (ax_r, ax_c):
-        ax.set_xlabel("seconds since the first batch began" if _timed(rows)
+        ax.set_xlabel("seconds since the first row began" if _timed(rows)
                       else "worker busy time (s, reconstructed from wall_s)")
         ax.grid(alpha=0.3)
     ax_r.set_title("Throughput over time")

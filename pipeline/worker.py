@@ -91,9 +91,13 @@ class GenerationWorker:
                 outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)))
         for k, result in self._generate(requests):
             outputs[k] = self._row(rows[k], result)
-        finished_at = datetime.now(UTC)
+            # Each row's own finish (rows of one batch finish at different rounds, and with
+            # continuous batching start at different ones too); rows that never ran: the batch's end.
+            if result.finished_unix is not None:
+                outputs[k]["finished_at"] = datetime.fromtimestamp(result.finished_unix, UTC)
+        batch_end = datetime.now(UTC)
         for out in outputs:
-            out["finished_at"] = finished_at
+            out.setdefault("finished_at", batch_end)
         resources = self.cfg.resources
         record_batch(outputs, run_id=self.resolved["run_id"], worker=self.worker_name, mode=self.cfg.decoding.mode,
                      batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started)

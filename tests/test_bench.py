@@ -209,15 +209,15 @@ def test_throughput_timeline_on_the_jobs_clock_with_finished_at():
     t = datetime(2026, 11, 22, 3, 0, 0, tzinfo=UTC)
     rows = [{"row_key": "k1", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 10, "finished_at": t},
             {"row_key": "k2", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 30, "finished_at": t},
-            # the same wall time, another batch: told apart by finished_at
+            # the same wall time, finished later: its rate counts from w0's previous point
             {"row_key": "k0", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 4,
              "finished_at": t + timedelta(seconds=5)},
             {"row_key": "k4", "worker": "w1", "wall_s": 4.0, "num_generated_tokens": 8,
              "finished_at": t + timedelta(seconds=3)},
             {"row_key": "k5", "worker": "w1", "wall_s": None, "error": "bad prompt", "finished_at": t}]
-    tl = throughput_timeline(rows)  # the job began at t - 2 s (w0's first batch)
-    assert tl["w0"] == [(2.0, 20.0, 40), (7.0, 2.0, 44)]
-    assert tl["w1"] == [(5.0, 2.0, 8)]
+    tl = throughput_timeline(rows)  # the job began at t - 2 s (w0's first rows)
+    assert tl["w0"] == [(2.0, 20.0, 40), (7.0, pytest.approx(0.8), 44)]
+    assert tl["w1"] == [(5.0, 2.0, 8)]  # w1 began at t - 1 s
 
 
 def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):

@@ -204,3 +204,33 @@ def test_continuous_batching_in_the_worker_writes_the_static_batch_rows(workers)
         worker.cfg.resources.max_live = max_live
         assert worker(table).select(columns).to_pylist() == static
     assert sum(r["error"] is None for r in static) == len(prompts)
+
+
+def test_rows_carry_their_own_start_and_finish(workers):
+    """With max_live 1 the rows decode one after another: each row's `finished_at - wall_s` (its
+    start) is at or after the previous row's finish, all inside the worker call; an error row
+    gets the batch's end."""
+    from datetime import UTC, datetime, timedelta
+
+    worker = workers["lookup"]
+    d = worker.cfg.decoding
+    d.temperature, d.max_new_tokens, d.stop, d.stop_token_ids = 0.0, 6, [], []
+    worker.cfg.input.apply_chat_template = False
+    rows = [{"row_key": f"id:{k}", "id": str(k), "prompt": f"w{5 + k} w{9 + k}", "prompt_kind": "text",
+             "source": "file:///t.jsonl", "error": None} for k in range(3)]
+    rows.append({"row_key": "row:e", "id": None, "prompt": None, "prompt_kind": "text",
+                 "source": "file:///t.jsonl", "error": "malformed JSON"})
+    worker.cfg.resources.max_live = 1
+    called = datetime.now(UTC)
+    out = worker(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)).to_pylist()
+    returned = datetime.now(UTC)
+    worker.cfg.resources.max_live = None
+    done = [r for r in out if r["error"] is None]
+    assert len(done) == 3
+    slack = timedelta(milliseconds=2)  # timestamps are stored at microseconds
+    previous = called - slack
+    for r in done:
+        began = r["finished_at"] - timedelta(seconds=r["wall_s"])
+        assert previous - slack <= began <= r["finished_at"] <= returned
+        previous = r["finished_at"]
+    assert done[-1]["finished_at"] <= out[-1]["finished_at"] <= returned
