@@ -7,7 +7,8 @@ a draft head that is right half the time on one prompt is useless on the next. S
 is a constant; every round the engine asks:
 
 - `LatencyModel`: seconds of one verify forward carrying R rows (batch x (1 + tree size)),
-  measured at start-up over a grid of R and refined online from every round it runs;
+  measured at start-up over a grid of R and refined online from every round it runs, one curve
+  per live batch size (16 sequences x 2 rows do not cost what one sequence x 32 rows does);
 - `AcceptanceModel`: the probability that a draft node ends up on the accepted path, as a
   function of the drafter's score of its path and of which drafter proposed it, calibrated
   online from every verification (prior: exp(score), a calibrated drafter's path probability);
@@ -145,6 +146,12 @@ class LatencyModel:
             self.seconds = np.minimum.accumulate(self.seconds[::-1])[::-1]
         self._make_consistent()
 
+    def rescale(self, rows: int, seconds: float) -> None:
+        """Scale the whole curve so that it passes through one observed forward: its level from
+        the observation, its shape (what more rows cost relative to fewer) kept."""
+        if seconds > 0:
+            self.seconds = self.seconds * (seconds / float(self.predict(rows)))
+
     def describe(self) -> dict[int, float]:
         return {int(r): round(float(s) * 1e3, 2) for r, s in zip(self.rows, self.seconds)}
 
@@ -219,13 +226,21 @@ class SizedRound:
 class TreeSizer:
     """Chooses each round's tree size from `LatencyModel` x `AcceptanceModel` (see module doc)."""
 
-    latency: LatencyModel
+    latency: LatencyModel  # the start-up calibration (one sequence): the template of every batch's curve
     max_budget: int
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     model_seconds: float = 0.0  # EMA of the drafter's model work per round (catch-up + propose)
     overhead_seconds: float = 0.0  # EMA of a round's time outside verify and model drafting
     _pause_left: int = 0
     _pause_length: int = 1
+    _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
+
+    def latency_for(self, batch: int) -> LatencyModel:
+        """The verify cost curve of forwards over `batch` sequences (the calibration until that batch
+        size has run a round). Batch shapes differ in more than their row count: attention reads
+        one cache per sequence and a tree row costs its sequence's context, so a curve learnt at
+        batch 1 misprices rows at batch 16 and the other way round; each batch size keeps its own."""
+        return self._latency_by_batch.get(batch, self.latency)
 
     # ------------------------------------------------------------- the model
 
@@ -253,7 +268,7 @@ class TreeSizer:
         for p in probs:
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
             gain += cumulative[np.minimum(sizes, len(p))]
-        seconds = self.latency.predict(batch * (1 + sizes)) + self.overhead_seconds
+        seconds = self.latency_for(batch).predict(batch * (1 + sizes)) + self.overhead_seconds
         seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
         rate = gain / seconds
         best = int(np.argmax(rate))
@@ -290,10 +305,18 @@ class TreeSizer:
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float) -> None:
-        """Learn from one verified round: which nodes were accepted, what the forward cost."""
+        """Learn from one verified round: which nodes were accepted, what the forward cost (on the
+        curve of this batch size; its first round sets the level of a copy of the calibration,
+        whose shape it keeps until rounds of other sizes correct it point by point)."""
         for tree, nodes in zip(trees, accepted):
             self.acceptance.update(tree, nodes)
-        self.latency.update(rows, verify_seconds)
+        batch = len(trees)
+        curve = self._latency_by_batch.get(batch)
+        if curve is None:
+            curve = self._latency_by_batch[batch] = copy.deepcopy(self.latency)
+            curve.rescale(rows, verify_seconds)
+        else:
+            curve.update(rows, verify_seconds)
 
     def calibration_line(self) -> str:
         """One line for a worker's log: the measured forward costs and where trees stop paying
@@ -306,7 +329,9 @@ class TreeSizer:
                 f"trees up to {self.max_budget} nodes, at most {cheap} for under two plain steps at batch 1")
 
     def describe(self) -> dict:
-        return {"latency_ms_by_rows": self.latency.describe(), "acceptance_by_source": self.acceptance.describe(),
+        return {"latency_ms_by_rows": self.latency.describe(),
+                "latency_ms_by_batch_and_rows": {b: c.describe() for b, c in sorted(self._latency_by_batch.items())},
+                "acceptance_by_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2)}
 
 

@@ -179,6 +179,27 @@ def test_sizer_keeps_context_nodes_when_only_they_pay():
     assert not sizer.model_wanted()
 
 
+def test_each_batch_size_learns_its_own_curve_from_the_calibrations_shape():
+    """One sequence: 1 row 100 ms, 2 rows 110 ms (a 1-node tree nearly free). At batch 16 the
+    plain step costs 400 ms and 2 rows per sequence 800 ms: the sizer must learn that there
+    without forgetting that one sequence's tree is still nearly free."""
+    confident = _chain([-0.3])  # accepted about 3 times in 4
+    sizer = TreeSizer(LatencyModel([1, 2, 16, 32, 64], [0.10, 0.11, 0.20, 0.28, 0.40]), max_budget=1)
+    assert sizer.fit([confident], model_ran=False).trees[0].size == 1
+    batch = [confident] * 16
+    nothing = [np.zeros(0, np.int64)] * 16
+    sizer.observe([_chain([])] * 16, nothing, rows=16, verify_seconds=0.40)  # first round at 16: the level
+    assert sizer.latency_for(16).predict(16) == pytest.approx(0.40)
+    assert sizer.latency_for(16).predict(32) == pytest.approx(0.56)  # the calibration's shape, x2
+    assert sizer.latency_for(1) is sizer.latency  # batch 1 has not run: still the calibration
+    for _ in range(30):  # rounds of 1-node trees at 16: the real cost of 32 rows is 800 ms
+        sizer.observe(batch, [np.array([0])] * 12 + [np.zeros(0, np.int64)] * 4, rows=32, verify_seconds=0.80)
+    assert sizer.latency_for(16).predict(32) == pytest.approx(0.80, rel=0.05)
+    assert all(t.size == 0 for t in sizer.fit(batch, model_ran=False).trees)
+    assert sizer.fit([confident], model_ran=False).trees[0].size == 1  # batch 1 untouched
+    assert set(sizer.describe()["latency_ms_by_batch_and_rows"]) == {16}
+
+
 def _parts(model, with_head: bool = True) -> EngineParts:
     head = None
     if with_head:
