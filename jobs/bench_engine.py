@@ -292,11 +292,16 @@ def main(argv: list[str] | None = None) -> dict:
         print_sweep({b: v["summary"] for b, v in sweep.items()})
     report = {"config": asdict(cfg), "summary": summary, "records": records,
               "sweep": {str(b): v["summary"] for b, v in sweep.items()}}
-    if cfg.output:
-        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output).write_text(json.dumps(report, indent=1))
-        print(f"wrote {cfg.output}")
+    write_report(cfg.output, report)
     return report
+
+
+def write_report(output: str | None, report: dict) -> None:
+    """The benchmarks' JSON report at `output` (a local path; nothing when None)."""
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from dart_train.corpus import sharegpt_dev_prompts, write_prompts_jsonl
 from dart_worker.device import resolve_device, resolve_dtype
 from jobs.bench import machine_conditions
+from jobs.bench_engine import write_report
 from pipeline.config import load_config
 from pipeline.ngram_store import trie_memory_usage
 from pipeline.outputs import read_output
@@ -222,9 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "trie_pss_mb_at_peak": sampler.trie_pss_at_peak / 2**20,
                 "trie_file_mb": sampler.trie_file_bytes / 2**20}
     print(json.dumps({k: report[k] for k in ("pipeline", "engine_direct", "memory")}, indent=1))
-    if cfg.output:
-        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output).write_text(json.dumps(report, indent=1))
+    write_report(cfg.output, report)
     return report
 
 

@@ -18,11 +18,9 @@ sizing, temperature, cache_tokens, cache_prompts, template, slot_values, seed, o
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -31,7 +29,7 @@ from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
-from jobs.bench_engine import load_parts
+from jobs.bench_engine import load_parts, write_report
 from ngram_native.trees import SOURCE_NAMES, TreeParams
 
 DEFAULT_TEMPLATE = ("Write a product listing for a {0} in the {1} category. Use exactly this format:\n"
@@ -185,10 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"config": asdict(cfg), "summary": summary, "greedy_agreement": agreement,
               "rows": {arm: [{"row": i, "token_ids": r.token_ids, **(r.stats.to_row() if r.stats else {})}
                              for i, r in enumerate(results[arm])] for arm in ARMS}}
-    if cfg.output:
-        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output).write_text(json.dumps(report, indent=1))
-        print(f"wrote {cfg.output}")
+    write_report(cfg.output, report)
     return report
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,29 @@ DEFAULT_JOB_MAX_TOKENS = TreeParams.lookup_cache_tokens
 MAX_JOB_TOKENS = 1 << 28  # stream positions stay int32 in C++
 
 
-class ContextIndex:
+class _NativeIndex:
+    """What the context index and the job cache both expose of their native object: the match
+    lengths they search, their token budget and the tokens they hold (for the cache: live documents)."""
+
+    _native: Any
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    @property
+    def min_match(self) -> int:
+        return self._native.min_match
+
+    @property
+    def max_match(self) -> int:
+        return self._native.max_match
+
+    @property
+    def max_tokens(self) -> int:
+        return self._native.max_tokens
+
+
+class ContextIndex(_NativeIndex):
     """An incremental index over one request's tokens (prompt, then every committed token).
 
     Not thread-safe for appends; `build_lookup_trees` may read many indexes at once.
@@ -89,21 +112,6 @@ class ContextIndex:
                              f"max_tokens {self.max_tokens}")
         self._native.append(ids)
 
-    def __len__(self) -> int:
-        return len(self._native)
-
-    @property
-    def min_match(self) -> int:
-        return self._native.min_match
-
-    @property
-    def max_match(self) -> int:
-        return self._native.max_match
-
-    @property
-    def max_tokens(self) -> int:
-        return self._native.max_tokens
-
     def tokens(self) -> np.ndarray:
         """A copy of every indexed token (int32)."""
         return self._native.tokens()
@@ -117,7 +125,7 @@ class ContextIndex:
         return int(length), ends
 
 
-class JobCache:
+class JobCache(_NativeIndex):
     """A bounded index over the finished outputs (documents) of a job's earlier rows.
 
     `add` one document per finished row; once the documents hold more than `max_tokens` tokens,
@@ -150,10 +158,6 @@ class JobCache:
             raise ValueError("a job-cache document needs at least one token")
         self._native.add(_token_array(a, "tokens", self.vocab_size))
 
-    def __len__(self) -> int:
-        """Tokens of the live documents."""
-        return len(self._native)
-
     @property
     def num_documents(self) -> int:
         return self._native.num_documents
@@ -166,18 +170,6 @@ class JobCache:
     def memory_bytes(self) -> int:
         """Bytes held by the index's buffers (their capacities)."""
         return self._native.memory_bytes
-
-    @property
-    def min_match(self) -> int:
-        return self._native.min_match
-
-    @property
-    def max_match(self) -> int:
-        return self._native.max_match
-
-    @property
-    def max_tokens(self) -> int:
-        return self._native.max_tokens
 
     def stream(self) -> np.ndarray:
         """The live documents, oldest first, each followed by a -1 separator (int32 copy)."""
