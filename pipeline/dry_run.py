@@ -90,7 +90,8 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
         "output": output,
         "workers": {"workers": workers, "cpus_per_worker": r.num_cpus_per_worker,
                     "torch_threads": r.torch_threads or max(1, int(r.num_cpus_per_worker)),
-                    "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size, "mode": d.mode,
+                    "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size,
+                    "max_live": r.max_live or r.batch_size, "mode": d.mode,
                     "sizing": d.sizing, "tree_budget": d.tree.budget, "max_new_tokens": d.max_new_tokens,
                     "temperature": d.temperature, "device": m.device, "dtype": m.dtype,
                     "cluster": os.environ["RAY_ADDRESS"] if external else f"local Ray, {local_cpu_count()} CPUs"},
@@ -129,6 +130,7 @@ def format_report(plan: dict[str, Any]) -> str:
     lines.append(f"output      {o['url']} ({state}; {resume})")
     gpus = f", {w['gpus_per_worker']:g} GPU" if w["gpus_per_worker"] else ""
     lines.append(f"workers     {w['workers']} x ({w['cpus_per_worker']:g} CPU{gpus}, {w['torch_threads']} torch "
-                 f"threads), batch {w['batch_size']}, mode {w['mode']} (sizing {w['sizing']}, tree budget "
+                 f"threads), batch {w['batch_size']} ({w['max_live']} decoding at a time), mode {w['mode']} "
+                 f"(sizing {w['sizing']}, tree budget "
                  f"{w['tree_budget']}), device {w['device']}, dtype {w['dtype']}, on {w['cluster']}")
     return "\n".join(lines)

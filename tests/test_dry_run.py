@@ -68,7 +68,7 @@ def test_dry_run_checks_everything_and_generates_nothing(tmp_path, artifacts, ca
     assert artifacts["trie"] in out and "(tokenizer matches)" in out
     assert "2 jsonl file(s), 7 rows" in out and "a.jsonl  (5 rows)" in out and "b.jsonl  (2 rows)" in out
     assert "will be created" in out and "fresh output" in out
-    assert "workers     1 x (0.5 CPU, 1 torch threads), batch 3, mode dart" in out
+    assert "workers     1 x (0.5 CPU, 1 torch threads), batch 3 (3 decoding at a time), mode dart" in out
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
     assert not ray.is_initialized(), "a dry run starts no Ray"
 
