@@ -331,3 +331,14 @@ def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_arti
     assert report["summary"]["cache_off"]["accepted_tokens_by_source"]["job_cache"] == 0
     assert report["summary"]["cache_on"]["cache"]["documents"] == 6
     assert json.loads(out.read_text())["summary"]["cache_on"]["rows"] == 6
+
+
+def test_verify_shapes_times_every_shape_within_the_row_limit():
+    from dart_worker.target import TargetAdapter
+    from jobs.bench_verify_shapes import ShapesConfig, shape_table
+    from tests.tiny_models import tiny_model
+
+    cfg = ShapesConfig(context=12, passes=1, batch_sizes=[1, 3], rows_per_sequence=[1, 2, 5], max_rows=6)
+    table = shape_table(TargetAdapter(tiny_model("gemma3", vocab_size=32)), cfg)
+    assert {b: sorted(r) for b, r in table.items()} == {1: [1, 2, 5], 3: [1, 2]}
+    assert all(ms > 0 for r in table.values() for ms in r.values())
