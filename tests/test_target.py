@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from dart_worker.target import TargetAdapter, default_tap_layers
+from dart_worker.target import TargetAdapter, default_tap_layers, prefill_groups
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 
 
@@ -162,3 +164,39 @@ def test_taps_are_the_inputs_of_the_chosen_layers():
 def test_bad_tap_layers_are_rejected():
     with pytest.raises(ValueError, match="tap_layers"):
         TargetAdapter(tiny_model("llama"), tap_layers=(0, 1, 99))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+       max_padding=st.sampled_from([1.0, 1.25, 2.0]))
+def test_prefill_groups_partition_prompts_within_the_padding_bound(lengths, max_padding):
+    groups = prefill_groups(lengths, max_padding)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = lengths[group[0]]
+        assert all(lengths[i] <= longest for i in group)
+        assert len(group) == 1 or len(group) * longest <= max_padding * sum(lengths[i] for i in group)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=7))
+def test_grouped_prefill_equals_one_padded_block(family, lengths):
+    """Prefilling prompts of very different lengths in groups gives what one right-padded block
+    gives: the same last-token logits, taps of every prompt row, cache slots and lengths, in the
+    prompts' order."""
+    assume(len(prefill_groups(lengths)) > 1)
+    model = tiny_model(family)
+    adapter = TargetAdapter(model)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    grouped, block = adapter.new_state(len(prompts)), adapter.new_state(len(prompts))
+    ours = adapter.prefill(grouped, prompts)
+    reference = adapter._prefill_block(block, prompts)
+    assert grouped.lengths.tolist() == block.lengths.tolist() == lengths
+    torch.testing.assert_close(ours.logits, reference.logits, atol=1e-4, rtol=1e-4)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(ours.taps[b, :n], reference.taps[b, :n], atol=1e-4, rtol=1e-4)
+        for mine, theirs in zip(grouped.cache.layers, block.cache.layers):
+            torch.testing.assert_close(mine.keys[b, :, :n], theirs.keys[b, :, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine.values[b, :, :n], theirs.values[b, :, :n], atol=1e-4, rtol=1e-4)
