@@ -8,7 +8,7 @@ is a constant; every round the engine asks:
 
 - `LatencyModel`: seconds of one verify forward carrying R rows (batch x (1 + tree size)),
   measured at start-up over a grid of R and refined online from every round it runs, one curve
-  per live batch size (16 sequences x 2 rows do not cost what one sequence x 32 rows does);
+  per live batch size (16 sequences x 9 rows cost 1.8x one sequence's 128 rows on a CPU);
 - `AcceptanceModel`: the probability that a draft node ends up on the accepted path, as a
   function of the drafter's score of its path and of which drafter proposed it, calibrated
   online from every verification (prior: exp(score), a calibrated drafter's path probability);

@@ -239,8 +239,14 @@ class TargetAdapter:
     @torch.no_grad()
     def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states [..., hidden], exactly as the model's own head computes
-        them: the LM head, then the final soft-capping where the model has one (Gemma 2)."""
-        logits = self.model.get_output_embeddings()(hidden)
+        them: the LM head, then the final soft-capping where the model has one (Gemma 2).
+
+        The rows go through the head as one contiguous [rows, hidden] matrix: a strided view (say
+        every sequence's root row, `hidden[:, :1]`) would otherwise be multiplied as a batch of
+        separate products, each reading the whole vocabulary matrix (16 sequences: 16 reads of
+        the 262k x 640 head, 6x the time of one)."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        logits = self.model.get_output_embeddings()(rows).reshape(*hidden.shape[:-1], -1)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -105,6 +105,8 @@ def test_deferred_logits_of_any_rows_equal_the_models_own(family):
     torch.testing.assert_close(adapter.logits_at(deferred.hidden[0, rows]), full.logits[0, rows], atol=1e-5,
                                rtol=1e-5)
     torch.testing.assert_close(deferred.taps, full.taps)
+    # A strided [B, R, H] view (every other row) keeps its shape and row order.
+    torch.testing.assert_close(adapter.logits_at(deferred.hidden[:, ::2]), full.logits[:, ::2], atol=1e-5, rtol=1e-5)
     assert isinstance(adapter.deferred_logits_pay(), bool) and adapter._deferral_pays is not None  # measured once
 
 
