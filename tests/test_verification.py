@@ -431,6 +431,40 @@ def test_inverse_cdf_sample_never_draws_zero_weight_tokens():
     assert verification._inverse_cdf_sample(weights, torch.ones(3, dtype=torch.float64)).tolist() == [3, 2, 4]
 
 
+def _reference_inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """Brute force: the first token whose float64 cumulative weight exceeds u * total, else the
+    last token of positive weight."""
+    cdf = np.cumsum(weights.astype(np.float64))
+    hit = np.flatnonzero(cdf > u * cdf[-1])
+    last_positive = int(np.flatnonzero(weights > 0)[-1])
+    return min(int(hit[0]), last_positive) if hit.size else last_positive
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vocab=st.sampled_from([1, 7, 1023, 1024, 1025, 3000, 4096]),
+       zeros=st.floats(0.0, 0.999))
+def test_two_level_inverse_cdf_equals_the_brute_force_draw(data, vocab, zeros):
+    """Integer weights (sums exact in any order), many zeros, uniforms on exact boundaries of the
+    cumulative weights (block edges included) and at the ends: the block-then-token draw picks
+    exactly the token of one float64 scan over the row."""
+    rows = data.draw(st.integers(1, 4))
+    gen = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    weights = gen.integers(1, 4, size=(rows, vocab)).astype(np.float32) * (gen.random((rows, vocab)) >= zeros)
+    weights[np.arange(rows), gen.integers(0, vocab, size=rows)] = 1.0  # every row has mass
+    totals = weights.sum(axis=1, dtype=np.float64)
+    # Cumulative weight at the end of each block: a uniform landing exactly there must pass on
+    # to the next block's first token of positive weight, as the scan does.
+    edges = [np.cumsum(w, dtype=np.float64)[verification._CDF_BLOCK - 1 :: verification._CDF_BLOCK] for w in weights]
+    picks = [data.draw(st.one_of(st.sampled_from([0.0, 1.0, 1.0 - 2**-53]), st.floats(0.0, 1.0),
+                                 st.integers(0, int(t)).map(lambda k, t=t: k / t),
+                                 st.sampled_from([*e.tolist(), 0.0]).map(lambda k, t=t: k / t)))
+             for t, e in zip(totals, edges)]
+    uniforms = torch.tensor(picks, dtype=torch.float64)
+    drawn = verification._inverse_cdf_sample(torch.from_numpy(weights), uniforms).tolist()
+    assert drawn == [_reference_inverse_cdf(weights[r], picks[r]) for r in range(rows)]
+    assert all(weights[r, t] > 0 for r, t in enumerate(drawn))
+
+
 def test_bonus_rewarp_of_one_row_equals_the_batched_warp():
     """The walk uses probabilities warped in chunks of rows; the bonus re-warps only its row.
     Both must agree (same support, same numbers up to float32 rounding), or acceptance and
