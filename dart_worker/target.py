@@ -203,6 +203,12 @@ class TargetAdapter:
         if defer_logits:
             hidden = self.model.get_decoder()(**inputs).last_hidden_state
             logits = None
+        elif self.device.type == "cpu":
+            # The vocabulary projection through `logits_at` (its CPU orientation: see there).
+            hidden = self.model.get_decoder()(**inputs).last_hidden_state
+            if logit_rows is not None:
+                hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
+            logits, hidden = self.logits_at(hidden), None
         else:
             hidden = None
             logits = self.model(**inputs, logits_to_keep=logit_rows if logit_rows is not None else 0).logits
@@ -246,7 +252,15 @@ class TargetAdapter:
         separate products, each reading the whole vocabulary matrix (16 sequences: 16 reads of
         the 262k x 640 head, 6x the time of one)."""
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        logits = self.model.get_output_embeddings()(rows).reshape(*hidden.shape[:-1], -1)
+        head = self.model.get_output_embeddings()
+        if rows.device.type == "cpu" and rows.shape[0] > 1 and type(head) is torch.nn.Linear and head.bias is None:
+            # The same product as [vocab, hidden] x [hidden, rows]: for a few rows against a 262k
+            # vocabulary MKL runs this orientation 1.7-3x faster on a CPU (measured on a 2-core
+            # EPYC, fp32: 4 rows 189 -> 64 ms, 16 rows 238 -> 142 ms); a GPU keeps the module.
+            logits = (head.weight @ rows.t()).t().contiguous()
+        else:
+            logits = head(rows)
+        logits = logits.reshape(*hidden.shape[:-1], -1)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
