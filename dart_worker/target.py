@@ -75,7 +75,7 @@ class TargetState:
 
 
 def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
-    """[B, H, T, D] zero-padded to T = slots."""
+    """[..., T, D] zero-padded to T = slots (cache tensors [B, H, T, D], taps [B, T, F])."""
     missing = slots - tensor.shape[-2]
     return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, 0, missing))
 
@@ -200,15 +200,13 @@ class TargetAdapter:
         self._captured.clear()
         inputs = dict(input_ids=input_ids, attention_mask=masks, position_ids=positions,
                       past_key_values=state.cache, use_cache=True)
-        if defer_logits:
+        if defer_logits or self.device.type == "cpu":
             hidden = self.model.get_decoder()(**inputs).last_hidden_state
             logits = None
-        elif self.device.type == "cpu":
-            # The vocabulary projection through `logits_at` (its CPU orientation: see there).
-            hidden = self.model.get_decoder()(**inputs).last_hidden_state
-            if logit_rows is not None:
-                hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
-            logits, hidden = self.logits_at(hidden), None
+            if not defer_logits:  # on a CPU the projection goes through `logits_at` (its orientation: see there)
+                if logit_rows is not None:
+                    hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
+                logits, hidden = self.logits_at(hidden), None
         else:
             hidden = None
             logits = self.model(**inputs, logits_to_keep=logit_rows if logit_rows is not None else 0).logits
@@ -257,7 +255,8 @@ class TargetAdapter:
         if rows.device.type == "cpu" and rows.shape[0] > 1 and type(head) is torch.nn.Linear and head.bias is None:
             # The same product as [vocab, hidden] x [hidden, rows]: for a few rows against a 262k
             # vocabulary MKL runs this orientation 1.7-3x faster on a CPU (measured on a 2-core
-            # EPYC, fp32: 4 rows 189 -> 64 ms, 16 rows 238 -> 142 ms); a GPU keeps the module.
+            # EPYC, fp32, default target: 4 rows 160 -> 61 ms, 16 rows 288 -> 172 ms; rerun with
+            # `python -m jobs.bench_verify_shapes`); a GPU keeps the module.
             logits = (head.weight @ rows.t()).t().contiguous()
         else:
             logits = head(rows)
@@ -295,7 +294,7 @@ class TargetAdapter:
         joined.select(inverse)
         state.cache, state.lengths = joined.cache, joined.lengths
         width = max(out.taps.shape[1] for out in outs)
-        taps = torch.cat([torch.nn.functional.pad(out.taps, (0, 0, 0, width - out.taps.shape[1])) for out in outs])
+        taps = torch.cat([_pad_slots(out.taps, width) for out in outs])
         return ForwardOutput(logits=torch.cat([out.logits for out in outs])[inverse], taps=taps[inverse])
 
     def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:

@@ -342,3 +342,14 @@ def test_verify_shapes_times_every_shape_within_the_row_limit():
     table = shape_table(TargetAdapter(tiny_model("gemma3", vocab_size=32)), cfg)
     assert {b: sorted(r) for b, r in table.items()} == {1: [1, 2, 5], 3: [1, 2]}
     assert all(ms > 0 for r in table.values() for ms in r.values())
+
+
+def test_verify_shapes_times_the_projection_both_ways():
+    from dart_worker.target import TargetAdapter
+    from jobs.bench_verify_shapes import ShapesConfig, projection_table
+    from tests.tiny_models import tiny_model
+
+    table = projection_table(TargetAdapter(tiny_model("llama", vocab_size=32)), ShapesConfig(passes=1,
+                                                                                          projection_rows=[1, 3]))
+    assert sorted(table) == [1, 3]
+    assert all(t["module"] > 0 and t["logits_at"] > 0 for t in table.values())
