@@ -122,7 +122,10 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
     if problem:
         raise DraftHeadLoadError(f"{directory / WEIGHTS_NAME}: {problem}")
 
-    weights = {name: tensors[name] for name in expected}
+    # Tensors read from the file may start at any 8-byte offset of one buffer; MKL's products
+    # round differently by the weight's alignment, so each gets its own (64-byte aligned) storage:
+    # a loaded head computes exactly what the saved one did.
+    weights = {name: tensors[name].clone() for name in expected}
     weights["d2t"] = weights["d2t"].long()
     head.load_state_dict(weights, strict=True, assign=True)
     if "t2d" in tensors:

@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dart_worker.projection import project
 from dart_worker.target import default_tap_layers
 
 
@@ -526,7 +527,7 @@ class DartDraftHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 draft logits of the layer output: lm_head(norm(norm(h))) as in the published head."""
-        return self.lm_head(self.norm(self.norm(hidden))).float()
+        return project(self.norm(self.norm(hidden)), self.lm_head).float()
 
     @torch.inference_mode()
     def new_cache(self, batch_size: int) -> DraftKVCache:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dart_worker.projection import project
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -244,23 +246,9 @@ class TargetAdapter:
     @torch.no_grad()
     def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states [..., hidden], exactly as the model's own head computes
-        them: the LM head, then the final soft-capping where the model has one (Gemma 2).
-
-        The rows go through the head as one contiguous [rows, hidden] matrix: a strided view (say
-        every sequence's root row, `hidden[:, :1]`) would otherwise be multiplied as a batch of
-        separate products, each reading the whole vocabulary matrix (16 sequences: 16 reads of
-        the 262k x 640 head, 6x the time of one)."""
-        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        head = self.model.get_output_embeddings()
-        if rows.device.type == "cpu" and rows.shape[0] > 1 and type(head) is torch.nn.Linear and head.bias is None:
-            # The same product as [vocab, hidden] x [hidden, rows]: for a few rows against a 262k
-            # vocabulary MKL runs this orientation 1.7-3x faster on a CPU (measured on a 2-core
-            # EPYC, fp32, default target: 4 rows 160 -> 61 ms, 16 rows 288 -> 172 ms; rerun with
-            # `python -m jobs.bench_verify_shapes`); a GPU keeps the module.
-            logits = (head.weight @ rows.t()).t().contiguous()
-        else:
-            logits = head(rows)
-        logits = logits.reshape(*hidden.shape[:-1], -1)
+        them: the LM head (through `projection.project`: one contiguous matrix, in the orientation
+        a CPU runs fastest), then the final soft-capping where the model has one (Gemma 2)."""
+        logits = project(hidden, self.model.get_output_embeddings())
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

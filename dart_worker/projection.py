@@ -1,0 +1,40 @@
+"""Vocabulary projections of a few rows on a CPU, in the orientation MKL runs fastest.
+
+A decoding round projects a handful of final hidden states onto a wide vocabulary: the target's
+262k x 640 LM head for the rows a verification reads, the draft head's 16k x 640 head for its D
+read-out rows. As `rows x weight^T` (what `nn.Linear` computes) MKL runs such a product 1.5-4x
+slower than the same product as `weight x rows^T` on a 2-core AVX2 EPYC in float32 (default
+target, median of 7: 4 rows 160 -> 61 ms; draft head, 8 rows 14.5 -> 7.1 ms; 1 row and 100+ rows
+about equal). `python -m jobs.bench_verify_shapes` prints both ways side by side.
+
+Only float32 inference on a CPU takes the other orientation: that is where it was measured; a
+GPU, bf16 CPUs (AMX, oneDNN) and training (autograd, autocast) keep the module's own product.
+
+MKL's `weight x rows^T` rounds differently by the weight's address alignment (not the rows'):
+the same weight at another offset of a buffer can differ in the last bit. Weights torch allocates
+are 64-byte aligned; loaders that hand out views into a file buffer copy them
+(`draft_checkpoint.load_draft_head`), so a loaded head computes exactly what the saved one did.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def project(hidden: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """`linear(hidden)` for hidden [..., in] -> [..., out], exactly the same product.
+
+    The rows are flattened into one contiguous [rows, in] matrix first: a strided view (say
+    every sequence's root row, `hidden[:, :1]`) would otherwise be multiplied as a batch of
+    separate products, each reading the whole weight (16 sequences: 6x the time of one).
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    out = (linear.weight @ rows.t()).t().contiguous() if _weight_first(rows, linear) else linear(rows)
+    return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+def _weight_first(rows: torch.Tensor, linear: nn.Module) -> bool:
+    return (rows.device.type == "cpu" and rows.shape[0] > 1 and rows.dtype == torch.float32
+            and type(linear) is nn.Linear and linear.bias is None and linear.weight.dtype == torch.float32
+            and not torch.is_grad_enabled())
