@@ -16,8 +16,9 @@ The adapter owns what the decoding loop needs from the target and nothing else:
 Masks are handed to transformers ready-made: a 4D boolean tensor, or for models with
 sliding-window layers (Gemma3, Qwen3 with sliding layers) a dict keyed by layer type, which
 the model uses as is instead of building its own. Every layer keeps a full-length cache
-(`DynamicCache()` without a config): sliding windows are applied through the masks, so all
-layers share one slot layout and compaction is the same gather for every layer.
+(`kv_cache.GrowingCache`: a `DynamicCache` without a config, appended in place): sliding windows
+are applied through the masks, so all layers share one slot layout and compaction is the same
+gather for every layer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
 
 FULL_ATTENTION = "full_attention"
@@ -156,7 +158,7 @@ class TargetAdapter:
         return self.model.get_input_embeddings()(token_ids)
 
     def new_state(self, batch_size: int) -> TargetState:
-        return TargetState(DynamicCache(), torch.zeros(batch_size, dtype=torch.long, device=self.device))
+        return TargetState(GrowingCache(), torch.zeros(batch_size, dtype=torch.long, device=self.device))
 
     # ------------------------------------------------------------------ masks
 
@@ -269,7 +271,7 @@ class TargetAdapter:
             return self._prefill_block(state, prompts)
         outs, joined = [], None
         for group in groups:
-            part = TargetState(DynamicCache(), state.lengths[group])
+            part = TargetState(GrowingCache(), state.lengths[group])
             outs.append(self._prefill_block(part, [prompts[i] for i in group]))
             if joined is None:
                 joined = part

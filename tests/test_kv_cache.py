@@ -1,0 +1,90 @@
+"""`GrowingCache` against transformers' `DynamicCache` under what `TargetState` does to a cache."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from dart_worker.kv_cache import GrowingCache, GrowingLayer
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 300)),  # a forward's new rows (past SPARE_SLOTS too)
+    st.tuples(st.just("crop"), st.integers(0, 40)),  # drop the last k slots (commit's crop)
+    st.tuples(st.just("compact"), st.integers(0, 2**16)),  # in-place gather into earlier slots
+    st.tuples(st.just("select"), st.integers(0, 2**16)),  # finished sequences leave
+    st.tuples(st.just("join"), st.integers(1, 3)),  # newly prefilled sequences join (fresh tensors)
+), min_size=1, max_size=14)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, batch=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_growing_cache_holds_what_a_dynamic_cache_holds(ops, batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    caches = [DynamicCache(), GrowingCache()]
+    heads, dim, layers = 2, 3, 2
+
+    def every_layer(fn):
+        for cache in caches:
+            for layer in cache.layers:
+                fn(layer)
+
+    for op, arg in ops:
+        slots = caches[0].get_seq_length() if caches[0].layers else 0
+        if op == "append":
+            for index in range(layers):
+                keys = torch.randn(batch, heads, arg, dim, generator=gen)
+                values = torch.randn(batch, heads, arg, dim, generator=gen)
+                outs = [cache.update(keys, values, index) for cache in caches]
+                torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        elif not slots:
+            continue
+        elif op == "crop":
+            keep = max(0, slots - arg)
+
+            def crop(layer, keep=keep):
+                layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+            every_layer(crop)
+        elif op == "compact":
+            g = torch.Generator().manual_seed(arg)
+            b = torch.randint(0, batch, (4,), generator=g)
+            src = torch.randint(0, slots, (4,), generator=g)
+            dst = torch.minimum(src, torch.randint(0, slots, (4,), generator=g))
+
+            def compact(layer, b=b, src=src, dst=dst):
+                layer.keys[b, :, dst] = layer.keys[b, :, src]
+                layer.values[b, :, dst] = layer.values[b, :, src]
+            every_layer(compact)
+        elif op == "select" and batch > 1:
+            keep = torch.randperm(batch, generator=torch.Generator().manual_seed(arg))[: batch - 1]
+            for cache in caches:
+                cache.batch_select_indices(keep)
+            batch -= 1
+        elif op == "join":
+            extra_keys = [torch.randn(arg, heads, slots, dim, generator=gen) for _ in range(layers)]
+            for cache in caches:
+                for layer, extra in zip(cache.layers, extra_keys, strict=True):
+                    layer.keys = torch.cat([layer.keys, extra])
+                    layer.values = torch.cat([layer.values, -extra])
+            batch += arg
+        for ours, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
+            assert isinstance(ours, GrowingLayer)
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert caches[1].get_seq_length() == caches[0].get_seq_length()
+
+
+def test_appends_write_in_place_until_the_spare_slots_run_out():
+    cache = GrowingCache()
+    cache.update(torch.zeros(2, 1, 10, 4), torch.zeros(2, 1, 10, 4), 0)
+    layer = cache.layers[0]
+    buffer = layer._key_buffer
+    for _ in range(5):
+        cache.update(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4), 0)
+    assert layer._key_buffer is buffer and layer.keys.shape[-2] == 25  # no copy of the cache per forward
+    layer.keys, layer.values = layer.keys[:, :, :20], layer.values[:, :, :20]  # a crop keeps the buffer
+    cache.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4), 0)
+    assert layer._key_buffer is buffer and layer.keys.shape[-2] == 21
+    cache.batch_select_indices(torch.tensor([1]))  # a fresh tensor: adopted into a new buffer
+    cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)
+    assert layer._key_buffer is not buffer and layer.keys.shape == (1, 1, 22, 4)
