@@ -7,22 +7,30 @@ the milliseconds of one `TargetAdapter.verify` forward (deferred logits, one row
 sequence, as a greedy round does) with 1, 2, 3, 5, 9, 17 rows per sequence after a `context`-token
 prompt: the fastest of `passes` after a warm-up. Then, side by side in the same run, the vocabulary
 projection of 1, 4, 16 rows through the model's own head module and through
-`TargetAdapter.logits_at` (which picks the faster orientation on a CPU). Keys: target, dtype,
-device, threads, context, passes, batch_sizes, rows_per_sequence, max_rows (skip shapes above it),
-projection_rows, output.
+`TargetAdapter.logits_at` (which picks the faster orientation on a CPU), and the same for a
+`draft_vocab`-wide head of the draft head's shape (random weights; its read-out projects D rows per
+sequence). Last, the KV cache: transformers' `DynamicCache` against `kv_cache.GrowingCache`, two
+states side by side, `cache_steps` one-row decoding steps (verify + commit) alternating between
+them, median ms per step, and whether their logits were identical. Keys: target, dtype, device,
+threads, context, passes, batch_sizes, rows_per_sequence, max_rows (skip shapes above it),
+projection_rows, draft_vocab, cache_batch_sizes, cache_steps, output.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from omegaconf import OmegaConf
+from transformers import DynamicCache
 
 from dart_worker.device import configure_cpu_threads
 from dart_worker.engine_factory import load_engine_parts
-from dart_worker.target import TargetAdapter
+from dart_worker.kv_cache import GrowingCache
+from dart_worker.projection import project
+from dart_worker.target import TargetAdapter, TargetState
 from jobs.bench_engine import write_report
 
 
@@ -38,6 +46,9 @@ class ShapesConfig:
     rows_per_sequence: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 9, 17])
     max_rows: int = 160
     projection_rows: list[int] = field(default_factory=lambda: [1, 4, 16])
+    draft_vocab: int = 16384
+    cache_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
+    cache_steps: int = 30
     output: str | None = None
 
 
@@ -65,25 +76,68 @@ def verify_ms(target: TargetAdapter, batch: int, rows: int, context: int, passes
     return min(times[1:]) * 1e3
 
 
+def _synchronized_now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _fastest_ms(run, passes: int, device: torch.device) -> float:
     times = []
     for _ in range(passes + 1):  # the first is a warm-up
-        start = time.perf_counter()
+        start = _synchronized_now(device)
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(_synchronized_now(device) - start)
     return min(times[1:]) * 1e3
 
 
 @torch.no_grad()
-def projection_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[int, dict[str, float]]:
-    """Per row count: ms of the head module itself and of `logits_at` on the same random rows."""
-    head, table = target.model.get_output_embeddings(), {}
-    for rows in cfg.projection_rows:
-        hidden = torch.randn(rows, target.hidden_size, dtype=target.dtype, device=target.device)
-        ways = {"module": lambda h=hidden: head(h), "logits_at": lambda h=hidden: target.logits_at(h)}
-        table[rows] = {name: _fastest_ms(run, cfg.passes, target.device) for name, run in ways.items()}
+def projection_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[str, dict[int, dict[str, float]]]:
+    """Per head and row count: ms of the head module itself and through `projection.project` (the
+    target's via `logits_at`) on the same random rows."""
+    heads = {"target": (target.model.get_output_embeddings(), target.logits_at)}
+    if cfg.draft_vocab:
+        draft = torch.nn.Linear(target.hidden_size, cfg.draft_vocab, bias=False).to(target.device, target.dtype)
+        heads["draft"] = (draft, lambda h, d=draft: project(h, d))
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for name, (module, projected) in heads.items():
+        table[name] = {}
+        for rows in cfg.projection_rows:
+            hidden = torch.randn(rows, target.hidden_size, dtype=target.dtype, device=target.device)
+            ways = {"module": lambda h=hidden, m=module: m(h), "project": lambda h=hidden, f=projected: f(h)}
+            table[name][rows] = {way: _fastest_ms(run, cfg.passes, target.device) for way, run in ways.items()}
+    return table
+
+
+@torch.no_grad()
+def cache_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[int, dict[str, float | bool]]:
+    """Per batch size: median ms of a one-row step (verify + commit) on a `DynamicCache` and on a
+    `GrowingCache`, steps alternating between the two states, and whether all logits matched."""
+    table: dict[int, dict[str, float | bool]] = {}
+    device = target.device
+    for batch in cfg.cache_batch_sizes:
+        generator = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, target.vocab_size, (cfg.context,), generator=generator).tolist()
+        states = {}
+        for name, cache in (("dynamic", DynamicCache()), ("growing", GrowingCache())):
+            states[name] = TargetState(cache, torch.zeros(batch, dtype=torch.long, device=device))
+            target.prefill(states[name], [prompt] * batch)  # equal lengths: one block, this cache
+        depth = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        ancestor = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        times: dict[str, list[float]] = {name: [] for name in states}
+        identical = True
+        for step in range(cfg.cache_steps):
+            tokens = torch.randint(0, target.vocab_size, (batch, 1), generator=generator).to(device)
+            logits = {}
+            for name in (("dynamic", "growing") if step % 2 else ("growing", "dynamic")):
+                state = states[name]
+                started = _synchronized_now(device)
+                block_start = state.cache_len()
+                logits[name] = target.verify(state, tokens, depth, ancestor).logits
+                target.commit(state, block_start, [[0]] * batch)
+                times[name].append((_synchronized_now(device) - started) * 1e3)
+            identical = identical and torch.equal(logits["dynamic"], logits["growing"])
+        table[batch] = {name: round(statistics.median(t), 1) for name, t in times.items()} | {"identical": identical}
     return table
 
 
@@ -104,10 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
     for batch, row in table.items():
         print(f"batch {batch:3d}: " + "  ".join(f"{n} rows {ms:.1f}" for n, ms in row.items()))
     projection = projection_table(parts.target, cfg)
-    print("vocabulary projection ms by rows: " + "  ".join(
-        f"{n} rows module {t['module']:.1f} / logits_at {t['logits_at']:.1f}" for n, t in projection.items()))
+    for name, rows in projection.items():
+        print(f"{name} vocabulary projection ms by rows: " + "  ".join(
+            f"{n} rows module {t['module']:.1f} / project {t['project']:.1f}" for n, t in rows.items()))
+    caches = cache_table(parts.target, cfg)
+    print(f"one-row step ms (verify + commit), steps alternating, median of {cfg.cache_steps}: " + "  ".join(
+        f"batch {b} DynamicCache {t['dynamic']} / GrowingCache {t['growing']} (logits identical: {t['identical']})"
+        for b, t in caches.items()))
     report = {"config": asdict(cfg), "ms_by_batch_and_rows_per_sequence": {str(b): r for b, r in table.items()},
-              "projection_ms_by_rows": {str(n): t for n, t in projection.items()}}
+              "projection_ms_by_head_and_rows": {h: {str(n): t for n, t in r.items()} for h, r in projection.items()},
+              "cache_step_ms_by_batch": {str(b): t for b, t in caches.items()}}
     write_report(cfg.output, report)
     return report
 

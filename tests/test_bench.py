@@ -350,6 +350,18 @@ def test_verify_shapes_times_the_projection_both_ways():
     from tests.tiny_models import tiny_model
 
     table = projection_table(TargetAdapter(tiny_model("llama", vocab_size=32)), ShapesConfig(passes=1,
-                                                                                          projection_rows=[1, 3]))
+                                                                                          projection_rows=[1, 3],
+                                                                                          draft_vocab=40))
+    assert sorted(table) == ["draft", "target"] and all(sorted(rows) == [1, 3] for rows in table.values())
+    assert all(t["module"] > 0 and t["project"] > 0 for rows in table.values() for t in rows.values())
+
+
+def test_verify_shapes_times_both_kv_caches_on_identical_logits():
+    from dart_worker.target import TargetAdapter
+    from jobs.bench_verify_shapes import ShapesConfig, cache_table
+    from tests.tiny_models import tiny_model
+
+    table = cache_table(TargetAdapter(tiny_model("gemma3", vocab_size=32)),
+                        ShapesConfig(context=10, cache_batch_sizes=[1, 3], cache_steps=4))
     assert sorted(table) == [1, 3]
-    assert all(t["module"] > 0 and t["logits_at"] > 0 for t in table.values())
+    assert all(t["identical"] is True and t["dynamic"] > 0 and t["growing"] > 0 for t in table.values())
