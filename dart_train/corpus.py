@@ -34,7 +34,7 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -86,6 +86,7 @@ class Conversation:
     id: str
     turns: tuple[Turn, ...]
     split_key: str  # what the train/dev split hashes (the id, or the id of the whole original chat)
+    origin: str = ""  # the source it was read from, when a mixture of sources is read (iter_sources)
 
 
 class DevPrompt(NamedTuple):
@@ -433,6 +434,39 @@ def iter_conversations(
         yield conv
         if limit is not None and report.kept >= limit:
             return
+
+
+def source_list(sources: str | Iterable[str]) -> list[str]:
+    """One source or several, as a list; an empty list or an empty name is an error."""
+    names = [sources] if isinstance(sources, str) else list(sources)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"a corpus source is a non-empty string or a non-empty list of them, got {sources!r}")
+    return names
+
+
+def iter_sources(sources: str | Iterable[str], *, limit: int | None = None, **kwargs: Any) -> Iterator[Conversation]:
+    """The conversations of one source or a mixture, each tagged with its source (``origin``).
+
+    Several sources are interleaved one conversation from each in turn, in the order given; a
+    source that runs out drops out and the others go on. So a small source (e.g. a few hundred
+    self-distilled replies) is spread over the start of the stream instead of following the whole
+    of a large one, the order is deterministic (resumable by position), and what each source
+    contributed can be counted by ``origin``. ``limit`` stops after that many conversations in
+    all; ``kwargs`` go to :func:`iter_conversations` for every source (a shared ``report``
+    tallies them all).
+    """
+    streams = [(name, iter_conversations(name, **kwargs)) for name in source_list(sources)]
+    yielded = 0
+    while streams and (limit is None or yielded < limit):
+        for entry in list(streams):
+            conv = next(entry[1], None)
+            if conv is None:
+                streams.remove(entry)
+                continue
+            yield replace(conv, origin=entry[0])
+            yielded += 1
+            if limit is not None and yielded >= limit:
+                return
 
 
 def sharegpt_dev_prompts(n: int | None, **kwargs: Any) -> list[DevPrompt]:

@@ -114,10 +114,12 @@ def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
     return cfg
 
 
-def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> BenchReportConfig:
-    """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors."""
+def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                      schema: type[BenchReportConfig] = BenchReportConfig) -> BenchReportConfig:
+    """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors.
+    `schema`: BenchReportConfig or a subclass that adds keys (jobs.compare_heads)."""
     try:
-        merged = OmegaConf.structured(BenchReportConfig)
+        merged = OmegaConf.structured(schema)
         if path is not None:
             if not Path(path).is_file():
                 raise BenchConfigError(f"config file {path} does not exist")

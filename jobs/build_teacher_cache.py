@@ -21,8 +21,9 @@ same files as an uninterrupted one. Format: jobs/teacher_cache.py and docs/train
 from __future__ import annotations
 
 import hashlib
+import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -155,6 +156,7 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
         bar = tqdm(total=None, unit="tok", unit_scale=True, desc=f"teacher cache {url}", dynamic_ncols=True)
     started, new_tokens, new_shards = time.perf_counter(), 0, 0
     pending: list[CachedExample] = []
+    pending_sources: dict[str, dict[str, int]] = {}
     finished = False
     while not finished:
         batch = next_batch()
@@ -170,6 +172,7 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
                 top = top_k_teacher(out.logits[b, :n], top_k)
                 pending.append(CachedExample(example.ids, example.prompt_len, out.taps[b, :n].to(tap_dtype).cpu(),
                                              top.ids.cpu(), top.logprobs.cpu(), top.rest.cpu()))
+                _count_source(pending_sources, example)
             examples_done += len(batch)
             new_tokens += padded.num_tokens
             if bar is not None:
@@ -180,9 +183,9 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
         # A shard closes at a batch boundary, so a resumed build forms the same batches (same
         # padding, same numerics) as an uninterrupted one.
         if pending and (finished or sum(len(e.ids) for e in pending) >= cfg.cache.shard_tokens):
-            _write_shard(url, manifest, pending, len(kept), stream.position if not finished or
+            _write_shard(url, manifest, pending, pending_sources, len(kept), stream.position if not finished or
                          stream.epoch == 0 else None)
-            pending = []
+            pending, pending_sources = [], {}
             new_shards += 1
             if stop_after_shards is not None and new_shards >= stop_after_shards and not finished:
                 if bar is not None:
@@ -195,18 +198,38 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
     manifest.update(complete=True, examples=sum(s["examples"] for s in shards), tokens=tokens,
                     bytes=sum(s["bytes"] for s in shards),
                     mean_rest_mass=sum(s["rest_mass_sum"] for s in shards) / max(tokens, 1),
-                    skipped_examples=stream.skipped)
+                    skipped_examples=stream.skipped, sources=_sum_sources(s["sources"] for s in shards))
     write_manifest(url, manifest)  # deterministic: a resumed build writes the same bytes
     print(f"teacher cache {url}: {manifest['examples']} examples, {tokens} tokens, {len(shards)} shards, "
           f"{manifest['bytes'] / max(tokens, 1):.0f} bytes/token, mean remaining mass outside the top {top_k}: "
-          f"{manifest['mean_rest_mass']:.4f}; this run {new_tokens} tokens in {elapsed:.1f} s "
-          f"({new_tokens / max(elapsed, 1e-9):.0f} tokens/s)", flush=True)
+          f"{manifest['mean_rest_mass']:.4f}; by source {json.dumps(manifest['sources'])}; "
+          f"this run {new_tokens} tokens in {elapsed:.1f} s ({new_tokens / max(elapsed, 1e-9):.0f} tokens/s)",
+          flush=True)
     return {**manifest, "last_run": {"tokens": new_tokens, "seconds": elapsed,
                                      "tokens_per_s": new_tokens / max(elapsed, 1e-9)}}
 
 
-def _write_shard(url: str, manifest: dict, examples: list[CachedExample], draft_vocab_size: int,
-                 end_position: Any) -> None:
+def _count_source(counts: dict[str, dict[str, int]], example: Example) -> None:
+    """What one example adds to its source's tally: examples, tokens, and the tokens after the
+    prompt (where the loss is, by default), so a mixture's shares can be reported."""
+    entry = counts.setdefault(example.origin, {"examples": 0, "tokens": 0, "reply_tokens": 0})
+    entry["examples"] += 1
+    entry["tokens"] += len(example.ids)
+    entry["reply_tokens"] += len(example.ids) - example.prompt_len
+
+
+def _sum_sources(per_shard: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    total: dict[str, dict[str, int]] = {}
+    for counts in per_shard:
+        for origin, entry in counts.items():
+            into = total.setdefault(origin, dict.fromkeys(entry, 0))
+            for key, value in entry.items():
+                into[key] += value
+    return dict(sorted(total.items()))
+
+
+def _write_shard(url: str, manifest: dict, examples: list[CachedExample], sources: dict[str, dict[str, int]],
+                 draft_vocab_size: int, end_position: Any) -> None:
     """Write one shard atomically, then list it in the manifest (also written atomically)."""
     index = len(manifest["shards"])
     name = shard_name(index)
@@ -216,6 +239,7 @@ def _write_shard(url: str, manifest: dict, examples: list[CachedExample], draft_
         "name": name, "examples": len(examples), "tokens": sum(len(e.ids) for e in examples), "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(), "end_position": end_position,
         "rest_mass_sum": float(sum(float(e.rest_mass.double().sum()) for e in examples)),
+        "sources": dict(sorted(sources.items())),
     })
     write_manifest(url, manifest)
 

@@ -4,9 +4,11 @@ A draft head is only as good as its match with what the target actually writes. 
 were written by other models; the target's own continuations of the same prompts are what it
 will be asked to predict at inference (a base model in particular loops and rephrases in ways
 no human reply does). This job takes the first user turn of training-split conversations, has the
-pipeline itself (`pipeline.run`, mode `ar`, so no head is involved) write the target's replies,
-and turns prompt + reply into ShareGPT-style JSONL that `jobs.train_draft` reads as
-`data.source`:
+pipeline itself (`pipeline.run`) write the target's replies, and turns prompt + reply into
+ShareGPT-style JSONL that `jobs.train_draft` reads as `data.source`. Decoding is lossless, so the
+replies are the target's whatever the mode: by default the pipeline config's own (the fastest
+setting, `dart_lookup` in configs/local.yaml) with its stop strings (a new "User:" turn ends the
+reply, so the data is not full of the base model's invented dialogue):
 
     python -m jobs.distill_data num_prompts=2000 output=outputs/distill/sharegpt_self.jsonl
     python -m jobs.train_draft configs/train_default_head.yaml data.source=outputs/distill/sharegpt_self.jsonl
@@ -38,9 +40,10 @@ class DistillConfig:
     source: str = "default"  # conversations to take prompts from (their train split)
     pipeline_config: str = "configs/local.yaml"  # model and resources; mode/inputs/outputs set here
     overrides: list[str] = field(default_factory=list)  # extra pipeline dotlist, e.g. resources.num_workers=4
+    mode: str | None = None  # decoding.mode; None: the pipeline config's (configs/local.yaml: dart_lookup)
     temperature: float = 0.0  # 0: the greedy replies the head will be asked to predict
     max_new_tokens: int = 128
-    batch_size: int = 16  # ar decoding: a 16-row forward costs about one row's on CPU bf16
+    batch_size: int = 16  # rows handed to the worker at a time (resources.max_live of them decode together)
     work_dir: str = "outputs/distill/work"  # prompts and the pipeline's Parquet output (resumable)
     output: str = "outputs/distill/sharegpt_self.jsonl"
     convert_only: bool = False
@@ -54,7 +57,7 @@ def write_prompts(cfg: DistillConfig, path: Path) -> int:
 def generate(cfg: DistillConfig, prompts_path: Path, output_url: str) -> dict:
     pcfg = load_config(cfg.pipeline_config, [
         f"input.urls=[{prompts_path}]", "input.format=jsonl", "input.id_column=id", "input.prompt_column=prompt",
-        "decoding.mode=ar", f"decoding.temperature={cfg.temperature}",
+        *([f"decoding.mode={cfg.mode}"] if cfg.mode else []), f"decoding.temperature={cfg.temperature}",
         f"decoding.max_new_tokens={cfg.max_new_tokens}", f"resources.batch_size={cfg.batch_size}",
         f"output.url={output_url}", "run.run_id=distill", "run.resume=true", *cfg.overrides,
     ])

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from dart_train.corpus import TEXT_ROLE, Conversation, iter_conversations, sharegpt_dev_prompts
+from dart_train.corpus import TEXT_ROLE, Conversation, iter_sources, sharegpt_dev_prompts, source_list
 from dart_train.draft_training import (
     TeacherPass,
     count_token_frequencies,
@@ -64,7 +64,9 @@ CONFIG_COPY_NAME = "training_config.yaml"
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # fsspec URL / path / glob, or "default" (packaged ShareGPT)
+    # fsspec URL / path / glob, or "default" (packaged ShareGPT); or a list of them, a mixture read
+    # one conversation from each in turn (dart_train.corpus.iter_sources).
+    source: Any = "default"
     format: str = "auto"
     text_field: str = "text"
     id_field: str = "id"
@@ -115,7 +117,8 @@ class EvalConfig:
     tau_every_steps: int = 0  # 0: tau only after the last step (real decoding is slow on a CPU)
     tau_max_new_tokens: int = 64
     tau_modes: list[str] = field(default_factory=lambda: ["chain", "dart"])
-    # Where tau's dev prompts come from (its dev split); null = data.source. Set "default" to
+    # Where tau's dev prompts come from (its dev split); null = data.source (its first source if a
+    # list). Set "default" to
     # compare heads trained on different data on the same ShareGPT dev prompts.
     tau_source: str | None = None
     trie: str | None = "default"  # for dart mode: a trie path, "default", or null (skip dart)
@@ -168,6 +171,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         merged = OmegaConf.merge(merged, OmegaConf.load(path))
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(argv))
     cfg: TrainConfig = OmegaConf.to_object(merged)
+    source_list(cfg.data.source)  # a clear error for an empty or malformed source now, not mid-run
     if cfg.trainer.backend not in ("local", "ray"):
         raise ValueError(f"trainer.backend must be 'local' or 'ray', got {cfg.trainer.backend!r}")
     return cfg
@@ -184,6 +188,7 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 class Example:
     ids: list[int]
     prompt_len: int  # tokens before the first generated one; anchors start at prompt_len - 1
+    origin: str = ""  # the data source it came from (a teacher cache counts tokens per source)
 
 
 def conversation_example(conv: Conversation, tokenizer: Any, data: DataConfig) -> Example | None:
@@ -192,7 +197,7 @@ def conversation_example(conv: Conversation, tokenizer: Any, data: DataConfig) -
     eos = tokenizer.eos_token_id
     if turns and turns[0].role == TEXT_ROLE:
         ids = [*tokenizer(turns[0].text)["input_ids"][:data.max_seq_len - 1], eos]
-        return Example(ids, 1) if len(ids) >= 4 else None
+        return Example(ids, 1, conv.origin) if len(ids) >= 4 else None
     for user, reply in itertools.pairwise(turns):
         if user.role == "user" and reply.role == "assistant":
             break
@@ -207,13 +212,13 @@ def conversation_example(conv: Conversation, tokenizer: Any, data: DataConfig) -
     ids = (prompt_ids + response + [eos])[: data.max_seq_len]
     if len(ids) - len(prompt_ids) < 3:  # not even one MASK row to train
         return None
-    return Example(ids, len(prompt_ids))
+    return Example(ids, len(prompt_ids), conv.origin)
 
 
 def conversation_stream(data: DataConfig, split: str, seed: int, epoch: int) -> Iterator[Conversation]:
     """Conversations of `split` in a seeded streaming-shuffle order (a new order every epoch)."""
-    stream = iter_conversations(data.source, split=split, dev_fraction=data.dev_fraction, format=data.format,
-                                text_field=data.text_field, id_field=data.id_field)
+    stream = iter_sources(data.source, split=split, dev_fraction=data.dev_fraction, format=data.format,
+                          text_field=data.text_field, id_field=data.id_field)
     if data.shuffle_buffer <= 1:
         yield from stream
         return
@@ -302,7 +307,7 @@ def collate(examples: list[Example], loss_on_prompt: bool = False) -> Batch:
 def build_draft_vocab(cfg: TrainConfig, tokenizer: Any, vocab_size: int,
                       conversations: Iterator[Conversation] | None = None) -> tuple[torch.Tensor, dict]:
     """The draft_vocab_size most frequent target ids in the training examples (+ EOS ids)."""
-    convs = conversations if conversations is not None else iter_conversations(
+    convs = conversations if conversations is not None else iter_sources(
         cfg.data.source, split="train", dev_fraction=cfg.data.dev_fraction, format=cfg.data.format,
         text_field=cfg.data.text_field, id_field=cfg.data.id_field, limit=cfg.head.vocab_conversations)
     docs = (e.ids for e in (conversation_example(c, tokenizer, cfg.data) for c in convs) if e is not None)
@@ -486,7 +491,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
             trie = str(default_trie_path()) if ev.trie == "default" else ev.trie
         adapter_cache["parts"] = EngineParts.from_model(model, tokenizer, trie=trie)
         prompts = []
-        for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=ev.tau_source or cfg.data.source,
+        for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=ev.tau_source or source_list(cfg.data.source)[0],
                                       dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens):
             ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
             if len(ids) <= cfg.data.max_prompt_tokens:
@@ -639,9 +644,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
 
     if dev_examples is None and ctx.is_main and cfg.eval.dev_sequences > 0:
         dev_examples = []
-        for conv in iter_conversations(cfg.data.source, split="dev", dev_fraction=cfg.data.dev_fraction,
-                                       format=cfg.data.format, text_field=cfg.data.text_field,
-                                       id_field=cfg.data.id_field):
+        for conv in iter_sources(cfg.data.source, split="dev", dev_fraction=cfg.data.dev_fraction,
+                                 format=cfg.data.format, text_field=cfg.data.text_field, id_field=cfg.data.id_field):
             example = conversation_example(conv, tokenizer, cfg.data)
             if example is not None:
                 dev_examples.append(example)

@@ -365,3 +365,59 @@ def test_verify_shapes_times_both_kv_caches_on_identical_logits():
                         ShapesConfig(context=10, cache_batch_sizes=[1, 3], cache_steps=4))
     assert sorted(table) == [1, 3]
     assert all(t["identical"] is True and t["dynamic"] > 0 and t["growing"] > 0 for t in table.values())
+
+
+def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_path):
+    """Two heads, one run: dev accuracy equals evaluate_dev computed here on the same examples, every
+    bench cell is decoded with each head (fp32 greedy == ar), and the tables name both heads."""
+    import json
+
+    import torch
+
+    from dart_train.draft_training import TeacherPass
+    from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
+    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.loading import load_target
+    from jobs.compare_heads import dev_examples
+    from jobs.compare_heads import main as compare_main
+    from jobs.train_draft import EvalConfig, TrainConfig, evaluate_dev, head_vocab
+    from tests.test_teacher_cache import write_chats
+
+    model, tokenizer = load_target(tiny_artifacts["target"], dtype="fp32", device="cpu")
+    torch.manual_seed(5)
+    other = tmp_path / "other_head"
+    save_draft_head(DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3), other)
+    chats = write_chats(tmp_path / "chats.jsonl", n=6)
+    out = tmp_path / "compare"
+    overrides = [f"target={tiny_artifacts['target']}", f"heads=[{tiny_artifacts['head']},{other}]",
+                 f"trie={tiny_artifacts['trie']}", "dtype=fp32", "device=cpu", "threads=1", "num_prompts=2",
+                 "max_prompt_tokens=64", "max_new_tokens=5", "budgets=[4]", "repeats=1", "warmup_tokens=0",
+                 "modes=[ar,chain,dart]", "temperatures=[0.0]", f"dev_source={chats}", "dev_fraction=1.0",
+                 "dev_sequences=3", "dev_anchors_per_sequence=4", f"output_dir={out}"]
+    assert compare_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
+    figures = json.loads((out / "compare.json").read_text())
+    heads = [tiny_artifacts["head"], str(other)]
+    assert figures["heads"] == heads
+    examples = dev_examples(tokenizer, str(chats), 1.0, 3)
+    assert len(examples) == 3
+    for path in heads:
+        head = load_draft_head(path, model.config, model.get_input_embeddings(), device="cpu", dtype=torch.float32)
+        want = evaluate_dev(head.eval(), TeacherPass(model, head_vocab(head)), examples,
+                            TrainConfig(eval=EvalConfig(dev_anchors_per_sequence=4)), torch.device("cpu"), 1)
+        got = figures["dev"][path]
+        assert got["dev_accuracy_per_position"] == want["dev_accuracy_per_position"] and len(want[
+            "dev_accuracy_per_position"]) == 4
+        assert got["dev_loss"] == want["dev_loss"] and got["sequences"] == 3
+        cells = {(e["mode"], e["budget"]): e for e in figures["decoding"][path]["summary"]}
+        assert set(cells) == {("ar", None), ("chain", 4), ("dart", 4)}
+        assert all(e["agreement_with_ar"] == 1.0 for e in cells.values())
+        assert figures["decoding"][path]["conditions"]["head"] == path
+    table = (out / "compare.md").read_text()
+    assert "| 0 | dart@4 |" in table and f"`{other}` tau" in table
+
+
+def test_compare_heads_refuses_a_directory_that_is_not_a_head(tmp_path, capsys):
+    from jobs.compare_heads import main as compare_main
+
+    assert compare_main([f"heads=[{tmp_path}]"]) == 2
+    assert "not a draft head directory" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from dart_train.corpus import (
     Turn,
     encode_texts,
     iter_conversations,
+    iter_sources,
     sharegpt_base_id,
     sharegpt_dev_prompts,
     split_of,
@@ -173,6 +174,36 @@ def test_limit_stops_early(tmp_path):
     path.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(10)))
     convs, report = _read(path, limit=3)
     assert len(convs) == 3 and report.read == 3
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=4), limit=st.one_of(st.none(), st.integers(1, 12)))
+def test_a_mixture_interleaves_its_sources_one_at_a_time_and_tags_each(tmp_path_factory, sizes, limit):
+    """iter_sources against a brute-force round robin: one from each source in turn, a source that
+    runs out drops out, `limit` counts the mixture, and every conversation names its source."""
+    root = tmp_path_factory.mktemp("mix")
+    files, queues = [], []
+    for s, n in enumerate(sizes):
+        path = root / f"s{s}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{s}-{i}", "text": f"t {s} {i}"}) + "\n" for i in range(n)))
+        files.append(str(path))
+        queues.append([(f"{s}-{i}", str(path)) for i in range(n)])
+    want = []
+    while any(queues):
+        for q in queues:
+            if q:
+                want.append(q.pop(0))
+    want = want if limit is None else want[:limit]
+    report = CorpusReport()
+    got = [(c.id, c.origin) for c in iter_sources(files, limit=limit, report=report)]
+    assert got == want
+    assert [(c.id, c.origin) for c in iter_sources(files[0])] == [(f"0-{i}", files[0]) for i in range(sizes[0])]
+
+
+def test_a_mixture_needs_real_sources(tmp_path):
+    for bad in ([], "", [""], [str(tmp_path), 3]):
+        with pytest.raises(ValueError, match="non-empty"):
+            list(iter_sources(bad))
 
 
 @settings(max_examples=40, deadline=None)

@@ -307,3 +307,28 @@ def test_cache_on_an_object_store_url_equals_the_local_one(setup, tmp_path):
         assert stream.next_example().ids == CachedExampleStream(TeacherCache(str(local)), seed=0).next_example().ids
     finally:
         fsspec.filesystem("memory").rm("/teacher-cache-test", recursive=True)
+
+
+def test_a_mixture_of_sources_is_interleaved_and_counted_per_source(setup, tmp_path):
+    """data.source as a list: the cache holds the interleaved stream's examples, and the manifest
+    says how many examples, tokens and reply tokens each source gave (counted here independently
+    from the live training stream)."""
+    other = write_chats(tmp_path / "other.jsonl", n=5, seed=7)
+    sources = f"data.source=[{setup['data']},{other}]"
+    manifest = build(setup, tmp_path / "cache", sources, "cache.top_k=8")
+    cfg = parse_config([*args(setup, tmp_path / "cache"), sources])
+    _, tokenizer = load_target(str(setup["target"]), dtype="fp32", device="cpu")
+    live = ExampleStream(cfg.data, tokenizer, cfg.trainer.seed)
+    want: dict[str, dict[str, int]] = {}
+    for _ in range(manifest["examples"]):
+        e = live.next_example()
+        entry = want.setdefault(e.origin, {"examples": 0, "tokens": 0, "reply_tokens": 0})
+        entry["examples"] += 1
+        entry["tokens"] += len(e.ids)
+        entry["reply_tokens"] += len(e.ids) - e.prompt_len
+    assert live.epoch == 0
+    assert manifest["sources"] == want
+    assert set(want) == {str(setup["data"]), str(other)} and want[str(other)]["examples"] == 5
+    assert sum(v["tokens"] for v in want.values()) == manifest["tokens"]
+    assert manifest["build"]["data"]["source"] == [str(setup["data"]), str(other)]
+    assert all("sources" in shard for shard in manifest["shards"])

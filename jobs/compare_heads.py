@@ -1,0 +1,180 @@
+"""Draft heads side by side: `python -m jobs.compare_heads [bench.yaml] 'heads=[default,<dir>]' [key=value ...]`.
+
+A new default head ships only if it beats the current one, so both must be measured on the same
+data in the same run. For every head, in one process:
+
+1. **Dev accuracy**: top-1 accuracy against the target's full-vocabulary argmax per draft position,
+   per-position KL and the weighted dev loss, on the same `dev_sequences` dev-split sequences of
+   `dev_source` (jobs.train_draft.evaluate_dev: the figures training logs, anchors sampled with
+   the same fixed seeds for every head).
+2. **Decoding**: the jobs.bench cells (modes x temperatures x budgets on the same ShareGPT dev
+   prompts; tau, tokens/s, speedup against `ar` measured in the same sub-run, per-position
+   acceptance).
+
+`heads` are head directories; `default` is the shipped one. All jobs.bench keys apply (use
+`dtype=fp32` on CPUs without bf16 units). Writes compare.json and compare.md (side-by-side
+tables) under `output_dir` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from jobs.bench import BenchConfigError, BenchReportConfig, load_bench_config
+
+
+@dataclass
+class CompareHeadsConfig(BenchReportConfig):
+    heads: list[str] = field(default_factory=lambda: ["default"])  # head directories; "default" = shipped
+    dev_sequences: int = 32  # dev-split sequences scored per head (0: skip the dev accuracy)
+    dev_anchors_per_sequence: int = 64
+    dev_source: str = "default"  # corpus whose dev split is scored (any jobs.train_draft data.source)
+    dev_fraction: float = 0.02  # its train/dev split, as in training
+    output_dir: str = "compare_heads"
+
+
+def head_dir(name: str) -> str:
+    """A head's directory: "default" is the shipped head (an error if this build ships none)."""
+    if name != "default":
+        if not (Path(name) / "config.json").is_file():
+            raise BenchConfigError(f"heads: {name!r} is not a draft head directory (no config.json)")
+        return name
+    from dart_worker import default_head
+
+    path = default_head.default_head_dir()
+    if path is None:
+        raise BenchConfigError("heads: 'default' but this build ships no default head")
+    return str(path)
+
+
+def dev_examples(tokenizer, source: str, dev_fraction: float, n: int) -> list:
+    """The first `n` usable dev-split examples of `source`, framed as training frames them."""
+    from dart_train.corpus import iter_sources
+    from jobs.train_draft import DataConfig, conversation_example
+
+    data = DataConfig(source=source, dev_fraction=dev_fraction)
+    out = []
+    for conv in iter_sources(data.source, split="dev", dev_fraction=data.dev_fraction):
+        example = conversation_example(conv, tokenizer, data)
+        if example is not None:
+            out.append(example)
+        if len(out) >= n:
+            break
+    return out
+
+
+def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:
+    """evaluate_dev of every head on the same examples with one fp32 target (dtype-independent figures)."""
+    import torch
+
+    from dart_train.draft_training import TeacherPass
+    from dart_worker.draft_checkpoint import load_draft_head
+    from dart_worker.loading import load_target
+    from jobs.train_draft import EvalConfig, TrainConfig, evaluate_dev, head_vocab
+
+    model, tokenizer = load_target(cfg.target, dtype="fp32", device="cpu")
+    examples = dev_examples(tokenizer, cfg.dev_source, cfg.dev_fraction, cfg.dev_sequences)
+    if not examples:
+        raise RuntimeError(f"no usable dev sequence in {cfg.dev_source!r}")
+    train_cfg = TrainConfig(eval=EvalConfig(dev_anchors_per_sequence=cfg.dev_anchors_per_sequence))
+    out = {}
+    for path in heads:
+        head = load_draft_head(path, model.config, model.get_input_embeddings(), device="cpu", dtype=torch.float32)
+        head.eval()
+        teacher = TeacherPass(model, head_vocab(head))
+        out[path] = {"sequences": len(examples),
+                     **evaluate_dev(head, teacher, examples, train_cfg, torch.device("cpu"), batch_size=1)}
+        print(f"dev {path}: top-1 per position "
+              f"{[round(a, 3) for a in out[path]['dev_accuracy_per_position']]}, loss {out[path]['dev_loss']:.3f}",
+              flush=True)
+    return out
+
+
+def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
+    from jobs.bench import measure
+
+    heads = [head_dir(h) for h in cfg.heads]
+    dev = dev_accuracy(cfg, heads) if cfg.dev_sequences > 0 else {}
+    runs = {}
+    for path in heads:  # one jobs.bench measurement per head, each with its own `ar` baseline
+        print(f"decoding with head {path}", flush=True)
+        base = {k: v for k, v in asdict(cfg).items() if k in BenchReportConfig.__dataclass_fields__}
+        runs[path] = measure(replace(BenchReportConfig(**base), head=path))
+    return {"config": asdict(cfg), "heads": heads, "dev": dev,
+            "decoding": {p: {"conditions": r["conditions"], "summary": r["summary"]} for p, r in runs.items()}}
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def comparison_tables(figures: dict[str, Any]) -> list[str]:
+    """Markdown: dev accuracy per position, then tau / speedup per cell, one column pair per head."""
+    heads = figures["heads"]
+    names = [f"`{h}`" for h in heads]
+    lines: list[str] = []
+    if figures["dev"]:
+        depth = max(len(d["dev_accuracy_per_position"]) for d in figures["dev"].values())
+        lines += ["| head | " + " | ".join(f"pos {i + 1}" for i in range(depth)) + " | dev loss | anchors |",
+                  "|---|" + "---:|" * (depth + 2)]
+        for h, name in zip(heads, names, strict=True):
+            d = figures["dev"][h]
+            acc = d["dev_accuracy_per_position"]
+            lines.append(f"| {name} | " + " | ".join(_fmt(acc[i] if i < len(acc) else None, ".3f")
+                                                      for i in range(depth))
+                         + f" | {d['dev_loss']:.3f} | {d['dev_anchors']} |")
+        lines.append("")
+    cells: dict[tuple, dict[str, dict]] = {}
+    for h in heads:
+        for entry in figures["decoding"][h]["summary"]:
+            cells.setdefault((entry["temperature"], entry["mode"], entry["budget"]), {})[h] = entry
+    lines += ["| T | cell | " + " | ".join(f"{n} tau | {n} speedup" for n in names) + " |",
+              "|---|---|" + "---:|---:|" * len(heads)]
+    for (t, mode, budget), by_head in cells.items():
+        label = mode if budget is None else f"{mode}@{budget}"
+        row = [f"{_fmt(by_head[h].get('tau')) if h in by_head else '-'} | "
+               f"{_fmt(by_head[h].get('speedup_vs_ar')) + 'x' if h in by_head else '-'}" for h in heads]
+        lines.append(f"| {t:g} | {label} | " + " | ".join(row) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.compare_heads", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", help="YAML config (e.g. configs/bench.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. 'heads=[default,out/export]'")
+    args = parser.parse_args(argv)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    try:
+        cfg = load_bench_config(config, overrides, schema=CompareHeadsConfig)
+        if not cfg.heads:
+            raise BenchConfigError("heads: empty; expected one or more head directories or 'default'")
+        if cfg.dev_sequences < 0:
+            raise BenchConfigError(f"dev_sequences: {cfg.dev_sequences} must be >= 0")
+        for h in cfg.heads:
+            head_dir(h)
+    except BenchConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    figures = compare(cfg)
+    figures["command"] = "python -m jobs.compare_heads " + shlex.join([a for a in (config, *overrides) if a])
+    tables = comparison_tables(figures)
+    print("\n".join(tables))
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(figures, indent=1))
+    header = f"# Draft heads compared\n\n    {figures['command']}\n\n"
+    (out / "compare.md").write_text(header + "\n".join(tables) + "\n")
+    print(f"wrote {out / 'compare.md'} and {out / 'compare.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
