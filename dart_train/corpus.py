@@ -444,29 +444,40 @@ def source_list(sources: str | Iterable[str]) -> list[str]:
     return names
 
 
-def iter_sources(sources: str | Iterable[str], *, limit: int | None = None, **kwargs: Any) -> Iterator[Conversation]:
+def iter_sources(sources: str | Iterable[str], *, weights: Iterable[float] | None = None,
+                 limit: int | None = None, **kwargs: Any) -> Iterator[Conversation]:
     """The conversations of one source or a mixture, each tagged with its source (``origin``).
 
-    Several sources are interleaved one conversation from each in turn, in the order given; a
-    source that runs out drops out and the others go on. So a small source (e.g. a few hundred
-    self-distilled replies) is spread over the start of the stream instead of following the whole
-    of a large one, the order is deterministic (resumable by position), and what each source
-    contributed can be counted by ``origin``. ``limit`` stops after that many conversations in
-    all; ``kwargs`` go to :func:`iter_conversations` for every source (a shared ``report``
-    tallies them all).
+    Several sources are interleaved one conversation at a time, deterministically, by smooth
+    weighted round robin (each step every source earns its weight, the richest gives the next
+    conversation and pays the total; ties go to the earlier source), so every prefix of the stream
+    holds each source within one conversation of its weight's share while every source lasts.
+    Equal weights (the default) are a plain round robin. A source that runs out drops out and the
+    others go on in their proportions. So a small source (e.g. a few thousand self-distilled
+    replies) is spread over the stream instead of following the whole of a large one, the order
+    is reproducible (resumable by position), and what each source contributed can be counted by
+    ``origin``. ``limit`` stops after that many conversations in all; ``kwargs`` go to
+    :func:`iter_conversations` for every source (a shared ``report`` tallies them all).
     """
-    streams = [(name, iter_conversations(name, **kwargs)) for name in source_list(sources)]
+    names = source_list(sources)
+    shares = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+    if len(shares) != len(names) or not all(w > 0 for w in shares):
+        raise ValueError(f"source weights must be one positive number per source ({len(names)}), got {weights!r}")
+    live = [[name, iter_conversations(name, **kwargs), share, 0.0] for name, share in zip(names, shares, strict=True)]
     yielded = 0
-    while streams and (limit is None or yielded < limit):
-        for entry in list(streams):
-            conv = next(entry[1], None)
-            if conv is None:
-                streams.remove(entry)
-                continue
-            yield replace(conv, origin=entry[0])
-            yielded += 1
-            if limit is not None and yielded >= limit:
-                return
+    while live and (limit is None or yielded < limit):
+        for entry in live:
+            entry[3] += entry[2]
+        entry = max(live, key=lambda e: e[3])  # the first of equals
+        entry[3] -= sum(e[2] for e in live)
+        conv = next(entry[1], None)
+        if conv is None:  # it drops out, and this step never happened for the others
+            live.remove(entry)
+            for other in live:
+                other[3] -= other[2]
+            continue
+        yield replace(conv, origin=entry[0])
+        yielded += 1
 
 
 def sharegpt_dev_prompts(n: int | None, **kwargs: Any) -> list[DevPrompt]:

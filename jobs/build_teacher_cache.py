@@ -56,8 +56,8 @@ from jobs.train_draft import (
     parse_config,
 )
 
-_DATA_KEYS = ("source", "format", "text_field", "id_field", "dev_fraction", "max_prompt_tokens", "max_seq_len",
-              "shuffle_buffer")
+_DATA_KEYS = ("source", "source_weights", "format", "text_field", "id_field", "dev_fraction", "max_prompt_tokens",
+              "max_seq_len", "shuffle_buffer")
 
 
 def build_settings(cfg: TrainConfig, tap_dtype: torch.dtype, target_dtype: torch.dtype, top_k: int) -> dict:

@@ -67,6 +67,7 @@ class DataConfig:
     # fsspec URL / path / glob, or "default" (packaged ShareGPT); or a list of them, a mixture read
     # one conversation from each in turn (dart_train.corpus.iter_sources).
     source: Any = "default"
+    source_weights: list[float] | None = None  # a mixture's shares (one per source); null = equal
     format: str = "auto"
     text_field: str = "text"
     id_field: str = "id"
@@ -171,7 +172,11 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         merged = OmegaConf.merge(merged, OmegaConf.load(path))
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(argv))
     cfg: TrainConfig = OmegaConf.to_object(merged)
-    source_list(cfg.data.source)  # a clear error for an empty or malformed source now, not mid-run
+    sources = source_list(cfg.data.source)  # a clear error for a bad source or weight now, not mid-run
+    weights = cfg.data.source_weights
+    if weights is not None and (len(weights) != len(sources) or not all(w > 0 for w in weights)):
+        raise ValueError(f"data.source_weights must be one positive number per source ({len(sources)}), "
+                         f"got {weights}")
     if cfg.trainer.backend not in ("local", "ray"):
         raise ValueError(f"trainer.backend must be 'local' or 'ray', got {cfg.trainer.backend!r}")
     return cfg
@@ -217,8 +222,8 @@ def conversation_example(conv: Conversation, tokenizer: Any, data: DataConfig) -
 
 def conversation_stream(data: DataConfig, split: str, seed: int, epoch: int) -> Iterator[Conversation]:
     """Conversations of `split` in a seeded streaming-shuffle order (a new order every epoch)."""
-    stream = iter_sources(data.source, split=split, dev_fraction=data.dev_fraction, format=data.format,
-                          text_field=data.text_field, id_field=data.id_field)
+    stream = iter_sources(data.source, weights=data.source_weights, split=split, dev_fraction=data.dev_fraction,
+                          format=data.format, text_field=data.text_field, id_field=data.id_field)
     if data.shuffle_buffer <= 1:
         yield from stream
         return
@@ -308,7 +313,8 @@ def build_draft_vocab(cfg: TrainConfig, tokenizer: Any, vocab_size: int,
                       conversations: Iterator[Conversation] | None = None) -> tuple[torch.Tensor, dict]:
     """The draft_vocab_size most frequent target ids in the training examples (+ EOS ids)."""
     convs = conversations if conversations is not None else iter_sources(
-        cfg.data.source, split="train", dev_fraction=cfg.data.dev_fraction, format=cfg.data.format,
+        cfg.data.source, weights=cfg.data.source_weights, split="train", dev_fraction=cfg.data.dev_fraction,
+        format=cfg.data.format,
         text_field=cfg.data.text_field, id_field=cfg.data.id_field, limit=cfg.head.vocab_conversations)
     docs = (e.ids for e in (conversation_example(c, tokenizer, cfg.data) for c in convs) if e is not None)
     counts = count_token_frequencies(docs, vocab_size)
@@ -644,8 +650,9 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
 
     if dev_examples is None and ctx.is_main and cfg.eval.dev_sequences > 0:
         dev_examples = []
-        for conv in iter_sources(cfg.data.source, split="dev", dev_fraction=cfg.data.dev_fraction,
-                                 format=cfg.data.format, text_field=cfg.data.text_field, id_field=cfg.data.id_field):
+        for conv in iter_sources(cfg.data.source, weights=cfg.data.source_weights, split="dev",
+                                 dev_fraction=cfg.data.dev_fraction, format=cfg.data.format,
+                                 text_field=cfg.data.text_field, id_field=cfg.data.id_field):
             example = conversation_example(conv, tokenizer, cfg.data)
             if example is not None:
                 dev_examples.append(example)

@@ -178,32 +178,58 @@ def test_limit_stops_early(tmp_path):
 
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=4), limit=st.one_of(st.none(), st.integers(1, 12)))
-def test_a_mixture_interleaves_its_sources_one_at_a_time_and_tags_each(tmp_path_factory, sizes, limit):
-    """iter_sources against a brute-force round robin: one from each source in turn, a source that
-    runs out drops out, `limit` counts the mixture, and every conversation names its source."""
+def test_a_mixture_tags_every_conversation_and_limit_cuts_the_same_stream(tmp_path_factory, sizes, limit):
+    """Equal weights are a round robin (exactly, while no source has run out); every conversation
+    names its source; `limit` is a prefix of the unlimited stream; one source reads as itself."""
     root = tmp_path_factory.mktemp("mix")
-    files, queues = [], []
+    files = []
     for s, n in enumerate(sizes):
         path = root / f"s{s}.jsonl"
         path.write_text("".join(json.dumps({"id": f"{s}-{i}", "text": f"t {s} {i}"}) + "\n" for i in range(n)))
         files.append(str(path))
-        queues.append([(f"{s}-{i}", str(path)) for i in range(n)])
-    want = []
-    while any(queues):
-        for q in queues:
-            if q:
-                want.append(q.pop(0))
-    want = want if limit is None else want[:limit]
-    report = CorpusReport()
-    got = [(c.id, c.origin) for c in iter_sources(files, limit=limit, report=report)]
-    assert got == want
+    everything = [(c.id, c.origin) for c in iter_sources(files, report=CorpusReport())]
+    assert all(cid.split("-")[0] == str(files.index(origin)) for cid, origin in everything)
+    rounds = min(sizes) * len(sizes)
+    assert everything[:rounds] == [(f"{s}-{r}", files[s]) for r in range(min(sizes)) for s in range(len(sizes))]
+    want = everything if limit is None else everything[:limit]
+    assert [(c.id, c.origin) for c in iter_sources(files, limit=limit)] == want
     assert [(c.id, c.origin) for c in iter_sources(files[0])] == [(f"0-{i}", files[0]) for i in range(sizes[0])]
 
 
-def test_a_mixture_needs_real_sources(tmp_path):
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+       weights=st.lists(st.floats(0.1, 10.0), min_size=3, max_size=3))
+def test_a_weighted_mixture_keeps_every_prefix_within_one_of_its_shares(tmp_path_factory, sizes, weights):
+    """While every source still has conversations, each prefix of the stream holds source i's
+    weight share of it to within one conversation; nothing is lost or repeated."""
+    root = tmp_path_factory.mktemp("wmix")
+    weights = weights[:len(sizes)]
+    files = []
+    for s, n in enumerate(sizes):
+        path = root / f"s{s}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{s}-{i}", "text": "t"}) + "\n" for i in range(n)))
+        files.append(str(path))
+    got = [(c.origin, c.id) for c in iter_sources(files, weights=weights)]
+    assert sorted(got) == sorted((files[s], f"{s}-{i}") for s, n in enumerate(sizes) for i in range(n))
+    for s in range(len(files)):  # each source's own order is kept
+        assert [i for o, i in got if o == files[s]] == [f"{s}-{i}" for i in range(sizes[s])]
+    counts = [0] * len(files)
+    for n, (origin, _) in enumerate(got, start=1):
+        counts[files.index(origin)] += 1
+        if all(counts[s] < sizes[s] for s in range(len(files))):
+            for s, w in enumerate(weights):
+                assert abs(counts[s] - n * w / sum(weights)) <= 1 + 1e-9
+
+
+def test_a_mixture_needs_real_sources_and_weights(tmp_path):
     for bad in ([], "", [""], [str(tmp_path), 3]):
         with pytest.raises(ValueError, match="non-empty"):
             list(iter_sources(bad))
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"text": "t"}) + "\n")
+    for weights in ([1.0, 2.0], [0.0], [-1.0]):
+        with pytest.raises(ValueError, match="one positive number per source"):
+            list(iter_sources([str(path)], weights=weights))
 
 
 @settings(max_examples=40, deadline=None)
