@@ -53,6 +53,8 @@ class BenchReportConfig:
     modes: list[str] = field(default_factory=lambda: list(all_modes()))
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
+    # Budgets for some tree modes only, e.g. {chain: [16], ddtree: [16]}; the others use `budgets`.
+    mode_budgets: dict[str, list[int]] = field(default_factory=dict)
     headline_budget: int | None = None  # budget shown in the per-mode plots; None = the largest
     num_prompts: int = 8
     max_prompt_tokens: int = 512
@@ -94,6 +96,12 @@ def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
             raise BenchConfigError(f"budgets: {bad} must be >= 1 (draft nodes per tree)")
         if len(set(cfg.budgets)) != len(cfg.budgets):
             raise BenchConfigError(f"budgets: {cfg.budgets} lists a budget twice")
+        for mode, budgets in cfg.mode_budgets.items():
+            if mode not in cfg.modes or mode not in tree_modes():
+                raise BenchConfigError(f"mode_budgets: {mode!r} is not one of the selected tree modes")
+            if not budgets or not set(budgets) <= set(cfg.budgets):
+                raise BenchConfigError(f"mode_budgets: {mode}: {budgets} must be a non-empty subset of budgets "
+                                       f"{cfg.budgets}")
         if cfg.headline_budget is None:
             cfg.headline_budget = max(cfg.budgets)
         elif cfg.headline_budget not in cfg.budgets:
@@ -157,7 +165,7 @@ def cells_of(cfg: BenchReportConfig) -> list[Cell]:
             if mode in GREEDY_ONLY and t > 0:
                 continue
             if mode in tree_modes():
-                cells.extend(Cell(mode, t, b) for b in cfg.budgets)
+                cells.extend(Cell(mode, t, b) for b in cfg.mode_budgets.get(mode, cfg.budgets))
             else:
                 cells.append(Cell(mode, t))
     return cells

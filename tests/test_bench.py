@@ -157,6 +157,9 @@ def test_shipped_config_validates_and_lists_every_cell():
     assert {("dart@16", 1.0), ("dart@32", 1.0), ("ar", 1.0), ("hf", 1.0), ("lookup@16", 0.0),
             ("dart_lookup@32", 1.0)} <= labels
     assert len(labels) == 25  # 5 drafters x 2 budgets x 2 temperatures + ar, hf x 2 + hf_prompt_lookup
+    cfg = load_bench_config(REPO / "configs" / "bench.yaml", ["modes=[ar,chain,dart]", "temperatures=[0.0]",
+                                                              "budgets=[16,32,60]", "mode_budgets={chain: [16]}"])
+    assert [c.label for c in cells_of(cfg)] == ["ar", "chain@16", "dart@16", "dart@32", "dart@60"]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -173,6 +176,9 @@ def test_shipped_config_validates_and_lists_every_cell():
     (["max_new_tokens=lots"], "max_new_tokens"),
     (["omp_wait_policy=spin"], "omp_wait_policy: 'spin'"),
     (["warmup_tokens=-1"], "warmup_tokens: -1"),
+    (["modes=[ar,dart]", "mode_budgets={chain: [16]}"], "mode_budgets: 'chain' is not one of the selected"),
+    (["mode_budgets={dart: [8]}"], "must be a non-empty subset of budgets"),
+    (["mode_budgets={dart: []}"], "must be a non-empty subset of budgets"),
 ])
 def test_bad_config_is_a_clear_error_naming_the_key(overrides, message):
     with pytest.raises(BenchConfigError, match=re.escape(message)):
@@ -391,9 +397,10 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
     out = tmp_path / "compare"
     overrides = [f"target={tiny_artifacts['target']}", f"heads=[{tiny_artifacts['head']},{other}]",
                  f"trie={tiny_artifacts['trie']}", "dtype=fp32", "device=cpu", "threads=1", "num_prompts=2",
-                 "max_prompt_tokens=64", "max_new_tokens=5", "budgets=[4]", "repeats=1", "warmup_tokens=0",
-                 "modes=[ar,chain,dart]", "temperatures=[0.0]", f"dev_source={chats}", "dev_fraction=1.0",
-                 "dev_sequences=3", "dev_anchors_per_sequence=4", f"output_dir={out}"]
+                 "max_prompt_tokens=64", "max_new_tokens=5", "budgets=[4,6]", "mode_budgets={chain: [4]}",
+                 "repeats=1", "warmup_tokens=0", "modes=[ar,chain,dart]", "temperatures=[0.0]",
+                 f"dev_source={chats}", "dev_fraction=1.0", "dev_sequences=3", "dev_anchors_per_sequence=4",
+                 f"output_dir={out}"]
     assert compare_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
     figures = json.loads((out / "compare.json").read_text())
     heads = [tiny_artifacts["head"], str(other)]
@@ -409,11 +416,11 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
             "dev_accuracy_per_position"]) == 4
         assert got["dev_loss"] == want["dev_loss"] and got["sequences"] == 3
         cells = {(e["mode"], e["budget"]): e for e in figures["decoding"][path]["summary"]}
-        assert set(cells) == {("ar", None), ("chain", 4), ("dart", 4)}
+        assert set(cells) == {("ar", None), ("chain", 4), ("dart", 4), ("dart", 6)}
         assert all(e["agreement_with_ar"] == 1.0 for e in cells.values())
         assert figures["decoding"][path]["conditions"]["head"] == path
     table = (out / "compare.md").read_text()
-    assert "| 0 | dart@4 |" in table and f"`{other}` tau" in table
+    assert "| 0 | dart@6 |" in table and f"`{other}` tau" in table
 
 
 def test_compare_heads_refuses_a_directory_that_is_not_a_head(tmp_path, capsys):
