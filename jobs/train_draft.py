@@ -750,7 +750,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         summary = {"steps": step, "tokens_seen": tokens_seen * ctx.world_size,
                    "train_minutes_this_run": (time.perf_counter() - started) / 60, "vocab": vocab_info,
                    "steady_tokens_per_s": steady_tokens * ctx.world_size / steady_seconds if steady_seconds else None,
-                   "teacher_cache": cache.url if cache is not None else None,
+                   "teacher_cache": None if cache is None else {
+                       "url": cache.url, **{k: cache.manifest.get(k) for k in ("examples", "tokens", "sources")}},
                    "final_eval": final_metrics, "eval_history": history, "skipped_examples_rank0": stream.skipped,
                    "config": config_to_dict(cfg), "torch": torch.__version__}
         (out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=1))

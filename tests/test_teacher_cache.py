@@ -274,7 +274,10 @@ def test_training_from_the_cache_checkpoints_and_resumes_identically(setup, tmp_
     # 14 steps x 2 sequences > the 24 examples of the cache: the stream wraps into later epochs.
     summary = train_draft.main(args(setup, cache_url, "trainer.max_steps=14", f"output_dir={tmp_path / 'a'}"))
     assert calls == []  # the target never ran
-    assert summary["steps"] == 14 and summary["teacher_cache"] == str(cache_url)
+    manifest = read_manifest(str(cache_url))
+    assert summary["steps"] == 14 and summary["teacher_cache"] == {
+        "url": str(cache_url), "examples": 24, "tokens": manifest["tokens"], "sources": manifest["sources"]}
+    assert list(manifest["sources"]) == [str(setup["data"])]
     assert summary["steady_tokens_per_s"] > 0
     dirs = checkpoint_dirs(tmp_path / "a")
     assert dirs[-1].name == "step-0000014" and load_trainer_state(dirs[-1])["data_positions"] == [[1, 4]]
