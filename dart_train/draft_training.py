@@ -195,12 +195,19 @@ def block_attention_mask(num_real: int, anchors: torch.Tensor, block_size: int) 
 
 
 def draft_training_logits(head: DartDraftHead, taps: torch.Tensor, input_ids: torch.Tensor,
-                          anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          anchors: torch.Tensor, rows: LossRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft logits of every real row and every sampled MASK block, in one forward.
 
     taps [B, S, 3H_t], input_ids [B, S], anchors [B, K]. Returns real-row logits [B, S-1, Vd]
     (real row j = draft row 0 of anchor j) and MASK logits [B, K, m, Vd] (row i-1 of block k =
     draft row i of anchor anchors[b, k]). Float32, differentiable w.r.t. the head.
+
+    With `rows` (`loss_rows`), only the rows the loss reads get the vocabulary projection:
+    real logits [N0, Vd] for the True entries of rows.real in row-major order, MASK logits
+    [N1, Vd] for those of rows.mask, which is what `dart_kl_loss` takes. The projection to the
+    draft vocabulary (and its backward) is most of a step's cost, and rows outside the loss
+    region (prompt tokens, padding, anchors near a sequence's end) are a third to a half of all
+    rows on chat data; every other row still attends and is attended to exactly as before.
     """
     cfg, layer = head.config, head.midlayer
     m = cfg.draft_length
@@ -220,7 +227,13 @@ def draft_training_logits(head: DartDraftHead, taps: torch.Tensor, input_ids: to
                            (anchors[:, :, None] + offsets).reshape(batch, k * m)), dim=1)
     cos, sin = head.rope(positions.to(head.device), attn_in.dtype)
     allowed = block_attention_mask(n, anchors.to(head.device), m)
-    out = head.logits(layer(attn_in, residual, cos, sin, allowed))
+    hidden_out = layer(attn_in, residual, cos, sin, allowed)
+    if rows is not None:
+        real_rows = hidden_out[:, :n][rows.real.to(hidden_out.device)]
+        mask_rows = hidden_out[:, n:].reshape(batch, k, m, -1)[rows.mask.to(hidden_out.device)]
+        out = head.logits(torch.cat((real_rows, mask_rows)))
+        return out[: len(real_rows)], out[len(real_rows):]
+    out = head.logits(hidden_out)
     return out[:, :n], out[:, n:].reshape(batch, k, m, -1)
 
 
@@ -322,36 +335,62 @@ def teacher_targets(teacher_logits: torch.Tensor | TopKTeacher, anchors: torch.T
     return teacher_logits[rows, index]
 
 
+@dataclass
+class LossRows:
+    """Which rows the loss reads: real [B, S-1] (draft row 0 at anchor p, p in [loss_start, L-2])
+    and mask [B, K, m] (MASK row i of a valid sampled anchor p, with p+1+i <= L-1)."""
+
+    real: torch.Tensor
+    mask: torch.Tensor
+
+
+def loss_rows(lengths: torch.Tensor, loss_starts: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
+              seq: int, draft_length: int) -> LossRows:
+    dev = anchors.device
+    lengths, loss_starts, anchor_valid = lengths.to(dev), loss_starts.to(dev), anchor_valid.to(dev)
+    p = torch.arange(seq - 1, device=dev)
+    real = (p[None] >= loss_starts[:, None]) & (p[None] <= lengths[:, None] - 2)
+    i = torch.arange(1, draft_length + 1, device=dev)
+    mask = anchor_valid[:, :, None] & (anchors[:, :, None] + 1 + i <= lengths[:, None, None] - 1)
+    return LossRows(real, mask)
+
+
 def dart_kl_loss(teacher_logits: torch.Tensor | TopKTeacher, real_logits: torch.Tensor, mask_logits: torch.Tensor,
                  lengths: torch.Tensor, loss_starts: torch.Tensor, anchors: torch.Tensor,
-                 anchor_valid: torch.Tensor, gamma: float = 0.6) -> LossTerms:
+                 anchor_valid: torch.Tensor, gamma: float = 0.6, draft_length: int | None = None) -> LossTerms:
     """The DART objective on one batch (see the module docstring for the pairing and weights).
 
-    teacher_logits [B, S, Vd] (or a TopKTeacher [B, S, k], see `kl_per_row`); real_logits
-    [B, S-1, Vd]; mask_logits [B, K, m, Vd]; lengths and
+    teacher_logits [B, S, Vd] (or a TopKTeacher [B, S, k], see `kl_per_row`); lengths and
     loss_starts [B]: row 0 is trained for anchors p in [loss_start, L-2], MASK row i for sampled
-    valid anchors with p+1+i <= L-1.
+    valid anchors with p+1+i <= L-1 (`loss_rows`). The draft logits come either dense, real_logits
+    [B, S-1, Vd] and mask_logits [B, K, m, Vd], or as only the rows the loss reads,
+    [N0, Vd] and [N1, Vd] in `loss_rows` order (draft_training_logits with `rows`; then pass
+    `draft_length`): the loss is the same either way, only fewer rows are computed.
     """
     _batch, seq, _ = teacher_logits.shape
-    m = mask_logits.shape[2]
+    dense = mask_logits.dim() == 4
+    m = mask_logits.shape[2] if dense else draft_length
+    if m is None:
+        raise ValueError("dart_kl_loss: pass draft_length with row-selected (2-D) mask logits")
     dev = teacher_logits.device
-    lengths, loss_starts = lengths.to(dev), loss_starts.to(dev)
-    anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
-    p = torch.arange(seq - 1, device=dev)
-    row0_valid = (p[None] >= loss_starts[:, None]) & (p[None] <= lengths[:, None] - 2)  # [B, S-1]
-    row0_teacher = teacher_logits[:, 1:]
+    rows = loss_rows(lengths, loss_starts, anchors.to(dev), anchor_valid, seq, m)
+    if dense:
+        real_logits, mask_logits = real_logits[rows.real], mask_logits[rows.mask]
+    row0_teacher = teacher_logits[:, 1:][rows.real]
     kl0 = kl_per_row(row0_teacher, real_logits)
     acc0 = real_logits.argmax(-1) == row0_teacher.argmax(-1)
 
-    targets = teacher_targets(teacher_logits, anchors, m)
-    i = torch.arange(1, m + 1, device=dev)
-    mask_valid = anchor_valid[:, :, None] & (anchors[:, :, None] + 1 + i <= lengths[:, None, None] - 1)
-    kl_mask = kl_per_row(targets, mask_logits)  # [B, K, m]
+    targets = teacher_targets(teacher_logits, anchors.to(dev), m)[rows.mask]
+    kl_mask = kl_per_row(targets, mask_logits)  # [N1]
     acc_mask = mask_logits.argmax(-1) == targets.argmax(-1)
+    position = rows.mask.nonzero()[:, 2]  # MASK row i - 1 of each selected row
 
-    counts = torch.cat((row0_valid.sum()[None], mask_valid.sum((0, 1))))  # [D]
-    kl_sums = torch.cat(((kl0 * row0_valid).sum()[None], (kl_mask * mask_valid).sum((0, 1))))
-    acc_sums = torch.cat(((acc0 & row0_valid).sum()[None], (acc_mask & mask_valid).sum((0, 1))))
+    def by_position(row0: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:  # [D] sums
+        masked = masked.float()
+        return torch.cat((row0.float().sum()[None], torch.zeros(m, device=dev).index_add(0, position, masked)))
+
+    counts = torch.cat((rows.real.sum()[None], rows.mask.sum((0, 1))))  # [D]
+    kl_sums, acc_sums = by_position(kl0, kl_mask), by_position(acc0, acc_mask)
     means = kl_sums / counts.clamp(min=1)
     weights = gamma ** torch.arange(m + 1, device=dev, dtype=torch.float32)
     return LossTerms(

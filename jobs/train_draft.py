@@ -43,6 +43,7 @@ from dart_train.draft_training import (
     count_token_frequencies,
     dart_kl_loss,
     draft_training_logits,
+    loss_rows,
     most_frequent_ids,
     sample_anchors,
     scale_fc_to_taps,
@@ -647,6 +648,7 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
         stream = ExampleStream(cfg.data, tokenizer, tc.seed, ctx.rank, ctx.world_size, epoch, position,
                                conversations)
     use_amp = tc.amp and resolve_dtype("auto", device) == torch.bfloat16
+    m_rows = head.config.draft_length
 
     if dev_examples is None and ctx.is_main and cfg.eval.dev_sequences > 0:
         dev_examples = []
@@ -706,10 +708,12 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
             teacher_out = teacher(ids)
             taps, teacher_dist = teacher_out.taps, teacher_out.logits
         anchors, valid = sample_anchors(batch.lengths, batch.loss_starts, cfg.loss.anchors_per_sequence, generator)
+        anchors, valid = anchors.to(device), valid.to(device)
+        rows = loss_rows(batch.lengths, batch.loss_starts, anchors, valid, ids.shape[1], m_rows)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            real_logits, mask_logits = draft_training_logits(head, taps, ids, anchors.to(device))
+            real_logits, mask_logits = draft_training_logits(head, taps, ids, anchors, rows)
         terms = dart_kl_loss(teacher_dist, real_logits, mask_logits, batch.lengths, batch.loss_starts,
-                             anchors, valid, cfg.loss.gamma)
+                             anchors, valid, cfg.loss.gamma, draft_length=m_rows)
         optimizer.zero_grad(set_to_none=True)
         terms.loss.backward()
         ctx.average_gradients(params)

@@ -22,8 +22,10 @@ from dart_train.draft_training import (
     dart_kl_loss,
     draft_training_logits,
     kl_per_row,
+    loss_rows,
     most_frequent_ids,
     sample_anchors,
+    top_k_teacher,
 )
 from dart_worker.draft_checkpoint import load_draft_head
 from dart_worker.draft_head import DartDraftHead
@@ -250,6 +252,44 @@ def test_one_step_reduces_loss_on_fixed_batch():
     with torch.no_grad():
         after = loss()
     assert after.item() < before.item()
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), top_k=st.sampled_from([None, 5]))
+def test_loss_on_selected_rows_equals_the_dense_loss_and_its_gradients(data, top_k):
+    """Projecting only the rows the loss reads (draft_training_logits with loss_rows) gives the
+    dense path's loss, per-position KL, accuracy and counts, and the same gradients, for the live
+    teacher and the cache's top-k one, whatever the lengths, prompt lengths and anchor count."""
+    model = tiny_model("gemma3", num_layers=4)
+    model.requires_grad_(False)
+    head = make_head(model).train()
+    batch, seq = data.draw(st.integers(1, 3)), data.draw(st.integers(6, 14))
+    lengths = torch.tensor([data.draw(st.integers(4, seq)) for _ in range(batch)])
+    lengths[0] = seq
+    starts = torch.tensor([data.draw(st.integers(0, int(n) - 3)) for n in lengths])
+    seed = data.draw(st.integers(0, 99))
+    ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    out = TeacherPass(model, torch.arange(64))(ids)
+    teacher = out.logits if top_k is None else top_k_teacher(out.logits, top_k)
+    anchors, valid = sample_anchors(lengths, starts, data.draw(st.integers(1, 6)), torch.Generator().manual_seed(1))
+    rows = loss_rows(lengths, starts, anchors, valid, seq, M)
+    results = []
+    for selected in (False, True):
+        head.zero_grad(set_to_none=True)
+        real, masked = draft_training_logits(head, out.taps, ids, anchors, rows if selected else None)
+        if selected:
+            assert real.shape[0] == int(rows.real.sum()) and masked.shape[0] == int(rows.mask.sum())
+        terms = dart_kl_loss(teacher, real, masked, lengths, starts, anchors, valid, draft_length=M)
+        terms.loss.backward()
+        results.append((terms, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (dense, dense_grads), (sel, sel_grads) = results
+    torch.testing.assert_close(sel.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sel.kl_per_position, dense.kl_per_position, rtol=1e-5, atol=1e-6)
+    assert torch.equal(sel.accuracy_per_position, dense.accuracy_per_position)
+    assert torch.equal(sel.count_per_position, dense.count_per_position)
+    assert sel_grads.keys() == dense_grads.keys() and sel_grads
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(sel_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_most_frequent_ids_ties_and_forced():
