@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -100,6 +101,8 @@ def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
     from jobs.bench import measure
 
     heads = [head_dir(h) for h in cfg.heads]
+    if cfg.omp_wait_policy is not None and "torch" not in sys.modules:  # read once, when torch starts OpenMP
+        os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
     dev = dev_accuracy(cfg, heads) if cfg.dev_sequences > 0 else {}
     runs = {}
     for path in heads:  # one jobs.bench measurement per head, each with its own `ar` baseline
