@@ -444,6 +444,15 @@ def source_list(sources: str | Iterable[str]) -> list[str]:
     return names
 
 
+def mixture_weights(sources: str | Iterable[str], weights: Iterable[float] | None) -> list[float]:
+    """One positive share per source (all 1 when None); anything else is an error naming both."""
+    names = source_list(sources)
+    shares = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+    if len(shares) != len(names) or not all(w > 0 for w in shares):
+        raise ValueError(f"source weights must be one positive number per source ({len(names)}), got {weights!r}")
+    return shares
+
+
 def iter_sources(sources: str | Iterable[str], *, weights: Iterable[float] | None = None,
                  limit: int | None = None, **kwargs: Any) -> Iterator[Conversation]:
     """The conversations of one source or a mixture, each tagged with its source (``origin``).
@@ -460,9 +469,7 @@ def iter_sources(sources: str | Iterable[str], *, weights: Iterable[float] | Non
     :func:`iter_conversations` for every source (a shared ``report`` tallies them all).
     """
     names = source_list(sources)
-    shares = [1.0] * len(names) if weights is None else [float(w) for w in weights]
-    if len(shares) != len(names) or not all(w > 0 for w in shares):
-        raise ValueError(f"source weights must be one positive number per source ({len(names)}), got {weights!r}")
+    shares = mixture_weights(names, weights)
     live = [[name, iter_conversations(name, **kwargs), share, 0.0] for name, share in zip(names, shares, strict=True)]
     yielded = 0
     while live and (limit is None or yielded < limit):

@@ -326,13 +326,11 @@ class LossTerms:
 
 
 def teacher_targets(teacher_logits: torch.Tensor | TopKTeacher, anchors: torch.Tensor,
-                    draft_length: int) -> torch.Tensor | TopKTeacher:
-    """Teacher logits for MASK row i of anchor p: l_{p+1+i}. Returns [B, K, m, Vd] (clamped index)."""
-    batch, seq, _ = teacher_logits.shape
-    offsets = torch.arange(2, draft_length + 2, device=anchors.device)
-    index = (anchors[:, :, None] + offsets).clamp(max=seq - 1)  # [B, K, m]
-    rows = torch.arange(batch, device=anchors.device)[:, None, None]
-    return teacher_logits[rows, index]
+                    mask_rows: torch.Tensor) -> torch.Tensor | TopKTeacher:
+    """Teacher logits for MASK row i of anchor p, l_{p+1+i}, for the True entries of mask_rows
+    [B, K, m] (`LossRows.mask`, row-major): [N1, Vd]. Only those rows are gathered."""
+    b, k, i = mask_rows.nonzero(as_tuple=True)
+    return teacher_logits[b, anchors[b, k] + 2 + i]
 
 
 @dataclass
@@ -380,7 +378,7 @@ def dart_kl_loss(teacher_logits: torch.Tensor | TopKTeacher, real_logits: torch.
     kl0 = kl_per_row(row0_teacher, real_logits)
     acc0 = real_logits.argmax(-1) == row0_teacher.argmax(-1)
 
-    targets = teacher_targets(teacher_logits, anchors.to(dev), m)[rows.mask]
+    targets = teacher_targets(teacher_logits, anchors.to(dev), rows.mask)
     kl_mask = kl_per_row(targets, mask_logits)  # [N1]
     acc_mask = mask_logits.argmax(-1) == targets.argmax(-1)
     position = rows.mask.nonzero()[:, 2]  # MASK row i - 1 of each selected row

@@ -56,18 +56,9 @@ def head_dir(name: str) -> str:
 
 def dev_examples(tokenizer, source: str, dev_fraction: float, n: int) -> list:
     """The first `n` usable dev-split examples of `source`, framed as training frames them."""
-    from dart_train.corpus import iter_sources
-    from jobs.train_draft import DataConfig, conversation_example
+    from jobs.train_draft import DataConfig, dev_split_examples
 
-    data = DataConfig(source=source, dev_fraction=dev_fraction)
-    out = []
-    for conv in iter_sources(data.source, split="dev", dev_fraction=data.dev_fraction):
-        example = conversation_example(conv, tokenizer, data)
-        if example is not None:
-            out.append(example)
-        if len(out) >= n:
-            break
-    return out
+    return dev_split_examples(DataConfig(source=source, dev_fraction=dev_fraction), tokenizer, n)
 
 
 def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:

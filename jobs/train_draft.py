@@ -37,7 +37,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from dart_train.corpus import TEXT_ROLE, Conversation, iter_sources, sharegpt_dev_prompts, source_list
+from dart_train.corpus import (
+    TEXT_ROLE,
+    Conversation,
+    iter_sources,
+    mixture_weights,
+    sharegpt_dev_prompts,
+    source_list,
+)
 from dart_train.draft_training import (
     TeacherPass,
     count_token_frequencies,
@@ -120,8 +127,7 @@ class EvalConfig:
     tau_max_new_tokens: int = 64
     tau_modes: list[str] = field(default_factory=lambda: ["chain", "dart"])
     # Where tau's dev prompts come from (its dev split); null = data.source (its first source if a
-    # list). Set "default" to
-    # compare heads trained on different data on the same ShareGPT dev prompts.
+    # list). Set "default" to compare heads trained on different data on the same ShareGPT dev prompts.
     tau_source: str | None = None
     trie: str | None = "default"  # for dart mode: a trie path, "default", or null (skip dart)
 
@@ -173,11 +179,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         merged = OmegaConf.merge(merged, OmegaConf.load(path))
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(argv))
     cfg: TrainConfig = OmegaConf.to_object(merged)
-    sources = source_list(cfg.data.source)  # a clear error for a bad source or weight now, not mid-run
-    weights = cfg.data.source_weights
-    if weights is not None and (len(weights) != len(sources) or not all(w > 0 for w in weights)):
-        raise ValueError(f"data.source_weights must be one positive number per source ({len(sources)}), "
-                         f"got {weights}")
+    mixture_weights(cfg.data.source, cfg.data.source_weights)  # a bad source or weight fails now, not mid-run
     if cfg.trainer.backend not in ("local", "ray"):
         raise ValueError(f"trainer.backend must be 'local' or 'ray', got {cfg.trainer.backend!r}")
     return cfg
@@ -219,6 +221,19 @@ def conversation_example(conv: Conversation, tokenizer: Any, data: DataConfig) -
     if len(ids) - len(prompt_ids) < 3:  # not even one MASK row to train
         return None
     return Example(ids, len(prompt_ids), conv.origin)
+
+
+def dev_split_examples(data: DataConfig, tokenizer: Any, n: int) -> list[Example]:
+    """The first `n` usable examples of the dev split of `data`'s source(s), framed as training frames them."""
+    out: list[Example] = []
+    for conv in iter_sources(data.source, weights=data.source_weights, split="dev", dev_fraction=data.dev_fraction,
+                             format=data.format, text_field=data.text_field, id_field=data.id_field):
+        example = conversation_example(conv, tokenizer, data)
+        if example is not None:
+            out.append(example)
+        if len(out) >= n:
+            break
+    return out
 
 
 def conversation_stream(data: DataConfig, split: str, seed: int, epoch: int) -> Iterator[Conversation]:
@@ -651,15 +666,7 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
     m_rows = head.config.draft_length
 
     if dev_examples is None and ctx.is_main and cfg.eval.dev_sequences > 0:
-        dev_examples = []
-        for conv in iter_sources(cfg.data.source, weights=cfg.data.source_weights, split="dev",
-                                 dev_fraction=cfg.data.dev_fraction, format=cfg.data.format,
-                                 text_field=cfg.data.text_field, id_field=cfg.data.id_field):
-            example = conversation_example(conv, tokenizer, cfg.data)
-            if example is not None:
-                dev_examples.append(example)
-            if len(dev_examples) >= cfg.eval.dev_sequences:
-                break
+        dev_examples = dev_split_examples(cfg.data, tokenizer, cfg.eval.dev_sequences)
     eval_cache: dict = {}
 
     def checkpoint_and_eval(final: bool) -> dict:

@@ -331,6 +331,13 @@ def test_parse_config_overrides(tmp_path):
     assert (cfg.trainer.max_steps, cfg.trainer.batch_size, cfg.loss.gamma) == (7, 3, 0.5)
     with pytest.raises(Exception, match="nope"):
         parse_config(["nope=1"])
+    cfg = parse_config(["data.source=[a.jsonl,default]", "data.source_weights=[3,1]"])
+    assert (cfg.data.source, cfg.data.source_weights) == (["a.jsonl", "default"], [3.0, 1.0])
+    for bad, message in ((["data.source=[]"], "non-empty"), (["data.source=[a.jsonl,'']"], "non-empty"),
+                         (["data.source=[a.jsonl,b.jsonl]", "data.source_weights=[1]"], "one positive number"),
+                         (["data.source_weights=[0]"], "one positive number")):
+        with pytest.raises(ValueError, match=message):  # at parse time, before any data is read
+            parse_config(bad)
 
 
 # ------------------------------------------------------------- checkpoint, resume, engine
