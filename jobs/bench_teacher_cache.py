@@ -9,6 +9,9 @@ once, then
      runs see the same examples: the cache's epoch 0 is the training stream's) under work_dir,
   2. trains `bench.steps` steps live (the target runs every step),
   3. trains `bench.steps` steps from the cache,
+  4. times `bench.projection_steps` cached batches' forward + backward with every row projected
+     onto the draft vocabulary and with only the loss's rows (alternating; `projection` in the
+     output: medians and the largest loss difference between the two),
 with evaluation, tau, checkpoints and export off, and prints one JSON line: the build's tokens/s
 (target forwards and shard writes, the draft-vocabulary count excluded), each run's steady
 tokens/s (the steps after the first: `steady_tokens_per_s` of the training summary) and the
@@ -37,6 +40,7 @@ from jobs.train_draft import WorkerContext, parse_config, train_loop
 class BenchConfig:
     steps: int = 20
     examples: int | None = None  # null: steps x trainer.batch_size
+    projection_steps: int = 8  # cached batches timed with the dense vs the row-selected projection (0: skip)
     work_dir: str | None = None  # null: a temporary directory, removed afterwards
     keep: bool = False  # keep work_dir (the cache and both runs)
 
@@ -46,6 +50,52 @@ def split_args(argv: list[str]) -> tuple[BenchConfig, list[str]]:
     rest = [a for a in argv if not a.startswith("bench.")]
     bench = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig), OmegaConf.from_dotlist(bench_args)))
     return bench, rest
+
+
+def time_row_selection(cfg, model, device, steps: int) -> dict:
+    """Forward + backward of the same cached batches with every row projected onto the draft
+    vocabulary (dense) and with only the loss's rows (`loss_rows`), alternating which goes first;
+    medians in seconds, and the largest loss difference (the two must agree)."""
+    import statistics
+    import time
+
+    import torch
+
+    from dart_train.draft_training import dart_kl_loss, draft_training_logits, loss_rows, sample_anchors
+    from jobs.teacher_cache import CachedExampleStream, TeacherCache, collate_teacher
+    from jobs.train_draft import collate, make_head
+
+    cache = TeacherCache(cfg.data.teacher_cache)
+    head = make_head(cfg, model, cache.kept_target_ids, device)
+    m = head.config.draft_length
+    stream = CachedExampleStream(cache, cfg.trainer.seed)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    worst = 0.0
+    for step in range(steps + 1):  # step 0 warms both up, unrecorded
+        examples = [stream.next_example() for _ in range(cfg.trainer.batch_size)]
+        batch = collate(examples, cfg.data.loss_on_prompt)
+        ids = batch.input_ids.to(device)
+        taps, teacher = collate_teacher(examples, ids.shape[1])
+        taps, teacher = taps.to(device), teacher.to(device)
+        anchors, valid = sample_anchors(batch.lengths, batch.loss_starts, cfg.loss.anchors_per_sequence,
+                                        torch.Generator().manual_seed(step))
+        anchors, valid = anchors.to(device), valid.to(device)
+        losses = {}
+        for selected in ((False, True) if step % 2 else (True, False)):
+            head.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            rows = loss_rows(batch.lengths, batch.loss_starts, anchors, valid, ids.shape[1], m) if selected else None
+            real, masked = draft_training_logits(head, taps, ids, anchors, rows)
+            terms = dart_kl_loss(teacher, real, masked, batch.lengths, batch.loss_starts, anchors, valid,
+                                 cfg.loss.gamma, draft_length=m)
+            terms.loss.backward()
+            if step:
+                seconds[selected].append(time.perf_counter() - started)
+            losses[selected] = terms.loss.item()
+        worst = max(worst, abs(losses[True] - losses[False]))
+    dense, selected = statistics.median(seconds[False]), statistics.median(seconds[True])
+    return {"dense_step_s": dense, "selected_step_s": selected, "selected_speedup": dense / selected,
+            "max_loss_difference": worst}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "build_tokens_per_s": manifest.get("last_run", {}).get("tokens_per_s"),
                   "live_tokens_per_s": results["live"], "cached_tokens_per_s": results["cached"],
                   "speedup": (results["cached"] / results["live"]) if results["live"] and results["cached"] else None}
+        if bench.projection_steps > 0:
+            report["projection"] = time_row_selection(cfg, model, device, bench.projection_steps)
         print("bench_teacher_cache " + json.dumps(report), flush=True)
         return report
     finally:
