@@ -228,7 +228,7 @@ class DecodingEngine:
             verified_seconds = verify_seconds + (self._now() - t0 if not deferred else 0.0)
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
-                                       _sources_of(tree, acc.accepted), live=len(live), model_ran=model_ran)
+                                       accepted_sources(tree, acc.accepted), live=len(live), model_ran=model_ran)
                 self._append(seq, acc.tokens.tolist())
             rows = [acc.committed_rows.tolist() for acc in acceptances]
             target.commit(state, block_start, rows)
@@ -395,7 +395,7 @@ def _row_logits(target: TargetAdapter, hidden: torch.Tensor):
     return row_logits
 
 
-def _sources_of(tree: DraftTree, accepted: np.ndarray) -> dict[str, int] | None:
+def accepted_sources(tree: DraftTree, accepted: np.ndarray) -> dict[str, int] | None:
     """Accepted draft tokens per source (SOURCE_* bits of the tree's nodes), if the tree tracks them."""
     if tree.sources is None or not len(accepted):
         return None

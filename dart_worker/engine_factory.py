@@ -74,18 +74,24 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     see `DecodingEngine` (None = where it pays, on a CPU). `sizing`: "auto" sizes every round's
     trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; it
     times the target once at build), "fixed" verifies the trees as the drafter builds them."""
+    tree = (tree or TreeParams()).check()
+    drafter = build_drafter(parts, mode, tree)
+    engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
+                            defer_logits=defer_logits)
+    if drafter_spec(mode).uses_tree:
+        engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits)
+    return engine
+
+
+def build_drafter(parts: EngineParts, mode: str, tree: TreeParams | None = None):
+    """The drafter registered as `mode` over `parts` (what an engine drives; `dart_train.replay`
+    drives one without an engine); ValueError if it needs a head and none is loaded."""
     spec = drafter_spec(mode)
     if spec.needs_head and parts.head is None:
         raise ValueError(f"mode {mode!r} needs a draft head")
-    tree = (tree or TreeParams()).check()
     resources = DrafterResources(head=parts.head, trie=parts.trie, eos_token_ids=parts.eos_token_ids,
                                  vocab_size=parts.target.vocab_size, device=parts.target.device)
-    drafter = spec.build(resources, tree)
-    engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
-                            defer_logits=defer_logits)
-    if spec.uses_tree:
-        engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits)
-    return engine
+    return spec.build(resources, (tree or TreeParams()).check())
 
 
 def _head(head, target: TargetAdapter):

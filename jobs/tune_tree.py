@@ -1,0 +1,254 @@
+"""Tree settings that draft the most per round: `python -m jobs.tune_tree [config.yaml] [key=value ...]`.
+
+DART's beam search has five knobs besides the budget (`decoding.tree`: top_k, beam_width,
+depth_decay, draft_decay, ngram_weight); their defaults are the DART reference's, chosen for other
+targets, heads and tries. What suits a head depends on how sharp and how calibrated it is, so
+this job measures it: greedy tau at each budget on ShareGPT dev prompts, by coordinate search
+over a grid (one knob at a time through its values, keeping the best, `passes` times over).
+
+Every tau is measured without verification forwards (`dart_train.replay`: the target's greedy
+replies and their taps are computed once; a drafter setting then costs only its own head
+forwards and tree builds, milliseconds per round instead of seconds on a CPU), and equals the
+engine's `fixed`-sizing tau (tests/test_replay.py). The first `check_prompts` dev prompts (the
+benchmark's, jobs.bench) are held out: the search runs on the next `num_prompts`, and the table
+reports the default and the best setting on both sets, so overfitting the search set shows.
+
+    python -m jobs.tune_tree mode=dart 'budgets=[16,32,60]' num_prompts=32
+    python -m jobs.tune_tree head=outputs/my_head/export 'grid={ngram_weight: [0, 0.5, 1]}'
+
+Writes tune.json (every setting measured) and tune.md under `output_dir`; the replies are kept in
+replies.json there and reused while target, dtype, prompts and max_new_tokens are unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ngram_native.trees import TreeParams
+
+# The knobs the search may move, and their types (budget is swept, not searched).
+KNOBS = {"top_k": int, "beam_width": int, "depth_decay": float, "draft_decay": float, "ngram_weight": float}
+
+
+# The grid searched when the config names none (a `grid` given replaces it whole).
+DEFAULT_GRID = {
+    "ngram_weight": [0.0, 0.25, 0.5, 1.0, 2.0],
+    "depth_decay": [0.0, 0.35, 0.7, 1.0, 1.5],
+    "draft_decay": [0.6, 0.8, 0.9, 1.0, 1.2],
+    "beam_width": [8, 20, 40, 80],
+    "top_k": [10, 25, 50, 100],
+}
+
+
+@dataclass
+class TuneTreeConfig:
+    target: str = "default"
+    head: str | None = None  # None: the shipped default head
+    trie: str | None = None  # None: the default ShareGPT trie
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    seed: int = 0
+    mode: str = "dart"  # any registered tree drafter (dart, ddtree, dart_lookup, ...)
+    budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
+    base: dict[str, Any] = field(default_factory=dict)  # starting setting (TreeParams fields); {} = defaults
+    grid: dict[str, list] = field(default_factory=dict)  # knob -> values; {} = DEFAULT_GRID
+    passes: int = 2
+    num_prompts: int = 32  # dev prompts searched on
+    check_prompts: int = 8  # the first dev prompts (the benchmark's): held out, reported only
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    output_dir: str = "tune_tree"
+
+
+class TuneConfigError(ValueError):
+    pass
+
+
+def parse_config(argv: list[str]) -> TuneTreeConfig:
+    path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
+    try:
+        merged = OmegaConf.structured(TuneTreeConfig)
+        if path is not None:
+            if not Path(path).is_file():
+                raise TuneConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        cfg: TuneTreeConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise TuneConfigError(f"config: {str(exc).splitlines()[0]}") from None
+    from dart_worker.drafters import drafter_names, drafter_spec
+
+    if cfg.mode not in drafter_names() or not drafter_spec(cfg.mode).uses_tree:
+        raise TuneConfigError(f"mode: {cfg.mode!r} is not a tree drafter")
+    cfg.grid = cfg.grid or {k: list(v) for k, v in DEFAULT_GRID.items()}
+    for name, values in cfg.grid.items():
+        if name not in KNOBS:
+            raise TuneConfigError(f"grid.{name}: not a searchable knob; expected some of {sorted(KNOBS)}")
+        if not values:
+            raise TuneConfigError(f"grid.{name}: no values")
+    for name in cfg.base:
+        if name == "budget" or name not in {f.name for f in dataclasses.fields(TreeParams)}:
+            raise TuneConfigError(f"base.{name}: not a TreeParams field (budget is set by budgets)")
+    if not cfg.budgets or min(cfg.budgets) < 1:
+        raise TuneConfigError(f"budgets: {cfg.budgets}: expected one or more budgets >= 1")
+    if cfg.num_prompts < 1 or cfg.check_prompts < 0 or cfg.passes < 1:
+        raise TuneConfigError("num_prompts >= 1, check_prompts >= 0 and passes >= 1 are needed")
+    for params in [setting(cfg.base, budget=b) for b in cfg.budgets] + [
+            setting(cfg.base, **{n: v}) for n, vs in cfg.grid.items() for v in vs]:
+        problems = params.problems()
+        if problems:
+            raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
+    return cfg
+
+
+def setting(base: dict[str, Any], **changes) -> TreeParams:
+    """TreeParams with the defaults, then `base`, then `changes` (knob values cast to their type)."""
+    values = {**base, **changes}
+    return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
+
+
+def knobs_of(params: TreeParams) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in KNOBS}
+
+
+class Replayer:
+    """Greedy tau of a tree setting on a set of references, memoised per setting."""
+
+    def __init__(self, parts, mode: str, refs, max_new_tokens: int):
+        self.parts, self.mode, self.refs, self.max_new_tokens = parts, mode, refs, max_new_tokens
+        self.measured: dict[tuple, dict] = {}
+
+    def __call__(self, params: TreeParams) -> dict:
+        from dart_train.replay import mean_tau, replay
+        from dart_worker.engine_factory import build_drafter
+
+        key = tuple(sorted(dataclasses.asdict(params).items()))
+        if key not in self.measured:
+            start = time.perf_counter()
+            stats = replay(build_drafter(self.parts, self.mode, params), self.refs, self.max_new_tokens,
+                           self.parts.target.max_positions)
+            self.measured[key] = {"budget": params.budget, **knobs_of(params), "tau": mean_tau(stats),
+                                  "mean_tree_size": sum(s.mean_tree_size for s in stats) / len(stats),
+                                  "seconds": time.perf_counter() - start}
+        return self.measured[key]
+
+
+def coordinate_search(measure: Replayer, start: TreeParams, grid: dict[str, list], passes: int) -> TreeParams:
+    """Move one knob at a time to its best grid value (ties keep the current one); repeat."""
+    best = start
+    for _ in range(passes):
+        before = best
+        for name, values in grid.items():
+            for value in values:
+                candidate = dataclasses.replace(best, **{name: KNOBS[name](value)})
+                if measure(candidate)["tau"] > measure(best)["tau"]:
+                    best = candidate
+        if best == before:
+            break
+    return best
+
+
+def references(cfg: TuneTreeConfig, parts, prompts: list[list[int]], out: Path) -> list:
+    """The references of `prompts`, their replies reused from replies.json when it matches."""
+    from dart_train.replay import greedy_references
+
+    key = hashlib.sha256(json.dumps([cfg.target, cfg.dtype, str(parts.target.dtype), cfg.max_new_tokens,
+                                     prompts]).encode()).hexdigest()
+    path = out / "replies.json"
+    replies = None
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            replies = saved["replies"]
+    if replies is None:
+        start = time.perf_counter()
+        refs = greedy_references(parts, prompts, cfg.max_new_tokens)
+        print(f"greedy replies of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
+        path.write_text(json.dumps({"key": key, "replies": [r.reply for r in refs]}))
+        return refs
+    return greedy_references(parts, prompts, cfg.max_new_tokens, replies=replies)
+
+
+def tune(cfg: TuneTreeConfig) -> dict[str, Any]:
+    from dart_worker.device import configure_cpu_threads
+    from jobs.bench import machine_conditions
+    from jobs.bench_engine import load_parts, select_prompts
+
+    threads = configure_cpu_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = load_parts(cfg, [cfg.mode])
+    chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
+    if len(chosen) < cfg.check_prompts + 1:
+        raise TuneConfigError(f"only {len(chosen)} dev prompts fit max_prompt_tokens={cfg.max_prompt_tokens}")
+    prompts = [ids for _, ids in chosen]
+    refs = references(cfg, parts, prompts, out)
+    search = Replayer(parts, cfg.mode, refs[cfg.check_prompts :], cfg.max_new_tokens)
+    check = Replayer(parts, cfg.mode, refs[: cfg.check_prompts], cfg.max_new_tokens) if cfg.check_prompts else None
+    rows = []
+    for budget in cfg.budgets:
+        start = setting(cfg.base, budget=budget)
+        best = coordinate_search(search, start, cfg.grid, cfg.passes)
+        row = {"budget": budget, "base": knobs_of(start), "best": knobs_of(best),
+               "search_tau": {"base": search(start)["tau"], "best": search(best)["tau"]}}
+        if check is not None:
+            row["check_tau"] = {"base": check(start)["tau"], "best": check(best)["tau"]}
+        rows.append(row)
+        print(summary_lines([row])[-1], flush=True)
+    return {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "conditions": machine_conditions(threads),
+            "dtype": str(parts.target.dtype), "search_prompts": [i for i, _ in chosen[cfg.check_prompts :]],
+            "check_prompts": [i for i, _ in chosen[: cfg.check_prompts]], "results": rows,
+            "measured": list(search.measured.values())}
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    lines = ["| budget | tau default (search / check) | tau best (search / check) | best setting |",
+             "|---:|---|---|---|"]
+    for r in rows:
+        check = r.get("check_tau", {})
+        changed = {k: v for k, v in r["best"].items() if r["base"][k] != v}
+        lines.append(f"| {r['budget']} | {r['search_tau']['base']:.3f} / {check.get('base', float('nan')):.3f} | "
+                     f"{r['search_tau']['best']:.3f} / {check.get('best', float('nan')):.3f} | "
+                     f"{json.dumps(changed) if changed else '(the default)'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.tune_tree", description=__doc__.split("\n\n")[0])
+    parser.add_argument("args", nargs="*", help="[config.yaml] key=value ...")
+    args = parser.parse_args(argv)
+    try:
+        cfg = parse_config(list(args.args))
+    except TuneConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    figures = tune(cfg)
+    figures["command"] = "python -m jobs.tune_tree " + shlex.join(args.args)
+    out = Path(cfg.output_dir)
+    (out / "tune.json").write_text(json.dumps(figures, indent=1))
+    cond = figures["conditions"]
+    header = (f"# Tree settings searched ({cfg.mode}, greedy replay)\n\n    {figures['command']}\n\n"
+              f"{cond.get('cpu', '?')}, {figures['dtype']}; {len(figures['search_prompts'])} search prompts, "
+              f"{len(figures['check_prompts'])} held-out check prompts, {cfg.max_new_tokens} new tokens.\n\n")
+    table = summary_lines(figures["results"])
+    (out / "tune.md").write_text(header + "\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {out / 'tune.md'} and {out / 'tune.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
