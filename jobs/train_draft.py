@@ -122,8 +122,8 @@ class EvalConfig:
     every_steps: int = 200
     dev_sequences: int = 16
     dev_anchors_per_sequence: int = 64
-    tau_prompts: int = 4  # dev prompts decoded with the engine (0 = skip)
-    tau_every_steps: int = 0  # 0: tau only after the last step (real decoding is slow on a CPU)
+    tau_prompts: int = 16  # dev prompts replayed greedily (dart_train.replay; 0 = skip)
+    tau_every_steps: int = 0  # 0: tau only after the last step (each replay: seconds; the replies once)
     tau_max_new_tokens: int = 64
     tau_modes: list[str] = field(default_factory=lambda: ["chain", "dart"])
     # Where tau's dev prompts come from (its dev split); null = data.source (its first source if a
@@ -497,10 +497,13 @@ def evaluate_dev(head: DartDraftHead, teacher: TeacherPass, examples: list[Examp
 
 
 def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_cache: dict) -> dict:
-    """tau from real decoding: the checkpoint is loaded strictly, as the engine loads it."""
+    """Greedy tau of the checkpoint on dev prompts, per `eval.tau_modes`: the checkpoint is loaded
+    strictly, as the engine loads it, and decodes by replay (dart_train.replay: the target's replies
+    and taps are computed once per run; each evaluation then costs head forwards and tree builds
+    only, and equals the engine's fixed-sizing tau)."""
+    from dart_train.replay import greedy_references, mean_tau, replay
     from dart_worker.drafters import drafter_spec
-    from dart_worker.engine_factory import EngineParts, build_engine
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.engine_factory import EngineParts, build_drafter
 
     ev = cfg.eval
     if ev.tau_prompts <= 0:
@@ -511,7 +514,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
             from dart_train.ngram_build import default_trie_path
 
             trie = str(default_trie_path()) if ev.trie == "default" else ev.trie
-        adapter_cache["parts"] = EngineParts.from_model(model, tokenizer, trie=trie)
+        parts = adapter_cache["parts"] = EngineParts.from_model(model, tokenizer, trie=trie)
         prompts = []
         for p in sharegpt_dev_prompts(ev.tau_prompts * 4, source=ev.tau_source or source_list(cfg.data.source)[0],
                                       dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens):
@@ -520,7 +523,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
                 prompts.append(ids)
             if len(prompts) == ev.tau_prompts:
                 break
-        adapter_cache["prompts"] = prompts
+        adapter_cache["refs"] = greedy_references(parts, prompts, ev.tau_max_new_tokens)
     parts = adapter_cache["parts"]
     parts.head = load_draft_head(checkpoint, model.config, model.get_input_embeddings(), device=parts.target.device,
                                  dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)
@@ -528,12 +531,9 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     for mode in ev.tau_modes:
         if drafter_spec(mode).needs_trie and parts.trie is None:
             continue
-        engine = build_engine(parts, mode)
-        taus = []
-        for ids in adapter_cache["prompts"]:
-            out = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=ev.tau_max_new_tokens))[0]
-            taus.append(out.stats.tau)
-        result[f"tau_{mode}"] = sum(taus) / max(len(taus), 1)
+        stats = replay(build_drafter(parts, mode), adapter_cache["refs"], ev.tau_max_new_tokens,
+                       parts.target.max_positions)
+        result[f"tau_{mode}"] = mean_tau(stats)
     return result
 
 

@@ -419,6 +419,32 @@ def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
     assert chain.error is None and chain.token_ids == ar.token_ids
 
 
+def test_training_tau_is_the_engines_greedy_tau(tmp_path):
+    """eval's tau (a replay of the dev prompts) equals what the engine measures with the checkpoint."""
+    from dart_train.corpus import sharegpt_dev_prompts
+    from dart_worker.prompt_format import format_user_prompt
+
+    model = tiny_model("gemma3", num_layers=4)
+    cfg = tiny_config(tmp_path / "run", 2)
+    cfg.export_dir = str(tmp_path / "export")
+    cfg.save_dtype = "fp32"
+    run(cfg, model, chats(6))
+    cfg.eval.tau_prompts, cfg.eval.tau_max_new_tokens, cfg.eval.tau_modes = 3, 10, ["chain", "ddtree"]
+    cache: dict = {}
+    got = train_draft.evaluate_tau(tmp_path / "export", model, ByteTokenizer(), cfg, cache)
+    tokenizer = ByteTokenizer()
+    prompts = [tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"] for p in
+               sharegpt_dev_prompts(12, dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens)]
+    prompts = [ids for ids in prompts if len(ids) <= cfg.data.max_prompt_tokens][:3]
+    assert [r.prompt for r in cache["refs"]] == prompts
+    head = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
+    parts = EngineParts(target=TargetAdapter(model), head=head)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    for mode in ("chain", "ddtree"):
+        results = [build_engine(parts, mode).generate([ids], params)[0] for ids in prompts]
+        assert got[f"tau_{mode}"] == pytest.approx(sum(r.stats.tau for r in results) / len(results))
+
+
 def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tmp_path, monkeypatch):
     """init_from on other data (e.g. self-distilled replies): the teacher must keep the head's
     own draft ids, not a vocabulary counted on the new data."""
