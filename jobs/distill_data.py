@@ -46,6 +46,11 @@ class DistillConfig:
     batch_size: int = 16  # rows handed to the worker at a time (resources.max_live of them decode together)
     work_dir: str = "outputs/distill/work"  # prompts and the pipeline's Parquet output (resumable)
     output: str = "outputs/distill/sharegpt_self.jsonl"
+    # Also an N-gram trie over the written conversations (jobs.build_ngram, the target's
+    # tokenizer): the DART beam search's corpus term drafts much better from the target's own
+    # replies than from ShareGPT (docs/ngram.md); use it as model.trie. None: no trie.
+    trie_output: str | None = None
+    trie_order: int = 4
     convert_only: bool = False
 
 
@@ -109,7 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generated: {json.dumps(summary.get('this_run', {}))[:400]}", flush=True)
     counts = write_conversations(prompts_path, output_url, Path(cfg.output))
     print(f"wrote {counts['written']} conversations to {cfg.output} ({json.dumps(counts)})", flush=True)
+    if cfg.trie_output:
+        build_trie(cfg)
     return 0
+
+
+def build_trie(cfg: DistillConfig) -> dict:
+    """The trie over every written conversation (prompt and reply), with the pipeline's target's
+    tokenizer, so that the pipeline accepts it as model.trie (its fingerprint is checked there)."""
+    from dart_train.ngram_build import BuildNgramConfig, build_ngram
+
+    target = load_config(cfg.pipeline_config, list(cfg.overrides)).model.target
+    sidecar = build_ngram(BuildNgramConfig(input=cfg.output, output=cfg.trie_output, tokenizer=target, split="all",
+                                           order=cfg.trie_order, progress=False))
+    counts = sidecar["counts"]
+    print(f"wrote the trie {cfg.trie_output} ({counts['documents']} documents, {counts['tokens']} tokens, "
+          f"order {cfg.trie_order})", flush=True)
+    return sidecar
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path)
     try:
         assert distill_main([f"source={tmp_path / 'chats.jsonl'}", "num_prompts=6", "max_new_tokens=5",
                              f"pipeline_config={tmp_path / 'job.yaml'}", f"work_dir={tmp_path / 'work'}",
-                             f"output={out}", "batch_size=4"]) == 0
+                             f"output={out}", "batch_size=4", f"trie_output={tmp_path / 'self.ngram'}"]) == 0
     finally:
         ray.shutdown()
     generated = {r["id"]: r for r in read_output(str(tmp_path / "work" / "generated")).to_pylist()}
@@ -64,3 +64,12 @@ def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path)
         row = generated[conv.id.removeprefix("self-")]
         example = conversation_example(conv, tokenizer, data)
         assert example.ids[example.prompt_len:] == [*row["token_ids"], tokenizer.eos_token_id]
+
+    # The trie over the same conversations, with the target's tokenizer: what model.trie accepts.
+    from dart_worker.fingerprint import tokenizer_fingerprint
+    from ngram_native import NgramTrie
+
+    sidecar = json.loads((tmp_path / "self.ngram.json").read_text())
+    assert sidecar["counts"]["documents"] == 6
+    expected = tokenizer_fingerprint(tokenizer)
+    NgramTrie.open(tmp_path / "self.ngram", verify=True, expected_tokenizer_fingerprint=expected)
