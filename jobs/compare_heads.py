@@ -7,7 +7,11 @@ data in the same run. For every head, in one process:
    per-position KL and the weighted dev loss, on the same `dev_sequences` dev-split sequences of
    `dev_source` (jobs.train_draft.evaluate_dev: the figures training logs, anchors sampled with
    the same fixed seeds for every head).
-2. **Decoding**: the jobs.bench cells (modes x temperatures x budgets on the same ShareGPT dev
+2. **Greedy tau by replay** (`replay_prompts` > 0): every tree cell's greedy tau on that many
+   dev prompts for every head, from the same target replies (dart_train.replay: no verification
+   forwards, so many more prompts than the decoding runs afford), with the per-prompt paired
+   difference to the first head and its standard error.
+3. **Decoding**: the jobs.bench cells (modes x temperatures x budgets on the same ShareGPT dev
    prompts; tau, tokens/s, speedup against `ar` measured in the same sub-run, per-position
    acceptance).
 
@@ -37,6 +41,7 @@ class CompareHeadsConfig(BenchReportConfig):
     dev_anchors_per_sequence: int = 64
     dev_source: str = "default"  # corpus whose dev split is scored (any jobs.train_draft data.source)
     dev_fraction: float = 0.02  # its train/dev split, as in training
+    replay_prompts: int = 0  # dev prompts for the greedy replay tau of every tree cell (0: skip)
     output_dir: str = "compare_heads"
 
 
@@ -88,6 +93,44 @@ def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:
     return out
 
 
+def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
+    """Greedy tau per head and tree cell on `replay_prompts` dev prompts (the same replies for all)."""
+    import statistics
+
+    from dart_train.replay import greedy_references, replay
+    from dart_worker.draft_checkpoint import load_draft_head
+    from dart_worker.engine_factory import build_drafter
+    from jobs.bench import cells_of
+    from jobs.bench_engine import load_parts, select_prompts
+    from ngram_native.trees import TreeParams
+
+    cells = [c for c in cells_of(cfg) if c.temperature == 0 and c.budget is not None]
+    parts = load_parts(replace(cfg, head=heads[0]), {c.mode for c in cells})
+    prompts = [ids for _, ids in select_prompts(parts.tokenizer, cfg.replay_prompts, cfg.max_prompt_tokens)]
+    refs = greedy_references(parts, prompts, cfg.max_new_tokens)
+    model = parts.target.model
+    per_prompt: dict[str, dict[str, list[float]]] = {}
+    for path in heads:
+        parts.head = load_draft_head(path, model.config, model.get_input_embeddings(), device=parts.target.device,
+                                     dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)
+        for c in cells:
+            tree = TreeParams(budget=c.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+            stats = replay(build_drafter(parts, c.mode, tree), refs, cfg.max_new_tokens, parts.target.max_positions)
+            per_prompt.setdefault(c.label, {})[path] = [s.tau for s in stats]
+    out = {}
+    for label, by_head in per_prompt.items():
+        first = by_head[heads[0]]
+        out[label] = {}
+        for path, taus in by_head.items():
+            diffs = [a - b for a, b in zip(taus, first, strict=True)]
+            out[label][path] = {"tau": statistics.mean(taus), "per_prompt": taus,
+                                "diff_vs_first": statistics.mean(diffs),
+                                "diff_stderr": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None}
+        print(f"replay {label}: " + ", ".join(f"{out[label][h]['tau']:.3f}" for h in heads), flush=True)
+    return {"prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "dtype": str(parts.target.dtype),
+            "cells": out}
+
+
 def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
     from jobs.bench import measure
 
@@ -95,12 +138,13 @@ def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
     if cfg.omp_wait_policy is not None and "torch" not in sys.modules:  # read once, when torch starts OpenMP
         os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
     dev = dev_accuracy(cfg, heads) if cfg.dev_sequences > 0 else {}
+    replayed = replay_taus(cfg, heads) if cfg.replay_prompts > 0 else {}
     runs = {}
     for path in heads:  # one jobs.bench measurement per head, each with its own `ar` baseline
         print(f"decoding with head {path}", flush=True)
         base = {k: v for k, v in asdict(cfg).items() if k in BenchReportConfig.__dataclass_fields__}
         runs[path] = measure(replace(BenchReportConfig(**base), head=path))
-    return {"config": asdict(cfg), "heads": heads, "dev": dev,
+    return {"config": asdict(cfg), "heads": heads, "dev": dev, "replay": replayed,
             "decoding": {p: {"conditions": r["conditions"], "summary": r["summary"]} for p, r in runs.items()}}
 
 
@@ -123,6 +167,20 @@ def comparison_tables(figures: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | " + " | ".join(_fmt(acc[i] if i < len(acc) else None, ".3f")
                                                       for i in range(depth))
                          + f" | {d['dev_loss']:.3f} | {d['dev_anchors']} |")
+        lines.append("")
+    if figures.get("replay"):
+        r = figures["replay"]
+        lines += [f"Greedy tau by replay, {r['prompts']} dev prompts x {r['max_new_tokens']} new tokens "
+                  f"({r['dtype']}); the difference to the first head is the mean of per-prompt differences "
+                  "+- its standard error.", "",
+                  "| cell | " + " | ".join(f"{n} tau" for n in names) + " | " +
+                  " | ".join(f"{n} - first" for n in names[1:]) + " |",
+                  "|---|" + "---:|" * (2 * len(heads) - 1)]
+        for label, by_head in r["cells"].items():
+            diffs = [f"{by_head[h]['diff_vs_first']:+.3f} +- {_fmt(by_head[h]['diff_stderr'], '.3f')}"
+                     for h in heads[1:]]
+            lines.append(f"| {label} | " + " | ".join(f"{by_head[h]['tau']:.3f}" for h in heads) + " | "
+                         + " | ".join(diffs) + " |")
         lines.append("")
     cells: dict[tuple, dict[str, dict]] = {}
     for h in heads:

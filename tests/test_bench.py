@@ -400,7 +400,7 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
                  "max_prompt_tokens=64", "max_new_tokens=5", "budgets=[4,6]", "mode_budgets={chain: [4]}",
                  "repeats=1", "warmup_tokens=0", "modes=[ar,chain,dart]", "temperatures=[0.0]",
                  f"dev_source={chats}", "dev_fraction=1.0", "dev_sequences=3", "dev_anchors_per_sequence=4",
-                 f"output_dir={out}"]
+                 "replay_prompts=2", f"output_dir={out}"]
     assert compare_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
     figures = json.loads((out / "compare.json").read_text())
     heads = [tiny_artifacts["head"], str(other)]
@@ -419,6 +419,10 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
         assert set(cells) == {("ar", None), ("chain", 4), ("dart", 4), ("dart", 6)}
         assert all(e["agreement_with_ar"] == 1.0 for e in cells.values())
         assert figures["decoding"][path]["conditions"]["head"] == path
+        for (mode, budget), entry in cells.items():  # the replay's greedy tau is the decoding's
+            if budget is not None:
+                assert figures["replay"]["cells"][f"{mode}@{budget}"][path]["tau"] == pytest.approx(entry["tau"])
+    assert all(cell[heads[0]]["diff_vs_first"] == 0 for cell in figures["replay"]["cells"].values())
     table = (out / "compare.md").read_text()
     assert "| 0 | dart@6 |" in table and f"`{other}` tau" in table
 
