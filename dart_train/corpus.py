@@ -571,6 +571,33 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def job_output_documents(path: str, limit: int, tokenizer: Any) -> list[list[int]]:
+    """The first `limit` non-empty outputs of an earlier generation job, as token ids (no special
+    tokens): the last "gpt" turn of each JSONL row's `conversations` (jobs.distill_data) or its
+    `completion` (JSONL or Parquet: the pipeline's output). What a worker's job-level drafting
+    state (the job n-gram) would have learnt that far into a job; benchmarks warm it with these."""
+    texts: list[str] = []
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        column = pq.read_table(path, columns=["completion"]).column("completion").to_pylist()
+        texts = [t for t in column if t][:limit]
+    else:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if len(texts) >= limit:
+                    break
+                row = json.loads(line)
+                if "completion" in row:
+                    text = row["completion"]
+                else:
+                    turns = row.get("conversations", [])
+                    text = next((t["value"] for t in reversed(turns) if t.get("from") == "gpt"), "")
+                if text:
+                    texts.append(text)
+    return [ids for ids in encode_texts(tokenizer, texts) if ids]
+
+
 def tokenize_conversations(
     conversations: Iterable[Conversation],
     tokenizer: Any,

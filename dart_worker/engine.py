@@ -3,14 +3,15 @@
 One round for a batch of sequences (see docs/DESIGN.md):
 
     draft logits --top-k--> tree builder (C++) --> TreeBatch
-    target.verify(tree) --> logits + taps --> verification (greedy / rejection sampling)
+    target.verify(tree) --> logits + taps --> verification (greedy / coupled sampling)
     commit accepted rows (KV compaction) --> draft head over the new rows --> draft logits
 
 The engine owns the loop (prefill, verify, commit, stop rules); a `Drafter` (dart_worker.drafters)
 owns its proposal state and returns one tree per live sequence per round. Engines are made by
 `dart_worker.engine_factory.build_engine`, which picks the drafter by name from the registry.
-Every drafter is lossless: greedy output equals the target's greedy output, sampled output is
-distributed as the target's, whatever the trees hold.
+Every drafter is lossless: greedy output equals the target's greedy output, and a sampled
+request commits exactly the tokens plain sampling (`ar`) commits with the same key, whatever the
+trees hold (dart_worker/verification.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import torch
 
 from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
-from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
+from dart_worker.sampling import (
+    SamplingParams,
+    inverse_cdf_sample,
+    position_uniforms,
+    request_key,
+    warp_logits_to_probs,
+)
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_batch import TreeBatch
@@ -54,7 +61,7 @@ class _Sequence:
     num_prompt: int
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator
+    key: int  # the uniform key of its sampled tokens (dart_worker.sampling.request_key)
     stats: RequestStats
     finish_reason: str = ""
     text_end: int | None = None  # where a stop string starts in the generated text
@@ -167,7 +174,7 @@ class DecodingEngine:
             num_prompt=len(token_ids),
             params=params,
             stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
-            generator=make_generator(params, self.device),
+            key=request_key(params),
             stats=stats,
         )
 
@@ -221,8 +228,8 @@ class DecodingEngine:
 
             t0 = self._now()
             if not deferred:
-                acceptances = verify_batch(trees, out.logits, [s.params for s in live],
-                                           [s.generator for s in live])
+                acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.key for s in live],
+                                           [len(s.tokens) - s.num_prompt for s in live])
             # The forward until its verdict is on the host: what the sizer learns the cost of (on a
             # GPU without sync_timing, `verify_seconds` alone would be the launch time only).
             verified_seconds = verify_seconds + (self._now() - t0 if not deferred else 0.0)
@@ -318,14 +325,19 @@ class DecodingEngine:
     # ---------------------------------------------------------------- helpers
 
     def _sample_rows(self, logits: torch.Tensor, live: list[_Sequence]) -> list[int]:
-        """One token per sequence from [B, V] logits (greedy or with the request's generator)."""
+        """One token per sequence from [B, V] logits: the argmax, or the coupled draw of the
+        sequence's next position (the draw verification makes at a root row)."""
         tokens = []
         for b, seq in enumerate(live):
             if seq.params.is_greedy:
                 tokens.append(int(logits[b].argmax()))
             else:
                 probs = warp_logits_to_probs(logits[b : b + 1], seq.params)
-                tokens.append(int(torch.multinomial(probs[0], 1, generator=seq.generator)))
+                total = float(probs.sum())
+                if not abs(total - 1.0) <= 1e-3:
+                    raise ValueError(f"request {seq.index}: warped probabilities sum to {total} (non-finite logits?)")
+                u = torch.from_numpy(position_uniforms(seq.key, [len(seq.tokens) - seq.num_prompt])).to(probs.device)
+                tokens.append(int(inverse_cdf_sample(probs, u)[0]))
         return tokens
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Sampling parameters, logit warping and per-request random generators.
+"""Sampling parameters, logit warping, and the per-request uniforms every sampled token is drawn with.
 
 Speculative decoding is only lossless if the verifier accepts and resamples against exactly
 the distribution plain sampling would draw from. That distribution is defined here, once:
@@ -7,17 +7,24 @@ the distribution plain sampling would draw from. That distribution is defined he
 `TopKLogitsWarper` and `TopPLogitsWarper`, so "sampling from the target" means the same
 thing here as in `model.generate(do_sample=True, ...)`.
 
-Randomness is per request: every request owns a `torch.Generator` on the target device
-(`make_generator`), so a seeded request produces the same tokens no matter which other
-requests share its batch. Nothing here touches Python's `random` or torch's global RNG.
+Randomness is per request and per position: a request's key (`request_key`: from its seed, or
+fresh OS entropy) and the index t of a generated token give that token's uniform u_t
+(`position_uniforms`, a counter-based hash), and the token is the inverse-CDF draw of u_t from the
+warped distribution (`inverse_cdf_sample`). So a sampled token depends on the committed prefix
+and u_t alone: not on which requests share the batch, not on what was drafted, not on the
+decoding mode - a seeded request commits the same tokens under `ar` and every drafter
+(dart_worker/verification.py explains why the drafts cannot change them). Nothing here touches
+Python's `random` or torch's global RNG.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 _MAX_SEED = 2**63 - 1
@@ -194,11 +201,76 @@ def _warp_dense(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:
-    """A request's own random generator on `device`: seeded from params.seed, else nondeterministic."""
-    generator = torch.Generator(device=device)
+_U64 = np.uint64
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
+
+
+def request_key(params: SamplingParams) -> int:
+    """A request's 64-bit uniform key: a hash of params.seed (so seeds 1 and 2 give unrelated
+    streams), else fresh OS entropy (a nondeterministic request)."""
     if params.seed is None:
-        generator.seed()  # OS entropy; does not touch the global RNG
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+        return secrets.randbits(64)
+    return int(_splitmix64(np.asarray([params.seed], dtype=_U64) ^ _U64(0x5EED5EED5EED5EED))[0])
+
+
+def position_uniforms(key: int, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+    """u_t in [0, 1) (float64, 53 random bits) for every generated-token index t in `positions`:
+    splitmix64 of (key, t), a counter-based generator (as in Philox or JAX's threefry keys), so
+    any position's uniform is available in any order, independent of every other position's."""
+    t = np.asarray(positions, dtype=np.int64).astype(_U64)
+    with np.errstate(over="ignore"):
+        bits = _splitmix64(_splitmix64(t * _GOLDEN + _U64(1)) ^ _U64(key & (2**64 - 1)))
+    return (bits >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return z ^ (z >> _U64(31))
+
+
+# Tokens per block of the two-level inverse-CDF draw (`inverse_cdf_sample`).
+_CDF_BLOCK = 1024
+
+
+def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of `weights` [R, V] (unnormalised, >= 0, positive sum) from uniforms [R].
+
+    The first token whose cumulative weight exceeds u * total (see below for the rounding): what
+    torch.multinomial does for one sample, but for every row at once with each row's own uniform.
+    Tokens of weight 0 own an empty interval, so they are never drawn; should rounding push
+    u * total to the very end, the last token of positive weight is taken.
+
+    In two levels, so the whole row is read once (block sums) instead of being copied to float64
+    and scanned several times (over a 262k vocabulary that was most of a sampled round's
+    non-model time on a CPU): pick the block of `_CDF_BLOCK` tokens whose cumulative mass
+    crosses u * total, then the token inside it.
+    """
+    rows, vocab = weights.shape
+    device = weights.device
+    full = vocab - vocab % _CDF_BLOCK
+    # Block sums in the weights' dtype (a float64 reduction over [16, 262k] cost 20 ms on a CPU,
+    # the float32 one 0.5 ms), accumulated in float64: a block's sum is off by float32 rounding
+    # of its own mass at most, which moves the odds of a draw by as little as the float32
+    # probabilities themselves are exact.
+    sums = [weights[:, :full].reshape(rows, -1, _CDF_BLOCK).sum(dim=-1)] if full else []
+    if full < vocab:
+        sums.append(weights[:, full:].sum(dim=-1, keepdim=True))
+    block_cdf = torch.cat(sums, dim=-1).double().cumsum(dim=-1)
+    total = block_cdf[:, -1:].contiguous()
+    target = uniforms[:, None] * total
+    # The crossing block, or the last block of positive mass (the first to reach the total).
+    # (The clamps only matter for non-finite weights, which the caller reports after the draw.)
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
+                          torch.searchsorted(block_cdf, total, right=False)).clamp(max=block_cdf.shape[-1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=device)
+    inside = torch.where(columns < vocab, weights.gather(1, columns.clamp(max=vocab - 1)), 0.0)
+    cdf = before + inside.double().cumsum(dim=-1)
+    # Rounding between the two levels can leave u * total past the block's own cumulative end:
+    # then the block's last token of positive weight, as at the end of the row.
+    offset = torch.minimum(torch.searchsorted(cdf, target, right=True),
+                           torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)).clamp(max=_CDF_BLOCK - 1)
+    return (columns.gather(1, offset))[:, 0]

@@ -9,41 +9,38 @@ Greedy (temperature 0): at each row move to the child whose token is the row's a
 when there is none; the bonus is the argmax of the last row reached. The committed tokens are
 exactly what plain argmax decoding would produce, one forward per token.
 
-Sampling: recursive rejection over siblings with deterministic proposals. At the current row,
-with warped target distribution p and children x_1..x_k tried in sibling (proposal) order:
+Sampling: coupled inverse-CDF draws. Every sampled token is drawn with a uniform that belongs
+to its position: the token at generated index t is
 
-    residual r = p
-    for x in x_1..x_k:
-        accept x with probability r(x)                 -> commit x, move to x's row
-        otherwise r(x) = 0 and renormalise r           (reject x)
-    none accepted (or no children): bonus ~ r, stop
+    y_t = inverse_cdf(p_t, u_t),   u_t = position_uniforms(key, t)   (dart_worker/sampling.py)
 
-Why the committed tokens are distributed exactly as the target's. Claim: the token committed
-at a row (an accepted child or the bonus) is distributed as r, for any residual r and any
-list of children. By induction on k. k = 0: the bonus is drawn from r. k >= 1: x_1 is
-committed with probability r(x_1). With probability 1 - r(x_1) we continue with
-r' = r with x_1 zeroed, renormalised = r(y) / (1 - r(x_1)) for y != x_1, and by induction commit
-y with probability r'(y), so in total P(y) = (1 - r(x_1)) * r(y) / (1 - r(x_1)) = r(y) for
-y != x_1, and x_1 (r'(x_1) = 0) is only committed directly, with probability r(x_1). Starting
-from r = p, the committed token at every row is distributed as p(. | prefix). Committing child
-x moves to x's row, whose distribution is the target's p(. | prefix, x), and every step uses
-fresh uniforms, so the committed sequence factorises exactly as the target's chain rule.
-(This is standard speculative sampling with a point-mass proposal q = delta_x: accept with
-min(1, p(x) / q(x)) = p(x), residual norm(max(p - q, 0)) = p with x removed.) Repeated sibling
-tokens are harmless: after rejection their residual probability is 0.
+where p_t is the warped target distribution after the committed prefix and `key` the request's
+(from its seed, or fresh entropy). Verifying a tree whose root row predicts index t: at the
+current row (depth d, predicting index t + d) draw y from the row's p with u_{t+d}; move to the
+child whose token is y (the first such sibling); stop when there is none, and commit y as the
+bonus. This is the greedy walk with each row's argmax replaced by its coupled draw.
+
+Why the committed tokens are distributed exactly as the target's. Each committed token is
+y = inverse_cdf(p(. | prefix), u_t) with the committed prefix and p exactly the target's (the
+row reached spells the prefix), and u_t is a fresh uniform: the prefix depends only on u_0..u_{t-1}.
+An inverse-CDF draw of a fresh uniform is distributed as p, so the sequence factorises as the
+target's chain rule. More: the committed token is the same function of (prefix, u_t) that plain
+sampling (`ar`, an empty tree every round) computes, so for a given key every drafter commits
+*the same tokens* as `ar` (up to float rounding of p between differently shaped forwards) - drafts
+decide only how many positions one forward settles, never which tokens, whatever the batch and
+whatever a job-level drafter learnt before. Acceptance at a row is the probability that y is one
+of its children's tokens, sum over distinct children of p(child): what recursive rejection over
+deterministic proposals accepts too (speculative sampling with point-mass proposals), so nothing
+is lost against it. Repeated sibling tokens are harmless (the first is taken).
 
 Device use per batch of sampling requests:
-1. Rows with children (the only ones the walk reads q from) are warped, requests sharing a
-   warp (temperature, top-k, top-p) together, in memory-bounded chunks; one gather per chunk
-   picks q = p_row(parent)(token) for every node. The q values, those rows' sums (a
-   finiteness check) and each request's uniforms (N + 1 from its own generator: one per node,
-   one for the bonus) cross to the host in ONE transfer.
-2. The walks run on the host: a few dozen scalar comparisons.
-3. Only the bonus rows are warped again (so no [B, S, V] float32 copy stays alive across the
-   walk; alone or in a chunk a row warps to the same support and, up to float32 rounding,
-   the same probabilities - a test checks), the rejected tokens are zeroed, and one batched
-   inverse-CDF draw (what torch.multinomial does for one sample, for all requests at once,
-   each with its own uniform) picks every bonus token; they cross in a second transfer.
+1. Rows with children (the only rows the walk can leave) are warped, requests sharing a warp
+   (temperature, top-k, top-p) together, in memory-bounded chunks, and each gets its coupled
+   draw (one batched inverse-CDF over the chunk, each row with the uniform of its position).
+   The draws and those rows' sums (a finiteness check) cross to the host in ONE transfer.
+2. The walks run on the host: a few dozen comparisons.
+3. A walk that ends on a leaf row (every node of the path accepted) needs that row's draw: only
+   those rows are warped and drawn, in a second transfer.
 Greedy requests need one argmax and one transfer. Or, where the logits were deferred
 (`verify_greedy_by_rows`), one small vocabulary projection per tree level of the walk.
 """
@@ -56,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_worker.sampling import SamplingParams, warp_logits_to_probs
+from dart_worker.sampling import SamplingParams, inverse_cdf_sample, position_uniforms, warp_logits_to_probs
 from dart_worker.tree_batch import TreeLike, check_tree
 from ngram_native.trees import SOURCE_COPIED, children
 
@@ -65,8 +62,6 @@ from ngram_native.trees import SOURCE_COPIED, children
 _ROW_SUM_TOLERANCE = 1e-3
 # Most float32 probabilities materialised by one warp call (256 MiB).
 _WARP_BUDGET = 1 << 26
-# Tokens per block of the two-level inverse-CDF draw (`_inverse_cdf_sample`).
-_CDF_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -196,100 +191,6 @@ def _child_with(tree: TreeLike, table: tuple[np.ndarray, np.ndarray], node: int,
 # ---------------------------------------------------------------------------- sampling
 
 
-@dataclass(frozen=True)
-class _Walk:
-    """Host-side result of the rejection walk for one request."""
-
-    path: list[int]
-    bonus_row: int
-    rejected_tokens: list[int]  # tokens zeroed from the bonus row's residual
-
-
-def _acceptance_probability(q: float, residual_mass: float) -> float:
-    """r(x) = p(x) / (mass left after the rejected siblings), guarded against rounding.
-
-    Exact arithmetic keeps q <= residual_mass; rounding can break that by an ulp, and the
-    residual can reach 0 when everything left is x itself: then x is certain (if possible).
-    """
-    if residual_mass <= 0.0:
-        return 1.0 if q > 0.0 else 0.0
-    return min(1.0, q / residual_mass)
-
-
-def _rejection_walk(tree: TreeLike, q: np.ndarray, uniforms: np.ndarray) -> _Walk:
-    """Recursive rejection over siblings (see module doc). q[i] = p_row(parent(i))(token_i);
-    uniforms[i] decides node i; each node is tried at most once, so every decision is fresh."""
-    tokens, q_list, u_list = np.asarray(tree.tokens).tolist(), q.tolist(), uniforms.tolist()
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(np.asarray(tree.parents).tolist()):
-        children.setdefault(parent, []).append(i)  # index order = sibling (proposal) order
-    path: list[int] = []
-    node = -1
-    while True:
-        removed = 0.0
-        rejected: list[int] = []
-        accepted = None
-        for child in children.get(node, ()):
-            token = tokens[child]
-            if token in rejected:  # a repeated sibling token: its residual probability is 0
-                continue
-            if u_list[child] < _acceptance_probability(q_list[child], 1.0 - removed):
-                accepted = child
-                break
-            rejected.append(token)
-            removed += q_list[child]
-        if accepted is None:
-            return _Walk(path, node + 1, rejected)
-        path.append(accepted)
-        node = accepted
-
-
-def _inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row of `weights` [R, V] (unnormalised, >= 0, positive sum) from uniforms [R].
-
-    What torch.multinomial does for one sample, but for every request at once with each
-    request's own uniform: the first token whose cumulative weight exceeds u * total (see below
-    for the rounding).
-    Tokens of weight 0 own an empty interval, so they are never drawn; should rounding push
-    u * total to the very end, the last token of positive weight is taken.
-
-    In two levels, so the whole row is read once (block sums) instead of being copied to float64
-    and scanned several times (over a 262k vocabulary that was most of a sampled round's
-    non-model time on a CPU): pick the block of `_CDF_BLOCK` tokens whose cumulative mass
-    crosses u * total, then the token inside it.
-    """
-    rows, vocab = weights.shape
-    device = weights.device
-    full = vocab - vocab % _CDF_BLOCK
-    # Block sums in the weights' dtype (a float64 reduction over [16, 262k] cost 20 ms on a CPU,
-    # the float32 one 0.5 ms), accumulated in float64: a block's sum is off by float32 rounding
-    # of its own mass at most, which moves the odds of a draw by as little as the float32
-    # probabilities themselves are exact.
-    sums = [weights[:, :full].reshape(rows, -1, _CDF_BLOCK).sum(dim=-1)] if full else []
-    if full < vocab:
-        sums.append(weights[:, full:].sum(dim=-1, keepdim=True))
-    block_cdf = torch.cat(sums, dim=-1).double().cumsum(dim=-1)
-    total = block_cdf[:, -1:].contiguous()
-    target = uniforms[:, None] * total
-    # The crossing block, or the last block of positive mass (the first to reach the total).
-    # (The clamps only matter for non-finite weights, which the caller reports after the draw.)
-    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
-                          torch.searchsorted(block_cdf, total, right=False)).clamp(max=block_cdf.shape[-1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    columns = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=device)
-    inside = torch.where(columns < vocab, weights.gather(1, columns.clamp(max=vocab - 1)), 0.0)
-    cdf = before + inside.double().cumsum(dim=-1)
-    # Rounding between the two levels can leave u * total past the block's own cumulative end:
-    # then the block's last token of positive weight, as at the end of the row.
-    offset = torch.minimum(torch.searchsorted(cdf, target, right=True),
-                           torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)).clamp(max=_CDF_BLOCK - 1)
-    return (columns.gather(1, offset))[:, 0]
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
 def _warp_chunks(requests: Sequence[int], rows: Sequence[int], params: Sequence[SamplingParams],
                  vocab: int) -> list[list[int]]:
     """Group requests with the same warp into chunks of at most `_WARP_BUDGET` probabilities.
@@ -317,107 +218,103 @@ def _warp_chunks(requests: Sequence[int], rows: Sequence[int], params: Sequence[
 
 def _verify_sampled(
     trees: Sequence[TreeLike],
-    sizes: Sequence[int],
     logits: torch.Tensor,
     batch_index: Sequence[int],
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
+    keys: Sequence[int],
+    positions: Sequence[int],
 ) -> list[Acceptance]:
-    """Rejection verification for the sampling requests k, whose rows are logits[batch_index[k]]."""
+    """Coupled verification (module doc) of the sampling requests k, whose rows are
+    logits[batch_index[k]] and whose root row predicts generated index positions[k]."""
     device = logits.device
     count = len(trees)
     vocab = int(logits.shape[-1])
+    depths = [np.asarray(t.depths, dtype=np.int64) for t in trees]
 
-    # 1. q = p_row(parent)(token) of every node. Only rows with children are warped here (the
-    # others can only be bonus rows, warped in step 3), a chunk of same-warp requests at a time.
-    # Request k's parent rows: the distinct parents (+1 = row); each node points into them.
+    # 1. The coupled draw of every row with children (the root's too, unless the tree is empty),
+    # a chunk of same-warp requests at a time. Request k's rows: its distinct parents (+1 = row).
     parent_nodes = [np.unique(t.parents).astype(np.int64) for t in trees]
-    parent_slot = [np.searchsorted(u, t.parents).astype(np.int64) for u, t in zip(parent_nodes, trees, strict=True)]
-    q_parts: list[torch.Tensor] = []
+    draw_parts: list[torch.Tensor] = []
     sum_parts: list[torch.Tensor] = []
-    q_offset = np.zeros(count, dtype=np.int64)  # request k's q values, in transfer order
-    sum_offset = np.zeros(count, dtype=np.int64)  # request k's parent-row sums
-    nodes_done = rows_done = 0
+    row_offset = np.zeros(count, dtype=np.int64)  # request k's rows, in transfer order
+    rows_done = 0
     for chunk in _warp_chunks(range(count), [u.shape[0] for u in parent_nodes], params, vocab):
         rows_per = np.array([parent_nodes[k].shape[0] for k in chunk], dtype=np.int64)
-        nodes_per = np.array([sizes[k] for k in chunk], dtype=np.int64)
-        row_start = np.cumsum(rows_per) - rows_per  # first row of each request within the chunk
-        node_start = np.cumsum(nodes_per) - nodes_per
-        num_rows, num_nodes = int(rows_per.sum()), int(nodes_per.sum())
-        q_offset[chunk] = nodes_done + node_start
-        sum_offset[chunk] = rows_done + row_start
-        nodes_done += num_nodes
+        row_offset[chunk] = rows_done + np.cumsum(rows_per) - rows_per
+        num_rows = int(rows_per.sum())
         rows_done += num_rows
         if num_rows == 0:  # only empty trees
             continue
-        # Host-built indices, one host -> device copy: (sequence, row) of every warped row, then
-        # (warped row of the parent, token) of every node.
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
-        parent_row = np.concatenate([parent_slot[k] for k in chunk]) + np.repeat(row_start, nodes_per)
-        token = np.concatenate([trees[k].tokens for k in chunk]).astype(np.int64)
-        index = torch.from_numpy(np.concatenate([sequence, row, parent_row, token])).to(device)
-        sequence_d, row_d, parent_d, token_d = index.split([num_rows, num_rows, num_nodes, num_nodes])
-        probs = warp_logits_to_probs(logits[sequence_d, row_d], params[chunk[0]])
-        q_parts.append(probs[parent_d, token_d].double())
+        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
+        index = torch.from_numpy(np.concatenate([sequence, row])).to(device)
+        probs = warp_logits_to_probs(logits[index[:num_rows], index[num_rows:]], params[chunk[0]])
+        draw_parts.append(inverse_cdf_sample(probs, torch.from_numpy(uniforms).to(device)).double())
         sum_parts.append(probs.sum(dim=-1).double())
-    # Uniforms come from each request's own generator, in request order: one per node for the
-    # walk, then one for the bonus draw.
-    uniforms = torch.cat(
-        [torch.rand(sizes[k] + 1, generator=generators[k], device=device, dtype=torch.float64) for k in range(count)]
-    )
-    u_offset = np.cumsum([0] + [n + 1 for n in sizes])
-    host = torch.cat([*q_parts, *sum_parts, uniforms]).cpu().numpy()  # THE device -> host transfer
-    host_q, host_sums, host_u = np.split(host, [nodes_done, nodes_done + rows_done])
+    host = torch.cat([*draw_parts, *sum_parts]).cpu().numpy() if rows_done else np.zeros(0)  # THE transfer
+    host_draws, host_sums = host[:rows_done].astype(np.int64), host[rows_done:]
 
     # 2. The walks, on the host, after one vectorised check that every row is a distribution.
     bad = np.flatnonzero(~(np.abs(host_sums - 1.0) <= _ROW_SUM_TOLERANCE))
     if bad.size:
         where = int(bad[0])
-        k = next(k for k in range(count) if sum_offset[k] <= where < sum_offset[k] + parent_nodes[k].shape[0])
-        _raise_bad_row(batch_index[k], int(parent_nodes[k][where - sum_offset[k]]) + 1, host_sums[where])
-    walks = [
-        _rejection_walk(
-            trees[k],
-            host_q[q_offset[k] : q_offset[k] + sizes[k]],
-            host_u[u_offset[k] : u_offset[k] + sizes[k]],
-        )
-        for k in range(count)
-    ]
+        k = next(k for k in range(count) if row_offset[k] <= where < row_offset[k] + parent_nodes[k].shape[0])
+        _raise_bad_row(batch_index[k], int(parent_nodes[k][where - row_offset[k]]) + 1, host_sums[where])
+    walks = []
+    for k in range(count):
+        drawn = dict(zip(parent_nodes[k].tolist(), host_draws[row_offset[k] : row_offset[k] + parent_nodes[k].shape[0]]
+                         .tolist(), strict=True))
+        walks.append(_coupled_walk(trees[k], drawn))
 
-    # 3. Bonus tokens from the residuals: warp just the bonus rows (rather than keeping every
-    # row's float32 probabilities alive across the host walk), zero the rejected tokens.
-    picked = logits[
-        torch.tensor(list(batch_index), device=device), torch.tensor([w.bonus_row for w in walks], device=device)
-    ]
-    chunks = _warp_chunks(range(count), [1] * count, params, vocab)
-    if len(chunks) == 1:  # one warp for every request (the common case): no copy into place
-        bonus_rows = warp_logits_to_probs(picked, params[0])
-    else:
-        bonus_rows = torch.empty(count, vocab, dtype=torch.float32, device=device)
-        for chunk in chunks:
+    # 3. Walks that ended on a leaf row: that row's draw, in a second transfer.
+    leaves = [k for k, (_, bonus) in enumerate(walks) if bonus is None]
+    if leaves:
+        leaf_node = [walks[k][0][-1] if walks[k][0] else -1 for k in leaves]
+        picked = logits[torch.tensor([batch_index[k] for k in leaves], device=device),
+                        torch.tensor([n + 1 for n in leaf_node], device=device)]
+        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], np.asarray([n]))
+                                   for k, n in zip(leaves, leaf_node, strict=True)])
+        draws = torch.empty(len(leaves), dtype=torch.float64, device=device)
+        sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
+        for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
             chunk_dev = torch.tensor(chunk, device=device)
-            bonus_rows[chunk_dev] = warp_logits_to_probs(picked[chunk_dev], params[chunk[0]])
-    zero_req = [k for k, w in enumerate(walks) for _ in w.rejected_tokens]
-    zero_tok = [t for w in walks for t in w.rejected_tokens]
-    residual = bonus_rows
-    if zero_tok:
-        residual = bonus_rows.index_put(
-            (torch.tensor(zero_req, device=device), torch.tensor(zero_tok, device=device)),
-            torch.zeros((), device=device),
-        )
-        # Mass 0 is reachable only by rounding (a child with p(x) ~ 1 was rejected): fall back
-        # to the unmodified row rather than fail; decided on the device, no sync.
-        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, bonus_rows)
-    bonus_uniforms = uniforms[torch.from_numpy(u_offset[1:] - 1).to(device)]
-    drawn = _inverse_cdf_sample(residual, bonus_uniforms).double()
-    host = torch.cat([drawn, bonus_rows.sum(dim=-1).double()]).cpu().numpy()  # second transfer
-    bonus_tokens, bonus_sums = host[:count].astype(np.int64), host[count:]
-    bad = np.flatnonzero(~(np.abs(bonus_sums - 1.0) <= _ROW_SUM_TOLERANCE))
-    if bad.size:  # a leaf row: not checked in step 2
-        k = int(bad[0])
-        _raise_bad_row(batch_index[k], walks[k].bonus_row, bonus_sums[k])
-    return [_acceptance(t, w.path, int(tok)) for t, w, tok in zip(trees, walks, bonus_tokens, strict=True)]
+            probs = warp_logits_to_probs(picked[chunk_dev], params[leaves[chunk[0]]])
+            draws[chunk_dev] = inverse_cdf_sample(probs, torch.from_numpy(uniforms[chunk]).to(device)).double()
+            sums[chunk_dev] = probs.sum(dim=-1).double()
+        host = torch.cat([draws, sums]).cpu().numpy()  # the second transfer
+        bad = np.flatnonzero(~(np.abs(host[len(leaves):] - 1.0) <= _ROW_SUM_TOLERANCE))
+        if bad.size:  # a leaf row: not checked in step 2
+            j = int(bad[0])
+            _raise_bad_row(batch_index[leaves[j]], leaf_node[j] + 1, host[len(leaves) + j])
+        for j, k in enumerate(leaves):
+            walks[k] = (walks[k][0], int(host[j]))
+    return [_acceptance(t, path, bonus) for t, (path, bonus) in zip(trees, walks, strict=True)]
+
+
+def _row_uniforms(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """The uniforms of the rows of `nodes` (-1 = the root): the row of a node at depth d predicts
+    generated index position + d."""
+    row_depth = np.where(nodes < 0, 0, depths[np.maximum(nodes, 0)]) if depths.size else np.zeros(len(nodes), np.int64)
+    return position_uniforms(key, position + row_depth)
+
+
+def _coupled_walk(tree: TreeLike, drawn: dict[int, int]) -> tuple[list[int], int | None]:
+    """(path, bonus) following each row's coupled draw (`drawn`: node -> draw of its row, for the
+    nodes with children, -1 = the root); bonus None when the path ends on a leaf (drawn later)."""
+    tokens = np.asarray(tree.tokens).tolist()
+    first_child: dict[tuple[int, int], int] = {}
+    for i, parent in enumerate(np.asarray(tree.parents).tolist()):
+        first_child.setdefault((parent, tokens[i]), i)  # index order = sibling (proposal) order
+    path: list[int] = []
+    node = -1
+    while node in drawn:
+        child = first_child.get((node, drawn[node]))
+        if child is None:
+            return path, drawn[node]
+        path.append(child)
+        node = child
+    return path, None  # a leaf row (the root's, for an empty tree)
 
 
 def _raise_bad_row(request: int, row: int, total: float) -> None:
@@ -431,7 +328,8 @@ def verify_batch(
     trees: Sequence[TreeLike],
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    keys: Sequence[int | None] | None = None,
+    positions: Sequence[int] | None = None,
 ) -> list[Acceptance]:
     """Verify B trees against the target logits of one verify forward.
 
@@ -439,16 +337,23 @@ def verify_batch(
     the verify block from them (`TreeBatch.from_trees`), and they are not checked again here.
 
     logits: [B, S, V] (S >= 1 + N_b, padded; any float dtype, computed in float32), row 0 = root.
-    params[b] / generators[b]: request b's sampling parameters and its own generator (None is
-    allowed for greedy requests). Returns one Acceptance per tree, in order.
+    params[b] / keys[b]: request b's sampling parameters and uniform key (`sampling.request_key`;
+    None is allowed for greedy requests); positions[b]: the generated-token index its root row
+    predicts (how many tokens it has generated so far). Both may be omitted when every request is
+    greedy. Returns one Acceptance per tree, in order.
     """
     batch = len(trees)
+    keys = [None] * batch if keys is None else keys
+    if positions is None:
+        if not all(p.is_greedy for p in params):
+            raise ValueError("sampling requests need their keys and positions")
+        positions = [0] * batch
     if logits.dim() != 3:
         raise ValueError(f"logits must be [batch, rows, vocab], got shape {tuple(logits.shape)}")
-    if logits.shape[0] != batch or len(params) != batch or len(generators) != batch:
+    if logits.shape[0] != batch or len(params) != batch or len(keys) != batch or len(positions) != batch:
         raise ValueError(
             f"batch sizes differ: {batch} trees, logits batch {logits.shape[0]}, "
-            f"{len(params)} params, {len(generators)} generators"
+            f"{len(params)} params, {len(keys)} keys, {len(positions)} positions"
         )
     width = int(logits.shape[1])
     sizes = [int(np.shape(t.tokens)[0]) for t in trees]  # trees were checked where they entered
@@ -470,18 +375,17 @@ def verify_batch(
     sampled = [b for b in range(batch) if not params[b].is_greedy]
     if sampled:
         for b in sampled:
-            gen = generators[b]
-            if gen is None:
-                raise ValueError(f"request {b} samples (temperature {params[b].temperature}) but has no generator")
-            if not _same_device(gen.device, logits.device):
-                raise ValueError(f"request {b}: generator is on {gen.device}, logits on {logits.device}")
+            if keys[b] is None:
+                raise ValueError(f"request {b} samples (temperature {params[b].temperature}) but has no key")
+            if positions[b] < 0:
+                raise ValueError(f"request {b}: position {positions[b]} < 0")
         accepted = _verify_sampled(
             [trees[b] for b in sampled],
-            [sizes[b] for b in sampled],
             logits,
             sampled,
             [params[b] for b in sampled],
-            [generators[b] for b in sampled],  # type: ignore[misc]
+            [keys[b] for b in sampled],  # type: ignore[misc]
+            [int(positions[b]) for b in sampled],
         )
         for b, acceptance in zip(sampled, accepted, strict=True):
             results[b] = acceptance
@@ -489,7 +393,7 @@ def verify_batch(
 
 
 def verify_sampling(
-    tree: TreeLike, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    tree: TreeLike, logits: torch.Tensor, params: SamplingParams, key: int, position: int = 0
 ) -> Acceptance:
     """Single-request form of `verify_batch` (logits [S, V], S >= N + 1)."""
-    return verify_batch([tree], logits[None], [params], [generator])[0]
+    return verify_batch([tree], logits[None], [params], [key], [position])[0]

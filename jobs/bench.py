@@ -26,9 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from dart_worker.drafters import drafter_names, drafter_spec
 from jobs.bench_modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
 
@@ -62,7 +59,8 @@ class BenchReportConfig:
     repeats: int = 1
     # The lookup modes' job cache: off, because every cell decodes the same prompts (at each
     # temperature and repeat), so a cache would draft each prompt from its own earlier answer.
-    # jobs.bench_templated measures the cache on distinct rows.
+    # jobs.bench_templated measures the cache on distinct rows. DART's job n-gram is off in every
+    # cell for the same reason (jobs.bench_job_ngram and jobs.bench_engine job_ngram_modes measure it).
     lookup_cache_tokens: int = 0
     seed: int = 0
     output_dir: str = "bench_report"
@@ -126,19 +124,9 @@ def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | Non
                       schema: type[BenchReportConfig] = BenchReportConfig) -> BenchReportConfig:
     """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors.
     `schema`: BenchReportConfig or a subclass that adds keys (jobs.compare_heads)."""
-    try:
-        merged = OmegaConf.structured(schema)
-        if path is not None:
-            if not Path(path).is_file():
-                raise BenchConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides or [])))
-        cfg: BenchReportConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        where = f"{key}: " if key else ""
-        raise BenchConfigError(f"config {path or '<overrides>'}: {where}{str(exc).splitlines()[0]}") from None
-    return validate_config(cfg)
+    from pipeline.config import load_structured
+
+    return validate_config(load_structured(schema, path, overrides, BenchConfigError))
 
 
 # ------------------------------------------------------------------------------ cells
@@ -294,7 +282,8 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
     for c in cells:
         if c.mode in drafter_names() and (c.mode, c.budget) not in engines:
             engines[c.mode, c.budget] = build_engine(parts, c.mode, TreeParams(budget=c.budget or 1,
-                                                                             lookup_cache_tokens=cfg.lookup_cache_tokens))
+                                                                             lookup_cache_tokens=cfg.lookup_cache_tokens,
+                                                                             job_ngram_tokens=0))
     prompts = select_prompts(tokenizer, cfg.num_prompts, cfg.max_prompt_tokens)
     if not prompts:
         raise RuntimeError(f"no ShareGPT dev prompt fits max_prompt_tokens={cfg.max_prompt_tokens}")

@@ -34,6 +34,7 @@ from ngram_native.trees import SOURCE_NAMES, TreeParams
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
 FULL_LOGITS = "+full_logits"
 FIXED = "+fixed"
+JOB_NGRAM = "+job_ngram"
 
 
 @dataclass
@@ -55,6 +56,14 @@ class BenchConfig:
     # size and repeat, so a cache would draft each prompt from its own earlier answer
     # (jobs.bench_templated measures the cache on distinct rows).
     lookup_cache_tokens: int = 0
+    # DART's job n-gram (decoding.tree.job_ngram_tokens) learns from finished rows too: off in the
+    # cells for the same reason. `job_ngram_modes` also run with it on (label "<mode>+job_ngram"),
+    # first fed the first `warm_rows` outputs of `warm_outputs` (an earlier job's JSONL or Parquet,
+    # dart_train.corpus.job_output_documents), as a worker that far into a job; with repeats 1 and one
+    # batch size it then also learns from the bench's own finished prompts, as in a job.
+    job_ngram_modes: list[str] = field(default_factory=list)
+    warm_outputs: str | None = None
+    warm_rows: int = 2000
     # Modes also run with logits at every tree row (label "<mode>+full_logits"), side by side with
     # the default (on a CPU: deferred, only the rows the greedy walk reads).
     full_logits_modes: list[str] = field(default_factory=list)
@@ -255,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     configure_cpu_threads(cfg.threads)
     parts = load_parts(cfg, cfg.modes)
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
-    tree = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+    tree = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
     engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
                for mode in cfg.modes if mode in drafter_names()}
     for mode in cfg.full_logits_modes:
@@ -263,9 +272,27 @@ def main(argv: list[str] | None = None) -> dict:
     fixed = [(f"{mode}{FIXED}@{b}" if cfg.fixed_budgets else f"{mode}{FIXED}", mode, b)
              for mode in cfg.fixed_modes for b in (cfg.fixed_budgets or [cfg.budget])]
     for label, mode, budget in fixed:
-        sized = TreeParams(budget=budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+        sized = TreeParams(budget=budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
         engines[label] = build_engine(parts, mode, sized, sizing="fixed")
-    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed)]
+    if cfg.job_ngram_modes:
+        from dart_train.corpus import job_output_documents
+
+        if cfg.repeats > 1 or len(cfg.batch_sizes) > 1:
+            print("warning: with repeats or several batch sizes, the +job_ngram cells draft repeated prompts "
+                  "from their own earlier answers")
+        documents = job_output_documents(cfg.warm_outputs, cfg.warm_rows, tokenizer) if cfg.warm_outputs else []
+        for mode in cfg.job_ngram_modes:
+            on = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+            engine = build_engine(parts, mode, on, sizing=cfg.sizing)
+            job = engine.drafter.job_ngram
+            if job is None:
+                raise ValueError(f"job_ngram_modes: {mode!r} has no job n-gram (dart and dart_lookup with a trie do)")
+            for doc in documents:
+                job.add(doc)
+            print(f"{mode}{JOB_NGRAM}: {job!r}")
+            engines[f"{mode}{JOB_NGRAM}"] = engine
+    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed),
+                 *(f"{m}{JOB_NGRAM}" for m in cfg.job_ngram_modes)]
     for engine in engines.values():
         engine.sync_timing = cfg.sync_timing
     batch_sizes = cfg.batch_sizes or [cfg.batch_size]

@@ -2,7 +2,8 @@
 
 Builds a templated job by itself - `rows` prompts from one template with different slot values,
 the kind of dataset-generation job where row 10,000 looks like rows 1..9,999 - and decodes it with
-the same lookup drafter twice in one process: the job cache off (`lookup_cache_tokens=0`) and on.
+the same lookup drafter twice in one process: the job cache off (`lookup_cache_tokens=0`; for
+`dart_lookup` also its job n-gram, `job_ngram_tokens=0`) and on.
 The rows go through in chunks, alternating the two arms chunk by chunk (so drift in machine load
 hits both alike); within a chunk, `batch_size` rows decode together with continuous batching, and
 the cache-on engine keeps its cache across chunks, as a pipeline worker keeps it across batches.
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
     messages = templated_prompts(cfg.template, cfg.slot_values, cfg.rows)
     prompts = [tokenizer(format_user_prompt(tokenizer, m))["input_ids"] for m in messages]
     base = TreeParams(budget=cfg.budget, lookup_cache_prompts=cfg.cache_prompts)
-    engines = {"cache_off": build_engine(parts, cfg.mode, TreeParams(**{**asdict(base), "lookup_cache_tokens": 0}),
+    # Off: no job-level state at all (for dart_lookup, its job n-gram is off too).
+    off = {"lookup_cache_tokens": 0, "job_ngram_tokens": 0}
+    engines = {"cache_off": build_engine(parts, cfg.mode, TreeParams(**{**asdict(base), **off}),
                                          sizing=cfg.sizing),
                "cache_on": build_engine(parts, cfg.mode, TreeParams(**{**asdict(base),
                                                                        "lookup_cache_tokens": cfg.cache_tokens}),

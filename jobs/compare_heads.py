@@ -114,7 +114,7 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
         parts.head = load_draft_head(path, model.config, model.get_input_embeddings(), device=parts.target.device,
                                      dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)
         for c in cells:
-            tree = TreeParams(budget=c.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
+            tree = TreeParams(budget=c.budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
             stats = replay(build_drafter(parts, c.mode, tree), refs, cfg.max_new_tokens, parts.target.max_positions)
             per_prompt.setdefault(c.label, {})[path] = [s.tau for s in stats]
     out = {}

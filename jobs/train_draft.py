@@ -504,6 +504,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     from dart_train.replay import greedy_references, mean_tau, replay
     from dart_worker.drafters import drafter_spec
     from dart_worker.engine_factory import EngineParts, build_drafter
+    from ngram_native.trees import TreeParams
 
     ev = cfg.eval
     if ev.tau_prompts <= 0:
@@ -531,7 +532,9 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     for mode in ev.tau_modes:
         if drafter_spec(mode).needs_trie and parts.trie is None:
             continue
-        stats = replay(build_drafter(parts, mode), adapter_cache["refs"], ev.tau_max_new_tokens,
+        # Head + trie only: the job n-gram would also learn from the evaluation's own replies.
+        stats = replay(build_drafter(parts, mode, TreeParams(job_ngram_tokens=0)), adapter_cache["refs"],
+                       ev.tau_max_new_tokens,
                        parts.target.max_positions)
         result[f"tau_{mode}"] = mean_tau(stats)
     return result

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ngram_native.trees import TreeParams
 
@@ -77,18 +76,16 @@ class TuneConfigError(ValueError):
     pass
 
 
-def parse_config(argv: list[str]) -> TuneTreeConfig:
+def load_structured_config(schema: type, argv: list[str], error: type[Exception]):
+    """`[config.yaml] key=value ...` -> an instance of the dataclass `schema` (pipeline.config.load_structured)."""
+    from pipeline.config import load_structured
+
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
-    try:
-        merged = OmegaConf.structured(TuneTreeConfig)
-        if path is not None:
-            if not Path(path).is_file():
-                raise TuneConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-        cfg: TuneTreeConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise TuneConfigError(f"config: {str(exc).splitlines()[0]}") from None
+    return load_structured(schema, path, overrides, error)
+
+
+def parse_config(argv: list[str]) -> TuneTreeConfig:
+    cfg: TuneTreeConfig = load_structured_config(TuneTreeConfig, argv, TuneConfigError)
     from dart_worker.drafters import drafter_names, drafter_spec
 
     if cfg.mode not in drafter_names() or not drafter_spec(cfg.mode).uses_tree:

@@ -6,10 +6,12 @@ memory-mapped file shared by every process on a node; the tree builders
 (`build_dart_trees`, `build_ddtree_trees`, `build_chain_trees`) return `DraftTree`s in one
 canonical flattened form that masks, positions and verification walks derive from;
 `ContextIndex` + `build_lookup_trees` draft from a request's own text (prompt lookup), `JobCache` +
-`build_job_cache_trees` from the finished outputs of a job's earlier rows.
+`build_job_cache_trees` from the finished outputs of a job's earlier rows; `JobNgram` counts those
+outputs' n-grams as a second N-gram scorer for DART's beam, mixed into the trie's estimate.
 """
 
 from ngram_native.context import ContextIndex, JobCache, build_job_cache_trees, build_lookup_trees
+from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import (
     DraftTree,
     NgramScorer,
@@ -43,6 +45,7 @@ __all__ = [
     "ContextIndex",
     "DraftTree",
     "JobCache",
+    "JobNgram",
     "NgramScorer",
     "NgramTrie",
     "TokenizerMismatchError",

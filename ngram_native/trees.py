@@ -182,18 +182,27 @@ class TreeParams:
     # finished outputs, one cache per worker; its token budget (oldest rows evicted first), 0 = off.
     lookup_cache_tokens: int = 262144
     lookup_cache_prompts: bool = False  # also cache each finished row's prompt (before its output)
+    # The job n-gram (ngram_native.job_ngram.JobNgram) of DART's beam: the n-gram counts of the
+    # worker's finished outputs, mixed into the static trie's estimate; its token budget (oldest
+    # rows evicted first), 0 = off; its order; its prior (the job context count at which job and
+    # trie weigh the same).
+    job_ngram_tokens: int = 262144
+    job_ngram_order: int = 4
+    job_ngram_prior: float = 4.0
 
     def problems(self) -> list[tuple[str, str]]:
         """Every invalid field as (name, what is wrong); empty when the parameters are usable."""
         out = []
         for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
-                              ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0)):
+                              ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0),
+                              ("job_ngram_tokens", 0), ("job_ngram_order", 1)):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 out.append((name, f"must be an integer, got {type(value).__name__}"))
             elif value < minimum:
                 out.append((name, f"must be >= {minimum}, got {value}"))
-        for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0)):
+        for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0),
+                              ("job_ngram_prior", 0.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
                     or not math.isfinite(float(value)):
@@ -206,6 +215,10 @@ class TreeParams:
             out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
         if isinstance(self.lookup_cache_tokens, (int, np.integer)) and self.lookup_cache_tokens > 2**28:
             out.append(("lookup_cache_tokens", f"must be <= 2**28 (268435456), got {self.lookup_cache_tokens}"))
+        if isinstance(self.job_ngram_tokens, (int, np.integer)) and self.job_ngram_tokens > 2**28:
+            out.append(("job_ngram_tokens", f"must be <= 2**28 (268435456), got {self.job_ngram_tokens}"))
+        if isinstance(self.job_ngram_order, (int, np.integer)) and self.job_ngram_order > 6:
+            out.append(("job_ngram_order", f"must be <= 6, got {self.job_ngram_order}"))
         if not isinstance(self.lookup_cache_prompts, (bool, np.bool_)):
             out.append(("lookup_cache_prompts", f"must be true or false, got {self.lookup_cache_prompts!r}"))
         depth = self.max_depth

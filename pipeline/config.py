@@ -11,9 +11,10 @@ keys come from the environment or the standard credential chain.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -21,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
 from ngram_native.trees import TreeParams
+
+T = TypeVar("T")
 
 FORMATS = ("jsonl", "parquet")
 
@@ -113,22 +116,30 @@ class PipelineConfig:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PipelineConfig:
     """Schema <- YAML file <- dotlist overrides, then `validate`; raises ConfigError."""
+    cfg = load_structured(PipelineConfig, path, overrides, ConfigError)
+    validate(cfg)
+    return cfg
+
+
+def load_structured(schema: type[T], path: str | os.PathLike | None, overrides: list[str] | None,
+                    error: type[Exception]) -> T:
+    """The one way every job reads its config: the dataclass `schema`'s defaults <- a YAML file
+    (optional) <- dotlist overrides (`key=value`), as an instance of `schema`. Unknown keys, wrong
+    types and unparseable YAML raise `error` with a message naming the key or the file."""
     try:
-        merged = OmegaConf.structured(PipelineConfig)
+        merged = OmegaConf.structured(schema)
         if path is not None:
             if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
+                raise error(f"config file {path} does not exist")
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
         if overrides:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        cfg = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_describe(exc)) from None
+        raise error(_describe(exc)) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:  # not OmegaConf's own: a file or override YAML cannot parse
         where = "an override" if isinstance(exc, yaml.YAMLError) and "<unicode string>" in str(exc) else str(path)
-        raise ConfigError(f"invalid config: cannot parse {where}: {' '.join(str(exc).split())}") from None
-    validate(cfg)
-    return cfg
+        raise error(f"invalid config: cannot parse {where}: {' '.join(str(exc).split())}") from None
 
 
 def to_dict(cfg: PipelineConfig) -> dict[str, Any]:

@@ -205,6 +205,8 @@ def test_bad_requests_get_an_error_and_the_rest_still_run(models):
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(models, self_trie):
+    # The job n-gram is on: what the engine drafts depends on the rows it finished before, and
+    # still a seeded request's tokens do not (coupled sampling, dart_worker/verification.py).
     engine = make_engine(models["gemma3"], "dart", trie=self_trie)
     prompts = random_prompts(3, seed=7)
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=20) for s in (11, 12, 13)]
@@ -212,6 +214,25 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(models, se
     alone = engine.generate([prompts[1]], [params[1]])[0].token_ids
     assert together[1] == alone
     assert together == [r.token_ids for r in engine.generate(prompts, params)]
+    assert engine.drafter.job_ngram.num_documents == 7
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", [*SPEC_MODES, "lookup", "dart_lookup"])
+def test_seeded_sampling_commits_the_tokens_of_plain_sampling(models, self_trie, family, mode):
+    """For a given seed every drafter commits exactly what `ar` samples (fp32), batched or not:
+    drafts decide how many tokens a round settles, never which."""
+    model = models[family]
+    prompts = random_prompts(4, seed=3)
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_new_tokens=30)
+              for t, p, s in ((1.0, 1.0, 1), (0.7, 0.9, 2), (1.3, 1.0, 3), (1.0, 0.8, 4))]
+    expected = [r.token_ids for r in make_engine(model, "ar").generate(prompts, params)]
+    engine = make_engine(model, mode, trie=self_trie)
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert engine.generate([prompts[2]], [params[2]])[0].token_ids == expected[2]
+    if mode == "dart":  # drafts were accepted, so the coupling was exercised across rounds
+        assert max(max(r.stats.accept_lengths, default=0) for r in results) >= 2
 
 
 def exact_two_token_distribution(model, prompt: list[int], params: SamplingParams) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""SamplingParams validation, the warp (== transformers' warpers) and per-request generators."""
+"""SamplingParams validation, the warp (== transformers' warpers) and the per-request, per-position uniforms."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scipy import stats as scipy_stats
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -16,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from dart_worker import sampling
-from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
+from dart_worker.sampling import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
 
 
 def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -196,23 +197,37 @@ def test_params_validation(kwargs, error, message):
         SamplingParams(**kwargs)
 
 
-def test_generator_seeded_reproducible_and_independent_of_global_rng():
-    params = SamplingParams(seed=1234)
-    first = torch.rand(5, generator=make_generator(params, "cpu"))
-    torch.manual_seed(999)  # the global RNG must not matter
-    torch.rand(100)
-    second = torch.rand(5, generator=make_generator(params, "cpu"))
-    assert torch.equal(first, second)
-    other = torch.rand(5, generator=make_generator(SamplingParams(seed=1235), "cpu"))
-    assert not torch.equal(first, other)
-
-
-def test_generator_unseeded_is_nondeterministic_and_leaves_global_rng_alone():
+def test_seeded_keys_are_reproducible_and_distinct_and_leave_global_rngs_alone():
     torch.manual_seed(7)
     expected_global = torch.rand(3)
     torch.manual_seed(7)
-    a = torch.rand(4, generator=make_generator(SamplingParams(), "cpu"))
-    b = torch.rand(4, generator=make_generator(SamplingParams(), "cpu"))
-    assert not torch.equal(a, b)
-    assert torch.equal(torch.rand(3), expected_global)
-    assert make_generator(SamplingParams(), torch.device("cpu")).device == torch.device("cpu")
+    first = position_uniforms(request_key(SamplingParams(seed=1234)), np.arange(5))
+    again = position_uniforms(request_key(SamplingParams(seed=1234)), np.arange(5))
+    np.testing.assert_array_equal(first, again)
+    assert torch.equal(torch.rand(3), expected_global)  # torch's global RNG untouched
+    others = [position_uniforms(request_key(SamplingParams(seed=s)), np.arange(5)) for s in (0, 1, 1235, 2**63 - 1)]
+    assert len({tuple(u) for u in [first, *others]}) == 5
+    # unseeded: fresh entropy each time
+    assert request_key(SamplingParams()) != request_key(SamplingParams())
+
+
+def test_a_positions_uniform_does_not_depend_on_which_positions_are_asked_together():
+    key = request_key(SamplingParams(seed=5))
+    together = position_uniforms(key, [3, 0, 17, 3])
+    alone = [position_uniforms(key, [t])[0] for t in (3, 0, 17, 3)]
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_position_uniforms_are_uniform_and_independent_across_positions_and_keys():
+    """Kolmogorov-Smirnov on the marginal, and chi-square on 10 x 10 bins of consecutive pairs
+    (same key) and of same-position pairs (consecutive seeds): no structure at 200,000 draws."""
+    n = 200_000
+    u = position_uniforms(request_key(SamplingParams(seed=1)), np.arange(n))
+    assert ((u >= 0) & (u < 1)).all()
+    assert scipy_stats.kstest(u, "uniform").pvalue > 1e-4
+    pairs = [(u[:-1], u[1:])]
+    across = np.array([position_uniforms(request_key(SamplingParams(seed=s)), [7])[0] for s in range(20_000)])
+    pairs.append((across[:-1], across[1:]))
+    for a, b in pairs:
+        counts = np.histogram2d(a, b, bins=10, range=[[0, 1], [0, 1]])[0].ravel()
+        assert scipy_stats.chisquare(counts).pvalue > 1e-4

@@ -1,4 +1,5 @@
-"""Tree verification: greedy walk vs brute force, and statistical losslessness of sampling.
+"""Tree verification: greedy walk vs brute force; sampling: the same tokens as plain sampling
+with the same key, and statistical losslessness.
 
 The statistical tests run a toy target (a fixed random distribution for every context over a
 vocabulary of 8) through many independent decoding chains: each round drafts a random tree
@@ -7,7 +8,8 @@ path plus the bonus, until every chain holds two tokens. The first token and the
 tokens are chi-square tested against the exact target distribution computed independently
 with transformers' warpers. Sample sizes are chosen so that moving 0.02 of probability between
 the two most likely outcomes is caught with power >= 0.99 (checked analytically and
-empirically), and deliberately biased verifiers must fail the same test.
+empirically), and deliberately biased verifiers must fail the same test. Every chain has its own
+key; a chain decoded with empty trees (plain sampling) commits exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from hypothesis import strategies as st
 from scipy import stats
 
 import dart_worker.verification as verification
-from dart_worker.sampling import SamplingParams, make_generator, warp_logits_to_probs
+from dart_worker import sampling
+from dart_worker.sampling import SamplingParams, request_key, warp_logits_to_probs
 from dart_worker.verification import (
     Acceptance,
     verify_batch,
@@ -120,8 +123,8 @@ def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
                 logits[b, parent + 1, tree.tokens[i]] += 5.0
     logits = logits.to(dtype)
     params = [SamplingParams(temperature=0 if b % 2 == 0 else 1.0) for b in range(6)]
-    gens = [None if p.is_greedy else make_generator(SamplingParams(seed=b), "cpu") for b, p in enumerate(params)]
-    results = verify_batch(batch_trees, logits, params, gens)
+    keys = [None if p.is_greedy else request_key(SamplingParams(seed=b)) for b, p in enumerate(params)]
+    results = verify_batch(batch_trees, logits, params, keys, [0] * 6)
     lengths = []
     for b in range(0, 6, 2):
         n = len(batch_trees[b].tokens)
@@ -133,13 +136,14 @@ def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
 
 
 def test_sampling_with_one_hot_target_is_the_greedy_walk():
-    """top_k = 1 makes the target deterministic: rejection sampling must then walk like greedy."""
+    """top_k = 1 makes the target deterministic: coupled sampling must then walk like greedy."""
     rng = np.random.default_rng(3)
-    gen = make_generator(SamplingParams(seed=3), "cpu")
-    for _ in range(50):
+    gen = torch.Generator().manual_seed(3)
+    key = request_key(SamplingParams(seed=3))
+    for position in range(50):
         tree = random_tree(rng, vocab=4, max_depth=3, max_children=3)
         logits = torch.randn(len(tree.tokens) + 1, 4, generator=gen)
-        sampled = verify_sampling(tree, logits, SamplingParams(top_k=1), gen)
+        sampled = verify_sampling(tree, logits, SamplingParams(top_k=1), key, position)
         greedy = verify_greedy(tree, logits.argmax(-1).numpy())
         assert sampled.accepted.tolist() == greedy.accepted.tolist()
         assert sampled.bonus == greedy.bonus
@@ -212,11 +216,14 @@ def draft_tree(target: ToyTarget, context: tuple[int, ...], case: Case, seed: in
     return make_tree(tokens, parents), paths
 
 
-def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: int) -> np.ndarray:
-    """Decode `chains` independent sequences until each has `horizon` tokens; [chains, horizon]."""
-    gen = make_generator(SamplingParams(seed=seed), "cpu")
+def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: int,
+               empty_trees: bool = False) -> np.ndarray:
+    """Decode `chains` independent sequences (chain c with the key of seed (seed, c)) until each
+    has `horizon` tokens; [chains, horizon]. `empty_trees`: plain sampling, one token per round."""
+    keys = [request_key(SamplingParams(seed=seed * 1_000_003 + c)) for c in range(chains)]
     committed: list[list[int]] = [[] for _ in range(chains)]
     active = list(range(chains))
+    empty = make_tree([], [])
     while active:
         contexts: dict[tuple[int, ...], int] = {}
         drafted = []
@@ -224,7 +231,7 @@ def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: i
             context = tuple(committed[c])
             if context not in contexts:
                 contexts[context] = len(drafted)
-                tree, paths = draft_tree(target, context, case, seed)
+                tree, paths = (empty, {-1: ()}) if empty_trees else draft_tree(target, context, case, seed)
                 rows = [target.logits(context + paths[i]) for i in range(-1, len(tree.tokens))]
                 drafted.append((tree, np.stack(rows)))
         width = 1 + max(len(tree.tokens) for tree, _ in drafted)
@@ -236,7 +243,8 @@ def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: i
             [drafted[k][0] for k in which],
             table[torch.tensor(which)],
             [case.params] * len(active),
-            [gen] * len(active),
+            [keys[c] for c in active],
+            [len(committed[c]) for c in active],
         )
         for c, result in zip(active, results, strict=True):
             committed[c].extend(result.tokens.tolist())
@@ -280,6 +288,19 @@ def codes(samples: np.ndarray, length: int, vocab: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_drafted_chains_commit_exactly_the_tokens_of_plain_sampling(name):
+    """The coupling: with the same keys, verifying draft trees commits token for token what
+    plain sampling (empty trees) commits - the drafts change how many tokens a round settles,
+    never which. (The toy target's logits are the same whatever the tree, so this is exact.)"""
+    case = CASES[name]
+    target = ToyTarget(seed=11, vocab=case.vocab)
+    drafted = run_chains(target, case, 2_000, seed=9, horizon=5)
+    plain = run_chains(target, case, 2_000, seed=9, horizon=5, empty_trees=True)
+    np.testing.assert_array_equal(drafted, plain)
+    assert len({tuple(r) for r in plain.tolist()}) > 100  # it really samples
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_sampling_verification_is_lossless(name):
     case = CASES[name]
     target = ToyTarget(seed=11, vocab=case.vocab)
@@ -314,36 +335,29 @@ def test_sample_size_catches_a_two_percent_error():
             assert chi_square_pvalue(drawn, exact) < ALPHA
 
 
-def _unrenormalised(q: float, residual_mass: float) -> float:
-    return min(1.0, q)  # accept a later sibling with p(x) instead of p(x) / (1 - rejected mass)
+def _child_row_reuses_its_parents_uniform(key, position, depths, nodes):
+    # an off-by-one in the row's position: a node's row draws with its parent's uniform
+    row_depth = np.where(nodes < 0, 0, depths[np.maximum(nodes, 0)] - 1) if depths.size else np.zeros(len(nodes), int)
+    return sampling.position_uniforms(key, position + row_depth)
 
 
-def _five_percent_overconfident(q: float, residual_mass: float) -> float:
-    # subtle: shifts single outcome probabilities by only ~0.01
-    return min(1.0, 1.05 * q / residual_mass) if residual_mass > 0 else 1.0
+def _draws_ignore_temperature(logits, params):
+    return sampling.warp_logits_to_probs(logits, dataclasses.replace(params, temperature=1.0))
 
 
-def _ignore_residual(original):
-    def walk(tree, q, uniforms):
-        result = original(tree, q, uniforms)
-        return verification._Walk(result.path, result.bonus_row, [])  # bonus drawn from p itself
-
-    return walk
-
-
-@pytest.mark.parametrize("bias", ["unrenormalised_acceptance", "five_percent_overconfident", "bonus_ignores_residual"])
+@pytest.mark.parametrize("bias", ["child_row_reuses_its_parents_uniform", "draws_ignore_temperature"])
 def test_biased_verifiers_fail_the_same_test(bias, monkeypatch):
     """Negative controls: the statistical test must be able to fail, on the real pipeline."""
-    if bias == "unrenormalised_acceptance":
-        monkeypatch.setattr(verification, "_acceptance_probability", _unrenormalised)
-    elif bias == "five_percent_overconfident":
-        monkeypatch.setattr(verification, "_acceptance_probability", _five_percent_overconfident)
+    if bias == "child_row_reuses_its_parents_uniform":
+        monkeypatch.setattr(verification, "_row_uniforms", _child_row_reuses_its_parents_uniform)
+        name, length = "plain", 2  # the two tokens of an accepted (parent, child) pair correlate
     else:
-        monkeypatch.setattr(verification, "_rejection_walk", _ignore_residual(verification._rejection_walk))
-    case = CASES["plain"]
+        monkeypatch.setattr(verification, "warp_logits_to_probs", _draws_ignore_temperature)
+        name, length = "temperature+top_k", 1  # same support, flatter distribution
+    case = CASES[name]
     target = ToyTarget(seed=11, vocab=case.vocab)
-    samples = run_chains(target, case, CHAINS, seed=5, horizon=1)
-    pvalue = chi_square_pvalue(codes(samples, 1, case.vocab), exact_distribution(target, case.params, 1))
+    samples = run_chains(target, case, CHAINS, seed=5, horizon=length)
+    pvalue = chi_square_pvalue(codes(samples, length, case.vocab), exact_distribution(target, case.params, length))
     assert pvalue < ALPHA, f"biased verifier ({bias}) passed: p = {pvalue:.3f}"
 
 
@@ -364,12 +378,12 @@ def test_seeded_request_is_independent_of_its_batch():
     other_params = [SamplingParams(temperature=0), SamplingParams(top_k=3, seed=1), SamplingParams(seed=2)]
 
     def run(alone: bool) -> list[list[int]]:
-        gen = make_generator(params, "cpu")
-        other_gens = [make_generator(p, "cpu") if not p.is_greedy else None for p in other_params]
+        key = request_key(params)
+        other_keys = [request_key(p) if not p.is_greedy else None for p in other_params]
         outputs = []
-        for _ in range(20):  # several rounds: the generator state carries over
+        for position in range(0, 60, 3):  # several rounds at later and later positions
             if alone:
-                outputs.append(verify_batch([tree], rows[None], [params], [gen])[0].tokens.tolist())
+                outputs.append(verify_batch([tree], rows[None], [params], [key], [position])[0].tokens.tolist())
                 continue
             batch_trees = [others[0][0], tree, others[1][0], others[2][0]]
             width = 1 + max(len(t.tokens) for t in batch_trees)
@@ -377,8 +391,9 @@ def test_seeded_request_is_independent_of_its_batch():
             for b, r in enumerate([others[0][1], rows, others[1][1], others[2][1]]):
                 logits[b, : len(r)] = r
             batch_params = [other_params[0], params, other_params[1], other_params[2]]
-            batch_gens = [other_gens[0], gen, other_gens[1], other_gens[2]]
-            outputs.append(verify_batch(batch_trees, logits, batch_params, batch_gens)[1].tokens.tolist())
+            batch_keys = [other_keys[0], key, other_keys[1], other_keys[2]]
+            outputs.append(verify_batch(batch_trees, logits, batch_params, batch_keys, [5, position, 0, 9])[1]
+                           .tokens.tolist())
         return outputs
 
     alone, batched = run(alone=True), run(alone=False)
@@ -389,46 +404,23 @@ def test_seeded_request_is_independent_of_its_batch():
 # ---------------------------------------------------------------------- numerics
 
 
-def test_acceptance_probability_guards():
-    accept = verification._acceptance_probability
-    assert accept(0.3, 0.6) == pytest.approx(0.5)
-    assert accept(0.6000001, 0.6) == 1.0  # ratio > 1 by rounding
-    assert accept(0.2, 0.0) == 1.0  # residual exhausted by rounding: x is all that is left
-    assert accept(0.0, 0.0) == 0.0
-    assert accept(0.0, 0.5) == 0.0
-
-
-def test_repeated_sibling_token_is_never_accepted_twice():
+def test_repeated_sibling_token_takes_the_first_sibling():
     tree = make_tree([2, 2, 3], [-1, -1, -1])
     logits = torch.log(torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.25] * 4, [0.25] * 4, [0.25] * 4]))
-    gen = make_generator(SamplingParams(seed=0), "cpu")
-    for _ in range(300):
-        result = verify_sampling(tree, logits, SamplingParams(), gen)
-        assert result.accepted.tolist() != [1]  # the duplicate has residual probability 0
-
-
-def test_exhausted_residual_falls_back_to_the_target_row(monkeypatch):
-    """If rounding leaves no residual mass, the bonus still comes from the (unmodified) row."""
-    def reject_everything(tree, q, uniforms):
-        return verification._Walk([], 0, [0, 1])
-
-    monkeypatch.setattr(verification, "_rejection_walk", reject_everything)
-    tree = make_tree([0, 1], [-1, -1])
-    logits = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]] * 3)
-    gen = make_generator(SamplingParams(seed=0), "cpu")
-    tokens = {verify_sampling(tree, logits, SamplingParams(), gen).bonus for _ in range(50)}
-    assert tokens <= {0, 1}
+    key = request_key(SamplingParams(seed=0))
+    accepted = [verify_sampling(tree, logits, SamplingParams(), key, t).accepted.tolist() for t in range(300)]
+    assert [1] not in accepted and [0] in accepted and [2] in accepted
 
 
 def test_inverse_cdf_sample_never_draws_zero_weight_tokens():
     weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 3.0]])
     for u, expected in [(0.0, [1, 2, 0]), (0.2, [1, 2, 0]), (0.25, [1, 2, 4]), (0.49, [1, 2, 4]), (0.5, [3, 2, 4])]:
-        drawn = verification._inverse_cdf_sample(weights, torch.full((3,), u, dtype=torch.float64))
+        drawn = sampling.inverse_cdf_sample(weights, torch.full((3,), u, dtype=torch.float64))
         assert drawn.tolist() == expected, u
     # u * total rounding up to the total still lands on the last token of positive weight
     just_below_one = torch.full((3,), 1.0 - 2**-53, dtype=torch.float64)
-    assert verification._inverse_cdf_sample(weights, just_below_one).tolist() == [3, 2, 4]
-    assert verification._inverse_cdf_sample(weights, torch.ones(3, dtype=torch.float64)).tolist() == [3, 2, 4]
+    assert sampling.inverse_cdf_sample(weights, just_below_one).tolist() == [3, 2, 4]
+    assert sampling.inverse_cdf_sample(weights, torch.ones(3, dtype=torch.float64)).tolist() == [3, 2, 4]
 
 
 def _reference_inverse_cdf(weights: np.ndarray, u: float) -> int:
@@ -454,22 +446,23 @@ def test_two_level_inverse_cdf_equals_the_brute_force_draw(data, vocab, zeros):
     totals = weights.sum(axis=1, dtype=np.float64)
     # Cumulative weight at the end of each block: a uniform landing exactly there must pass on
     # to the next block's first token of positive weight, as the scan does.
-    edges = [np.cumsum(w, dtype=np.float64)[verification._CDF_BLOCK - 1 :: verification._CDF_BLOCK] for w in weights]
+    edges = [np.cumsum(w, dtype=np.float64)[sampling._CDF_BLOCK - 1 :: sampling._CDF_BLOCK] for w in weights]
     picks = [data.draw(st.one_of(st.sampled_from([0.0, 1.0, 1.0 - 2**-53]), st.floats(0.0, 1.0),
                                  st.integers(0, int(t)).map(lambda k, t=t: k / t),
                                  st.sampled_from([*e.tolist(), 0.0]).map(lambda k, t=t: k / t)))
              for t, e in zip(totals, edges)]
     uniforms = torch.tensor(picks, dtype=torch.float64)
-    drawn = verification._inverse_cdf_sample(torch.from_numpy(weights), uniforms).tolist()
+    drawn = sampling.inverse_cdf_sample(torch.from_numpy(weights), uniforms).tolist()
     assert drawn == [_reference_inverse_cdf(weights[r], picks[r]) for r in range(rows)]
     assert all(weights[r, t] > 0 for r, t in enumerate(drawn))
 
 
 def test_bonus_rewarp_of_one_row_equals_the_batched_warp():
-    """The walk uses probabilities warped in chunks of rows; the bonus re-warps only its row.
-    Both must agree (same support, same numbers up to float32 rounding), or acceptance and
-    residual would disagree - also when other rows of the chunk change the warp's strategy
-    (a flat row grows the top-p candidates, a tie at the k-th score forces the dense path)."""
+    """Rows with children are warped in chunks; a leaf row that ends a walk, alone, and the
+    prefill's first token alone too. All must agree (same support, same numbers up to float32
+    rounding), or the coupled draw of a row would depend on what it was warped with - also when
+    other rows of the chunk change the warp's strategy (a flat row grows the top-p candidates, a
+    tie at the k-th score forces the dense path)."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(17, 4096, generator=gen) * torch.linspace(0.05, 6.0, 17)[:, None]
     logits[3, :30] = 9.0  # a row with a 30-way tie at the top
@@ -486,8 +479,7 @@ def test_empty_trees_commit_one_token():
     empty = make_tree([], [])
     logits = torch.tensor([[[0.0, 5.0, 0.0]], [[-1.0, 0.0, 3.0]]])
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
-    gens = [None, make_generator(SamplingParams(seed=0), "cpu")]
-    results = verify_batch([empty, empty], logits, params, gens)
+    results = verify_batch([empty, empty], logits, params, [None, request_key(SamplingParams(seed=0))], [0, 3])
     assert [r.tokens.tolist() for r in results] == [[1], [2]]
     assert all(r.committed_rows.tolist() == [0] for r in results)
 
@@ -497,37 +489,39 @@ def test_empty_trees_commit_one_token():
 
 def test_errors_name_what_differs():
     tree = make_tree([1, 2], [-1, 0])
-    gen = make_generator(SamplingParams(seed=0), "cpu")
+    key = request_key(SamplingParams(seed=0))
     sample = SamplingParams()
     with pytest.raises(ValueError, match="argmax_tokens has 2 entries, tree needs N \\+ 1 = 3"):
         verify_greedy(tree, np.array([1, 2]))
     with pytest.raises(ValueError, match="logits must be"):
-        verify_batch([tree], torch.zeros(3, 4), [sample], [gen])
+        verify_batch([tree], torch.zeros(3, 4), [sample], [key], [0])
     with pytest.raises(ValueError, match="batch sizes differ: 1 trees, logits batch 2"):
-        verify_batch([tree], torch.zeros(2, 3, 4), [sample], [gen])
+        verify_batch([tree], torch.zeros(2, 3, 4), [sample], [key], [0])
     with pytest.raises(ValueError, match="only 2 rows"):
-        verify_batch([tree], torch.zeros(1, 2, 4), [sample], [gen])
+        verify_batch([tree], torch.zeros(1, 2, 4), [sample], [key], [0])
     # Tree contents (token ids within the vocabulary, ...) are checked once, where trees enter the
     # engine: TreeBatch.from_trees (tests/test_tree_batch.py), not again here.
-    with pytest.raises(ValueError, match=r"request 0 samples .* but has no generator"):
-        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [None])
+    with pytest.raises(ValueError, match=r"request 0 samples .* but has no key"):
+        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [None], [0])
+    with pytest.raises(ValueError, match="request 0: position -1 < 0"):
+        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [key], [-1])
     bad = torch.zeros(1, 3, 4)
     bad[0, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="request 0: warped probabilities of row 1 sum to nan"):
-        verify_batch([tree], bad, [sample], [gen])
+        verify_batch([tree], bad, [sample], [key], [0])
     # the culprit is named in a mixed batch too (greedy, and two different warps) ...
     mixed = [SamplingParams(temperature=0), SamplingParams(top_k=2), sample]
     batch = torch.zeros(3, 3, 4)
     batch[2, 0, 1] = float("inf")
     with pytest.raises(ValueError, match="request 2: warped probabilities of row 0 sum to nan"):
-        verify_batch([tree] * 3, batch, mixed, [None, gen, gen])
+        verify_batch([tree] * 3, batch, mixed, [None, key, key], [0, 0, 0])
     # ... and when the broken row is a leaf that becomes the bonus row (node 0 is certain)
     leaf = make_tree([1], [-1])
     batch = torch.zeros(3, 2, 4)
     batch[:, 0, 1] = 100.0
     batch[2, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="request 2: warped probabilities of row 1 sum to nan"):
-        verify_batch([leaf] * 3, batch, mixed, [None, gen, gen])
+        verify_batch([leaf] * 3, batch, mixed, [None, key, key], [0, 0, 0])
 
 
 def test_acceptance_of_empty_path():

@@ -53,6 +53,9 @@ class Drafter(ABC):
     # True when proposing costs a model forward (a draft head) that the engine's cost model may
     # pause for rounds where drafting does not pay (`pause_model`, `catch_up`).
     has_model: bool = False
+    # The n-gram counts of the rows this drafter's engine finished (ngram_native.JobNgram), for
+    # drafters that score with them (dart, dart_lookup); None for the others.
+    job_ngram = None
 
     def start(self, batch_size: int) -> None:  # noqa: B027 - optional hook, stateless drafters skip it
         """A new batch of `batch_size` sequences begins: forget any earlier batch."""

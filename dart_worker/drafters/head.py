@@ -19,6 +19,7 @@ import torch
 
 from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import (
     SOURCE_HEAD,
     DraftTree,
@@ -159,15 +160,32 @@ class DDTreeDrafter(HeadDrafter):
 
 
 class DartDrafter(HeadDrafter):
+    """DART's beam over the head's top-k, re-scored by the static trie - mixed, when
+    `tree.job_ngram_tokens` > 0, with the n-gram counts of the rows this drafter's engine has
+    finished (`ngram_native.job_ngram.JobNgram`: per worker, so a long job drafts from the
+    target's own earlier replies; with no rows finished yet it scores exactly like the trie)."""
+
     name = "dart"
 
     def __init__(self, head, tree: TreeParams, eos_token_ids: Sequence[int], trie):
         super().__init__(head, tree, eos_token_ids)
         self.trie = trie
+        self.job_ngram: JobNgram | None = None
+        if trie is not None and tree.job_ngram_tokens:
+            self.job_ngram = JobNgram(base=trie, order=tree.job_ngram_order, max_tokens=tree.job_ngram_tokens,
+                                      prior=tree.job_ngram_prior)
+
+    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
+        if self.job_ngram is None:
+            return
+        for seq, prompt_len in zip(tokens, num_prompt, strict=True):
+            if len(seq) > prompt_len:
+                self.job_ngram.add(seq[int(prompt_len):])
 
     def build(self, logits, tokens, caps):
         top_k = min(self.tree.top_k, logits.shape[-1])
         values, ids = logits.float().topk(top_k, dim=-1)
         contexts = [t[-NGRAM_CONTEXT_TOKENS:] for t in tokens]
-        return build_dart_trees(self.target_ids(ids), values.cpu().numpy(), contexts, self.trie,
+        scorer = self.job_ngram if self.job_ngram is not None else self.trie
+        return build_dart_trees(self.target_ids(ids), values.cpu().numpy(), contexts, scorer,
                                 params=self.tree, top_k=top_k, eos_ids=self.eos_ids, max_depths=caps)

@@ -39,6 +39,10 @@ class HybridDrafter(Drafter):
     def has_model(self) -> bool:
         return self.inner.has_model
 
+    @property
+    def job_ngram(self):
+        return self.inner.job_ngram
+
     def catch_up(self) -> None:
         self.inner.catch_up()
 
