@@ -128,6 +128,25 @@ def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, fr
     assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["run_id"] == "test-run"
 
 
+def test_a_sampled_job_reproduces_its_rows_under_another_mode_and_batching(tmp_path, artifacts, fresh_ray):
+    """Per-row seeds + coupled sampling: a seeded sampled job writes the same tokens for every row
+    under `ar` with one worker and under `dart_lookup` (job cache and job n-gram learning as rows
+    finish) with two workers, other batch sizes and continuous batching."""
+    prompts = write_inputs(tmp_path / "in.jsonl", good=8, seed=3)
+    runs = {}
+    for name, extra in {"ar": dict(decoding__mode="ar", resources__num_workers=1, resources__batch_size=5),
+                        "dart_lookup": dict(decoding__mode="dart_lookup", resources__batch_size=3,
+                                            resources__max_live=2)}.items():
+        path = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / name),
+                           decoding__temperature=1.0, decoding__top_p=0.9, decoding__seed=7, **extra)
+        run_pipeline(load_config(path))
+        runs[name] = {r["row_key"]: r["token_ids"] for r in read_output(str(tmp_path / name)).to_pylist()
+                      if not r["error"]}
+    assert len(runs["ar"]) == len(prompts)
+    assert runs["dart_lookup"] == runs["ar"]
+    assert len({tuple(t) for t in runs["ar"].values()}) == len(prompts)
+
+
 def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
     write_inputs(tmp_path / "in.jsonl", good=24, seed=1)
     out = tmp_path / "out"
