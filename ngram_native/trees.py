@@ -174,6 +174,7 @@ class TreeParams:
     max_depth: int | None = None  # deepest draft level; None = every position the drafter predicts
     keep_pruned: bool = _NATIVE_DEFAULTS.keep_pruned  # beam-pruned children may still be leaves
     prune: bool = _NATIVE_DEFAULTS.prune  # skip provably hopeless children (exact; False for tests)
+    ngram_first_level: bool = _NATIVE_DEFAULTS.ngram_first_level  # n-gram term at depth 1 too (reference: no)
     # Context lookup (the `lookup` drafter and the hybrids; ngram_native.context):
     lookup_min_match: int = 2  # shortest suffix match worth drafting from (transformers uses 2)
     lookup_depth_factor: float = 4.0  # draft depth <= factor x match length (SuffixDecoding's rule)
@@ -242,6 +243,7 @@ class TreeParams:
         for name in ("depth_decay", "draft_decay", "ngram_weight"):
             setattr(native, name, float(getattr(self, name)))
         native.keep_pruned, native.prune = bool(self.keep_pruned), bool(self.prune)
+        native.ngram_first_level = bool(self.ngram_first_level)
         return native
 
 

@@ -71,6 +71,7 @@ def ref_dart(
     draft_decay: float = 0.9,
     ngram_weight: float = 0.5,
     keep_pruned: bool = True,
+    ngram_first_level: bool = False,
 ) -> DraftTree:
     rows = ref_rows(values, ids, top_k)
     draft_terms = []
@@ -94,7 +95,7 @@ def ref_dart(
         created = []
         for parent in parents:
             q = None
-            if level > 0 and use_ngram:
+            if (level > 0 or ngram_first_level) and use_ngram:
                 path = []
                 x = parent
                 while x >= 0:
@@ -177,6 +178,7 @@ def dart_case(draw):
         beam_width=draw(st.integers(1, 6)),
         eos_ids=tuple(draw(st.sets(st.integers(0, vocab - 1), max_size=2))),
         keep_pruned=draw(st.booleans()),
+        ngram_first_level=draw(st.booleans()),
     )
     if draw(st.booleans()):
         params.update(

@@ -111,6 +111,7 @@ void bind_trees(py::module_& m) {
       .def_readwrite("draft_decay", &trees::DartParams::draft_decay)
       .def_readwrite("ngram_weight", &trees::DartParams::ngram_weight)
       .def_readwrite("keep_pruned", &trees::DartParams::keep_pruned)
+      .def_readwrite("ngram_first_level", &trees::DartParams::ngram_first_level)
       .def_readwrite("prune", &trees::DartParams::prune);
 
   m.def(

@@ -133,6 +133,8 @@ struct DartParams {
   double draft_decay = 0.9;
   double ngram_weight = 0.5;
   bool keep_pruned = true;
+  // Score level 0 with the N-gram model too (the reference does not: NO_NGRAM_ON_FIRST_TOKEN).
+  bool ngram_first_level = false;
   // Skip children that provably cannot enter the tree: never creates them, nor scores
   // them with the N-gram model. The result is identical (tested against prune = false);
   // it saves most scorer calls at deep levels, whose nodes rarely make the budget.

@@ -144,7 +144,7 @@ void build_one(const DraftScores& in, int64_t b, const Contexts& contexts,
     }
     const int32_t* cand = &ws.rows.ids[l * k];
     const double* draft_term = &ws.draft_term[l * k];
-    const bool with_ngram = use_ngram && l > 0;  // no n-gram term for the first token (reference)
+    const bool with_ngram = use_ngram && (l > 0 || p.ngram_first_level);  // reference: not at level 0
     // Best possible n-gram term (q = 1): with it, `upper` bounds every child's exact score;
     // all operations are monotone, so the bound also holds in floating point.
     const double ngram_best = with_ngram ? p.ngram_weight * ws.log_one : 0.0;
