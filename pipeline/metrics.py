@@ -2,7 +2,9 @@
 
 The worker calls `record_batch(outputs, ...)` once per finished batch with the output rows it is
 about to return. Everything here comes from those rows (the per-row statistics of
-`dart_worker.stats.STAT_COLUMNS`), so the metrics and the Parquet output never disagree:
+`dart_worker.stats.STAT_COLUMNS`), so the metrics and the Parquet output never disagree - but for
+the job-state gauges, which report what the worker's drafter has learnt from finished rows
+(`Drafter.job_state()`), a worker property rather than a row's:
 
     dart_rows_done                  counter    every finished row (generated or error row)
     dart_rows_failed                counter    error rows, label error_kind
@@ -13,6 +15,9 @@ about to return. Everything here comes from those rows (the per-row statistics o
                                                shared time counted once per batch
     dart_tokens_per_s               gauge      this worker's throughput over its last batch
     dart_batch_occupancy            gauge      mean live sequences per round / max_live, last batch
+    dart_job_state_tokens           gauge      tokens the worker's job-level drafting state holds
+                                               (label state: job_cache, job_ngram)
+    dart_job_state_bytes            gauge      its memory (label state)
     dart_tau                        histogram  per row: tokens committed per verification round
     dart_tree_size                  histogram  per row: mean draft nodes verified per round (the
                                                size the cost model chose, when sizing=auto)
@@ -63,6 +68,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "tokens_per_s": ("gauge", "Tokens generated per second over the worker's last batch (tokens/s)", (), None),
     "batch_occupancy": ("gauge", "Mean sequences verified together per round / max_live, last batch (0..1)",
                         (), None),
+    "job_state_tokens": ("gauge", "Tokens held by the worker's job-level drafting state (tokens)", ("state",), None),
+    "job_state_bytes": ("gauge", "Memory of the worker's job-level drafting state (bytes)", ("state",), None),
     "tau": ("histogram", "Tokens committed per verification round, per row (tokens)", (), TAU_BOUNDARIES),
     "tree_size": ("histogram", "Mean draft nodes verified per round, per row (nodes)", (), TREE_SIZE_BOUNDARIES),
     "stage_seconds_per_round": ("histogram", "Seconds per verification round by stage, per row (seconds)",
@@ -101,6 +108,7 @@ class _Metrics:
         self.stage_seconds, self.tokens_per_s = made["stage_seconds"], made["tokens_per_s"]
         self.batch_occupancy, self.tau, self.tree_size = made["batch_occupancy"], made["tau"], made["tree_size"]
         self.stage_per_round, self.batch_seconds = made["stage_seconds_per_round"], made["batch_seconds"]
+        self.job_state_tokens, self.job_state_bytes = made["job_state_tokens"], made["job_state_bytes"]
 
 
 _metrics: _Metrics | None = None
@@ -125,14 +133,18 @@ def _get() -> _Metrics | None:
 
 
 def record_batch(outputs: Iterable[dict[str, Any]], *, run_id: str, worker: str, mode: str,
-                 batch_size: int, wall_s: float) -> None:
-    """Record one finished worker batch: `outputs` are its output rows (one per input row)."""
+                 batch_size: int, wall_s: float, job_state: dict[str, tuple[int, int]] | None = None) -> None:
+    """Record one finished worker batch: `outputs` are its output rows (one per input row);
+    `job_state`: the drafter's job-level state after it, {kind: (tokens, bytes)}."""
     metrics = _get()
     if metrics is None:
         return
     try:
-        _record(metrics, list(outputs), {"run_id": str(run_id), "worker": str(worker), "mode": str(mode)},
-                batch_size, wall_s)
+        labels = {"run_id": str(run_id), "worker": str(worker), "mode": str(mode)}
+        _record(metrics, list(outputs), labels, batch_size, wall_s)
+        for state, (tokens, nbytes) in (job_state or {}).items():
+            metrics.job_state_tokens.set(tokens, tags={**labels, "state": state})
+            metrics.job_state_bytes.set(nbytes, tags={**labels, "state": state})
     except Exception:
         log.warning("could not record batch metrics", exc_info=True)
 

@@ -100,7 +100,8 @@ class GenerationWorker:
             out.setdefault("finished_at", batch_end)
         resources = self.cfg.resources
         record_batch(outputs, run_id=self.resolved["run_id"], worker=self.worker_name, mode=self.cfg.decoding.mode,
-                     batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started)
+                     batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started,
+                     job_state=self.engine.drafter.job_state())
         return result_rows_to_table(outputs)
 
     def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:

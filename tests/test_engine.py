@@ -217,6 +217,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(models, se
     assert engine.drafter.job_ngram.num_documents == 7
 
 
+@pytest.mark.parametrize(("mode", "states"), [("ar", set()), ("ddtree", set()), ("dart", {"job_ngram"}),
+                                             ("lookup", {"job_cache"}), ("dart_lookup", {"job_cache", "job_ngram"})])
+def test_job_state_reports_what_the_drafter_learnt_from_finished_rows(models, self_trie, mode, states):
+    engine = make_engine(models["qwen3"], mode, trie=self_trie if mode.startswith("dart") else None)
+    if mode == "dart_lookup":  # make_engine hands the trie to `dart` only
+        engine = build_engine(EngineParts(target=engine.target, head=engine.drafter.inner.head, trie=self_trie),
+                              mode, TreeParams())
+    assert set(engine.drafter.job_state()) == states
+    results = engine.generate(random_prompts(3, seed=4), greedy(12))
+    generated = sum(len(r.token_ids) for r in results)
+    for tokens, nbytes in engine.drafter.job_state().values():
+        assert tokens == generated and nbytes > 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", [*SPEC_MODES, "lookup", "dart_lookup"])
 def test_seeded_sampling_commits_the_tokens_of_plain_sampling(models, self_trie, family, mode):

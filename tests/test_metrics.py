@@ -120,6 +120,10 @@ def test_metrics_reach_the_prometheus_endpoint(tmp_path):
     for stage in ("verify", "draft", "tree"):
         assert total(samples, "ray_dart_stage_seconds_per_round_count", stage=stage, **run) == len(with_rounds)
         assert total(samples, "ray_dart_stage_seconds_total", stage=stage, **run) > 0
+    # the worker's job n-gram (one worker) holds every generated token of the job's rows
+    assert total(samples, "ray_dart_job_state_tokens", state="job_ngram", **run) == \
+        sum(r["num_generated_tokens"] for r in ok)
+    assert total(samples, "ray_dart_job_state_bytes", state="job_ngram", **run) > 0
     workers = {lab["worker"] for lab, _ in samples["ray_dart_rows_done_total"]}
     assert workers == {r["worker"] for r in table if r["worker"]}
     assert samples["ray_dart_tokens_per_s"] and all(v >= 0 for _, v in samples["ray_dart_tokens_per_s"])

@@ -57,6 +57,11 @@ class Drafter(ABC):
     # drafters that score with them (dart, dart_lookup); None for the others.
     job_ngram = None
 
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        """What this drafter learnt from finished rows, by kind ("job_cache", "job_ngram"):
+        (tokens held, bytes of memory). Empty for drafters without job-level state."""
+        return {} if self.job_ngram is None else {"job_ngram": (len(self.job_ngram), self.job_ngram.memory_bytes)}
+
     def start(self, batch_size: int) -> None:  # noqa: B027 - optional hook, stateless drafters skip it
         """A new batch of `batch_size` sequences begins: forget any earlier batch."""
 

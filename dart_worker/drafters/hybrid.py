@@ -43,6 +43,9 @@ class HybridDrafter(Drafter):
     def job_ngram(self):
         return self.inner.job_ngram
 
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        return {**self.inner.job_state(), **self.context.job_state()}
+
     def catch_up(self) -> None:
         self.inner.catch_up()
 

@@ -55,6 +55,11 @@ class ContextIndexes:
     def start(self, batch_size: int) -> None:
         self.indexes = [self._new_index() for _ in range(batch_size)]
 
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        """{"job_cache": (tokens held, bytes)}, or {} when the cache is off."""
+        cache = self.job_cache
+        return {} if cache is None else {"job_cache": (len(cache), cache.memory_bytes)}
+
     def _new_index(self) -> ContextIndex:
         return ContextIndex(min_match=self.tree.lookup_min_match,
                             max_match=max(self.tree.lookup_min_match, DEFAULT_MAX_MATCH))
@@ -148,3 +153,6 @@ class LookupDrafter(Drafter):
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         return self.context.propose(tokens, max_depths)
+
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        return self.context.job_state()
