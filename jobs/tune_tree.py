@@ -12,6 +12,9 @@ forwards and tree builds, milliseconds per round instead of seconds on a CPU), a
 engine's `fixed`-sizing tau (tests/test_replay.py). The first `check_prompts` dev prompts (the
 benchmark's, jobs.bench) are held out: the search runs on the next `num_prompts`, and the table
 reports the default and the best setting on both sets, so overfitting the search set shows.
+Drafters are built as a job builds them (`base` may change that): with DART's job n-gram on, which
+here learns only from the replies that finish first within the lockstep batch (jobs.bench_job_ngram
+measures it warmed by earlier rows).
 
     python -m jobs.tune_tree mode=dart 'budgets=[16,32,60]' num_prompts=32
     python -m jobs.tune_tree head=outputs/my_head/export 'grid={ngram_weight: [0, 0.5, 1]}'
