@@ -70,6 +70,11 @@ class DecodingConfig:
     # tokens per second (0 included: a plain step), up to tree.budget nodes, and pauses the draft
     # head while it does not pay (dart_worker/cost_model.py); "fixed": every tree as built.
     sizing: str = "auto"
+    # An earlier run's output URL (same target): its generated rows warm every worker's job-level
+    # drafting state (the job cache and the job n-gram, decoding.tree) before the first row, so a
+    # nightly job drafts from last night's outputs from its first row; the first `warm_rows` rows.
+    warm_from: str | None = None
+    warm_rows: int = 4096
 
 
 @dataclass
@@ -170,6 +175,7 @@ def validate(cfg: PipelineConfig) -> None:
     check(i.format in FORMATS, "input.format", f"must be one of {FORMATS}, got {i.format!r}")
     check((i.prompt_column is None) != (i.messages_column is None), "input.prompt_column",
           "set exactly one of input.prompt_column and input.messages_column")
+    check(d.warm_rows >= 1, "decoding.warm_rows", f"must be >= 1, got {d.warm_rows}")
     check(i.max_prompt_chars > 0, "input.max_prompt_chars", "must be > 0")
     if d.mode in drafter_names():
         spec = drafter_spec(d.mode)

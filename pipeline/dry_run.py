@@ -84,6 +84,9 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
                            if "head_dir" in resolved else None),
             "trie": ({"url": redact(resolved["trie_url"]), "fingerprint": resolved["trie_fingerprint"]}
                      if "trie_url" in resolved else None),
+            "warm_from": ({"url": redact(d.warm_from), "rows": len(resolved["warm_documents"]),
+                           "tokens": sum(map(len, resolved["warm_documents"]))}
+                          if "warm_documents" in resolved else None),
         },
         "inputs": {"files": inputs, "rows": sum(known) if known else None,
                    "exact": all(i["exact"] for i in inputs), "format": cfg.input.format},
@@ -114,6 +117,9 @@ def format_report(plan: dict[str, Any]) -> str:
                   f"            fingerprint {a['trie']['fingerprint']} (tokenizer matches)"]
     else:
         lines.append(f"trie        not used by mode {w['mode']}")
+    if a.get("warm_from"):
+        lines.append(f"warm from   {a['warm_from']['url']}: {a['warm_from']['rows']} rows, "
+                     f"{a['warm_from']['tokens']} tokens (same target)")
     total = "unknown" if i["rows"] is None else f"{'' if i['exact'] else '~'}{i['rows']}"
     lines.append(f"inputs      {len(i['files'])} {i['format']} file(s), {total} rows")
     for f in i["files"][:20]:

@@ -463,9 +463,12 @@ def filter_done(ds: ray.data.Dataset, done_keys: Iterable[str]) -> ray.data.Data
 
 
 def read_output(
-    output_url: str, columns: list[str] | None = None, *, storage_options: dict[str, Any] | None = None
+    output_url: str, columns: list[str] | None = None, *, storage_options: dict[str, Any] | None = None,
+    max_rows: int | None = None,
 ) -> pa.Table:
     """All rows under `output_url` as one table (OUTPUT_SCHEMA, or `columns` of it), sorted by row_key.
+    `max_rows`: read parts in name order only until they hold that many rows (then the first
+    `max_rows` of them by row_key).
 
     For tests and the job summary: it reads everything into the driver. A corrupt part is a
     StorageError here (this function never modifies the output). Should a row_key appear in two
@@ -477,6 +480,8 @@ def read_output(
     schema = OUTPUT_SCHEMA if read_columns is None else pa.schema([OUTPUT_SCHEMA.field(c) for c in read_columns])
     tables = []
     for path in _list_parts(fs, directory, output_url):
+        if max_rows is not None and sum(len(t) for t in tables) >= max_rows:
+            break
         try:
             table = _with_added_columns(_read_part(fs, path, read_columns), schema)
         except _CorruptPart as e:
@@ -499,6 +504,8 @@ def read_output(
         )
         table = table.filter(first)
     table = table.sort_by("row_key").replace_schema_metadata(schema.metadata)
+    if max_rows is not None:
+        table = table.slice(0, max_rows)
     if columns is not None:
         table = table.select(columns)
     return table

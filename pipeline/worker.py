@@ -69,6 +69,11 @@ class GenerationWorker:
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
         self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        warm = resolved.get("warm_documents")
+        if warm:  # an earlier run's outputs, as if this worker had finished those rows itself
+            self.engine.drafter.finish(warm, [0] * len(warm))
+            log.info("worker %s warmed from %d rows of %s: %s", self.worker_name, len(warm), decoding.warm_from,
+                     self.engine.drafter.job_state())
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
         if self.engine.sizer is not None:
             log.info("worker %s tree sizing calibrated: %s", self.worker_name, self.engine.sizer.calibration_line())
