@@ -8,7 +8,8 @@
 One night = one date. The config (configs/nightly.yaml) has two sections: `nightly` (the
 settings below) and `pipeline` (an ordinary pipeline config whose input.urls and output.url
 may hold date placeholders). For the date, the runner fills the placeholders, fixes
-run.run_id=<run_id_prefix>-<date> and run.resume=true, runs the pipeline, and writes a short
+run.run_id=<run_id_prefix>-<date> and run.resume=true (and, with warm_from_previous_night,
+decoding.warm_from to the previous night's output when it holds rows), runs the pipeline, and writes a short
 report next to the output (_nightly_report.json and _nightly_report.md, beside the pipeline's
 own _job_summary.json). Because the output prefix and the run id depend only on the date, a
 rerun for the same date (a RayJob retry, a manual rerun after a crash) resumes: it generates
@@ -55,6 +56,10 @@ class NightlySettings:
     allow_empty: bool = False  # a night with zero rows is a failure unless this is true
     date_offset_days: int = 0  # default date = today (UTC) + offset; -1 = yesterday's partition
     run_id_prefix: str = "nightly"
+    # Warm every worker's job-level drafting state from the previous night's output (its prefix:
+    # output.url filled with the date before), unless decoding.warm_from is set; a night without
+    # a previous output (the first one) starts cold.
+    warm_from_previous_night: bool = True
 
 
 @dataclass
@@ -175,7 +180,13 @@ def load_night(path: str | Path, args: list[str] | None = None, now: dt.datetime
                            "<nightly.run_id_prefix>-<date>, resume on): remove it from the config and overrides")
 
     day = day or default_date(settings, now)
+    template = (pipeline.get("output") or {}).get("url") if isinstance(pipeline.get("output"), dict) else None
     pipeline = apply_date(pipeline, day)
+    decoding = pipeline.get("decoding")
+    if settings.warm_from_previous_night and isinstance(template, str) and isinstance(decoding or {}, dict) \
+            and not (decoding or {}).get("warm_from"):
+        pipeline["decoding"] = {**(decoding or {}),
+                                "warm_from": fill_placeholders(template, day - dt.timedelta(days=1), "output.url")}
     pipeline["run"] = pipeline.get("run") or {}
     pipeline["run"]["run_id"] = f"{settings.run_id_prefix}-{day.isoformat()}"
     pipeline["run"]["resume"] = True
@@ -207,6 +218,27 @@ def apply_date(pipeline: dict[str, Any], day: dt.date) -> dict[str, Any]:
                                "every night must write its own prefix (and resume only its own rows)")
         output["url"] = filled
     return out
+
+
+def check_warm_start(night: Night) -> str:
+    """Keep decoding.warm_from when that output holds rows; else drop it (the first night, or a
+    night after a gap: the job starts cold). Returns the line to log."""
+    from pipeline.outputs import read_output  # imported here: it pulls in Ray
+    from pipeline.storage import StorageError
+
+    url = night.config.decoding.warm_from
+    if not url:
+        return "warm start: off (no decoding.warm_from)"
+    try:
+        rows = len(read_output(url, ["error"], max_rows=1))
+    except StorageError as exc:
+        rows, why = 0, f" ({exc})"
+    else:
+        why = ""
+    if rows:
+        return f"warm start: from {url}"
+    night.config.decoding.warm_from = None
+    return f"warm start: none, {url} holds no rows{why}; starting cold"
 
 
 # ---------------------------------------------------------------------------------- report
@@ -338,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(to_dict(night.config)), end="")
             return 0
         print(f"nightly {night.date}: run {night.config.run.run_id}, output {night.config.output.url}", flush=True)
+        if night.settings.warm_from_previous_night:
+            print(check_warm_start(night), flush=True)
         summary = run_pipeline(night.config)
     except (NightlyError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
