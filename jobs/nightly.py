@@ -56,10 +56,10 @@ class NightlySettings:
     allow_empty: bool = False  # a night with zero rows is a failure unless this is true
     date_offset_days: int = 0  # default date = today (UTC) + offset; -1 = yesterday's partition
     run_id_prefix: str = "nightly"
-    # Warm every worker's job-level drafting state from the previous night's output (its prefix:
-    # output.url filled with the date before), unless decoding.warm_from is set; a night without
-    # a previous output (the first one) starts cold.
-    warm_from_previous_night: bool = True
+    # Warm every worker's job n-gram from the previous night's output (its prefix: output.url
+    # filled with the date before), unless decoding.warm_from is set; a night without a previous
+    # output (the first one) starts cold. Opt-in: see docs/ngram.md ("Warm start").
+    warm_from_previous_night: bool = False
 
 
 @dataclass

@@ -75,6 +75,10 @@ class DecodingConfig:
     # nightly job drafts from last night's outputs from its first row; the first `warm_rows` rows.
     warm_from: str | None = None
     warm_rows: int = 4096
+    # Which job-level state they warm: the job n-gram only (default), or the job cache too. Measured
+    # on ShareGPT-like prompts, a job cache warmed with other prompts' outputs displaced the head's
+    # nodes and made dart_lookup slower (docs/ngram.md); templated jobs may gain from it.
+    warm_job_cache: bool = False
 
 
 @dataclass

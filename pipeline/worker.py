@@ -71,7 +71,8 @@ class GenerationWorker:
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         warm = resolved.get("warm_documents")
         if warm:  # an earlier run's outputs, as if this worker had finished those rows itself
-            self.engine.drafter.finish(warm, [0] * len(warm))
+            kinds = ("job_ngram", "job_cache") if decoding.warm_job_cache else ("job_ngram",)
+            self.engine.drafter.warm(warm, kinds)
             log.info("worker %s warmed from %d rows of %s: %s", self.worker_name, len(warm), decoding.warm_from,
                      self.engine.drafter.job_state())
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)

@@ -277,13 +277,15 @@ def test_pipeline_start_up_storage_and_run_errors_become_nightly_errors(config_p
             nightly.run_pipeline(night.config)
 
 
+WARM = "nightly.warm_from_previous_night=true"
+
+
 def test_the_previous_nights_output_warms_the_job_unless_warm_from_is_given(config_path, tmp_path):
-    night = load_night(config_path, ["date=2026-11-20"])
+    night = load_night(config_path, ["date=2026-11-20", WARM])
     assert night.config.decoding.warm_from == f"{tmp_path.as_posix()}/out/2026/11/19"
-    assert load_night(config_path, ["date=2026-11-20", "decoding.warm_from=s3://b/x"]).config.decoding.warm_from \
-        == "s3://b/x"
-    off = load_night(config_path, ["date=2026-11-20", "nightly.warm_from_previous_night=false"])
-    assert off.config.decoding.warm_from is None
+    given = load_night(config_path, ["date=2026-11-20", WARM, "decoding.warm_from=s3://b/x"])
+    assert given.config.decoding.warm_from == "s3://b/x"
+    assert load_night(config_path, ["date=2026-11-20"]).config.decoding.warm_from is None  # opt-in
 
 
 def test_a_night_without_a_previous_output_starts_cold(config_path, tmp_path, fake_pipeline, capsys):
@@ -292,7 +294,7 @@ def test_a_night_without_a_previous_output_starts_cold(config_path, tmp_path, fa
     from pipeline.outputs import OUTPUT_SCHEMA
 
     calls = fake_pipeline(fake_summary(rows=10, failed=0))
-    assert nightly.main([str(config_path), "date=2026-11-20"]) == 0
+    assert nightly.main([str(config_path), "date=2026-11-20", WARM]) == 0
     assert calls[0].decoding.warm_from is None
     assert "holds no rows" in capsys.readouterr().out
     previous = tmp_path / "out" / "2026" / "11" / "19"
@@ -300,7 +302,7 @@ def test_a_night_without_a_previous_output_starts_cold(config_path, tmp_path, fa
     row = {name: None for name in OUTPUT_SCHEMA.names} | {"row_key": "k", "run_id": "nightly-2026-11-19",
                                                           "text": "hello"}
     pq.write_table(pa_table([row]), previous / "part-0123456789abcdef0123.parquet")
-    assert nightly.main([str(config_path), "date=2026-11-20"]) == 0
+    assert nightly.main([str(config_path), "date=2026-11-20", WARM]) == 0
     assert calls[1].decoding.warm_from == previous.as_posix()
     assert f"warm start: from {previous.as_posix()}" in capsys.readouterr().out
 

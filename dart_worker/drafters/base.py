@@ -57,6 +57,14 @@ class Drafter(ABC):
     # drafters that score with them (dart, dart_lookup); None for the others.
     job_ngram = None
 
+    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
+        """Load earlier outputs (token ids) into the job-level state of the `kinds` named
+        ("job_ngram", "job_cache"), as if this drafter's engine had finished those rows."""
+        if "job_ngram" in kinds and self.job_ngram is not None:
+            for doc in documents:
+                if len(doc):
+                    self.job_ngram.add(doc)
+
     def job_state(self) -> dict[str, tuple[int, int]]:
         """What this drafter learnt from finished rows, by kind ("job_cache", "job_ngram"):
         (tokens held, bytes of memory). Empty for drafters without job-level state."""

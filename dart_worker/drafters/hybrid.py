@@ -43,6 +43,11 @@ class HybridDrafter(Drafter):
     def job_ngram(self):
         return self.inner.job_ngram
 
+    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
+        self.inner.warm(documents, kinds)
+        if "job_cache" in kinds:
+            self.context.warm(documents)
+
     def job_state(self) -> dict[str, tuple[int, int]]:
         return {**self.inner.job_state(), **self.context.job_state()}
 

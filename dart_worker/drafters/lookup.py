@@ -55,6 +55,13 @@ class ContextIndexes:
     def start(self, batch_size: int) -> None:
         self.indexes = [self._new_index() for _ in range(batch_size)]
 
+    def warm(self, documents: Sequence[Sequence[int]]) -> None:
+        """Earlier outputs into the job cache (as `finish` adds them)."""
+        if self.job_cache is not None:
+            for doc in documents:
+                if len(doc):
+                    self.job_cache.add(doc)
+
     def job_state(self) -> dict[str, tuple[int, int]]:
         """{"job_cache": (tokens held, bytes)}, or {} when the cache is off."""
         cache = self.job_cache
@@ -153,6 +160,10 @@ class LookupDrafter(Drafter):
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         return self.context.propose(tokens, max_depths)
+
+    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
+        if "job_cache" in kinds:
+            self.context.warm(documents)
 
     def job_state(self) -> dict[str, tuple[int, int]]:
         return self.context.job_state()
