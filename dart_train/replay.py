@@ -171,6 +171,16 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
     return stats
 
 
+def paired_difference(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float | None]:
+    """Mean of the per-prompt differences values - baseline and its standard error (None for one
+    prompt): how replay comparisons on the same replies report a change."""
+    diffs = np.asarray(values, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)
+    if diffs.shape != (len(values),) or len(values) != len(baseline):
+        raise ValueError(f"paired values need equal lengths, got {len(values)} and {len(baseline)}")
+    stderr = float(diffs.std(ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
+    return float(diffs.mean()), stderr
+
+
 def mean_tau(stats: Sequence[RequestStats]) -> float:
     """The benchmark's tau: the mean over requests of each one's tokens per round."""
     taus = [s.tau for s in stats if s.rounds]

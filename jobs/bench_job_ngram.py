@@ -21,9 +21,6 @@ Writes job_ngram.json and job_ngram.md under `output_dir`.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +29,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from jobs.tune_tree import TuneConfigError, load_structured_config, setting
+from jobs.tune_tree import TuneConfigError, load_structured_config, replay_job_main, setting
 
 
 @dataclass
@@ -117,6 +114,8 @@ def measure(cfg: JobNgramBenchConfig) -> dict[str, Any]:
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
+    from dart_train.replay import paired_difference
+
     lines = ["| budget | job n-gram | earlier rows fed | prior | tokens held | tau | vs off |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     off = {r["budget"]: r for r in rows if r["job_ngram"] == "off"}
@@ -124,38 +123,27 @@ def summary_lines(rows: list[dict]) -> list[str]:
         base = off.get(r["budget"])
         diff = ""
         if base is not None and r is not base:
-            d = [a - b for a, b in zip(r["per_prompt_tau"], base["per_prompt_tau"], strict=True)]
-            mean = sum(d) / len(d)
-            sd = (sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)) ** 0.5
-            diff = f"{mean:+.3f} +- {sd / len(d) ** 0.5:.3f}"
+            mean, stderr = paired_difference(r["per_prompt_tau"], base["per_prompt_tau"])
+            diff = f"{mean:+.3f} +- {stderr:.3f}" if stderr is not None else f"{mean:+.3f}"
         prior = "" if r["prior"] is None else f"{r['prior']:g}"
         lines.append(f"| {r['budget']} | {r['job_ngram']} | {r['warm_rows']} | {prior} | {r['warm_tokens']} | "
                      f"{r['tau']:.3f} | {diff} |")
     return lines
 
 
+def _header(cfg: JobNgramBenchConfig, figures: dict) -> str:
+    return (f"# Greedy tau with the job n-gram fed N earlier outputs ({cfg.mode}, replay)\n\n"
+            f"    {figures['command']}\n\n"
+            f"{figures['conditions'].get('cpu', '?')}, {figures['dtype']}; {len(figures['prompts'])} dev prompts, "
+            f"{cfg.max_new_tokens} new tokens; 'vs off': mean per-prompt difference +- standard error.\n\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench_job_ngram", description=__doc__.split("\n\n")[0])
-    parser.add_argument("args", nargs="*", help="[config.yaml] key=value ...")
-    args = parser.parse_args(argv)
-    try:
-        cfg = parse_config(list(args.args))
-    except TuneConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    figures = measure(cfg)
-    figures["command"] = "python -m jobs.bench_job_ngram " + shlex.join(args.args)
-    out = Path(cfg.output_dir)
-    (out / "job_ngram.json").write_text(json.dumps(figures, indent=1))
-    cond = figures["conditions"]
-    table = summary_lines(figures["results"])
-    (out / "job_ngram.md").write_text(
-        f"# Greedy tau with the job n-gram fed N earlier outputs ({cfg.mode}, replay)\n\n    {figures['command']}\n\n"
-        f"{cond.get('cpu', '?')}, {figures['dtype']}; {len(figures['prompts'])} dev prompts, {cfg.max_new_tokens} "
-        f"new tokens; 'vs off': mean per-prompt difference +- standard error.\n\n" + "\n".join(table) + "\n")
-    print("\n".join(table))
-    print(f"wrote {out / 'job_ngram.md'} and {out / 'job_ngram.json'}")
-    return 0
+    def run(cfg):
+        figures = measure(cfg)
+        return figures, summary_lines(figures["results"])
+
+    return replay_job_main(argv, "jobs.bench_job_ngram", __doc__, parse_config, run, "job_ngram", _header)
 
 
 if __name__ == "__main__":

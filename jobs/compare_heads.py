@@ -97,7 +97,7 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
     """Greedy tau per head and tree cell on `replay_prompts` dev prompts (the same replies for all)."""
     import statistics
 
-    from dart_train.replay import greedy_references, replay
+    from dart_train.replay import greedy_references, paired_difference, replay
     from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.engine_factory import build_drafter
     from jobs.bench import cells_of
@@ -122,10 +122,9 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
         first = by_head[heads[0]]
         out[label] = {}
         for path, taus in by_head.items():
-            diffs = [a - b for a, b in zip(taus, first, strict=True)]
-            out[label][path] = {"tau": statistics.mean(taus), "per_prompt": taus,
-                                "diff_vs_first": statistics.mean(diffs),
-                                "diff_stderr": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None}
+            diff, stderr = paired_difference(taus, first)
+            out[label][path] = {"tau": statistics.mean(taus), "per_prompt": taus, "diff_vs_first": diff,
+                                "diff_stderr": stderr}
         print(f"replay {label}: " + ", ".join(f"{out[label][h]['tau']:.3f}" for h in heads), flush=True)
     return {"prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "dtype": str(parts.target.dtype),
             "cells": out}

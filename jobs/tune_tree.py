@@ -226,28 +226,42 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.tune_tree", description=__doc__.split("\n\n")[0])
+def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measure, name: str,
+                    header) -> int:
+    """The command line of a replay job (this one, jobs.bench_job_ngram): parse `[config.yaml]
+    key=value ...` (errors: exit 2), `measure(cfg)` -> figures with "results", then write
+    <output_dir>/<name>.json and <name>.md (`header(cfg, figures)` + the job's `summary_lines`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("args", nargs="*", help="[config.yaml] key=value ...")
     args = parser.parse_args(argv)
     try:
-        cfg = parse_config(list(args.args))
+        cfg = parse(list(args.args))
     except TuneConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    figures = tune(cfg)
-    figures["command"] = "python -m jobs.tune_tree " + shlex.join(args.args)
+    figures, table = measure(cfg)
+    figures["command"] = f"python -m {module} " + shlex.join(args.args)
     out = Path(cfg.output_dir)
-    (out / "tune.json").write_text(json.dumps(figures, indent=1))
-    cond = figures["conditions"]
-    header = (f"# Tree settings searched ({cfg.mode}, greedy replay)\n\n    {figures['command']}\n\n"
-              f"{cond.get('cpu', '?')}, {figures['dtype']}; {len(figures['search_prompts'])} search prompts, "
-              f"{len(figures['check_prompts'])} held-out check prompts, {cfg.max_new_tokens} new tokens.\n\n")
-    table = summary_lines(figures["results"])
-    (out / "tune.md").write_text(header + "\n".join(table) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    (out / f"{name}.md").write_text(header(cfg, figures) + "\n".join(table) + "\n")
     print("\n".join(table))
-    print(f"wrote {out / 'tune.md'} and {out / 'tune.json'}")
+    print(f"wrote {out / (name + '.md')} and {out / (name + '.json')}")
     return 0
+
+
+def _header(cfg: TuneTreeConfig, figures: dict) -> str:
+    cond = figures["conditions"]
+    return (f"# Tree settings searched ({cfg.mode}, greedy replay)\n\n    {figures['command']}\n\n"
+            f"{cond.get('cpu', '?')}, {figures['dtype']}; {len(figures['search_prompts'])} search prompts, "
+            f"{len(figures['check_prompts'])} held-out check prompts, {cfg.max_new_tokens} new tokens.\n\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    def measure(cfg):
+        figures = tune(cfg)
+        return figures, summary_lines(figures["results"])
+
+    return replay_job_main(argv, "jobs.tune_tree", __doc__, parse_config, measure, "tune", _header)
 
 
 if __name__ == "__main__":

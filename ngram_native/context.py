@@ -43,7 +43,16 @@ from typing import Any
 import numpy as np
 
 from ngram_native import _core
-from ngram_native.trees import DraftTree, TreeParams, _check_int, _eos_array, _max_depths, _split, _token_array
+from ngram_native.trees import (
+    DraftTree,
+    TreeParams,
+    _check_int,
+    _document_array,
+    _eos_array,
+    _max_depths,
+    _split,
+    _token_array,
+)
 
 # The lookup knobs users set live in TreeParams (the `decoding.tree` config section).
 DEFAULT_MIN_MATCH = TreeParams.lookup_min_match
@@ -151,12 +160,7 @@ class JobCache(_NativeIndex):
     def add(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Index one finished document (>= 1 token ids in [0, vocab_size)), evicting the oldest
         documents as the token budget requires."""
-        a = np.asarray(tokens)
-        if a.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
-        if a.shape[0] == 0:
-            raise ValueError("a job-cache document needs at least one token")
-        self._native.add(_token_array(a, "tokens", self.vocab_size))
+        self._native.add(_document_array(tokens, "job-cache", self.vocab_size))
 
     @property
     def num_documents(self) -> int:

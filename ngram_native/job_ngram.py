@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ngram_native import _core
-from ngram_native.trees import NgramScorer, _check_int, _token_array
+from ngram_native.trees import NgramScorer, _check_int, _document_array, _token_array
 
 MAX_ORDER = 6  # csrc/job_ngram.h kMaxOrder
 MAX_TOKENS = 1 << 28
@@ -68,12 +68,7 @@ class JobNgram(_core._JobNgram):
     def add(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Count one finished document (>= 1 token ids in [0, vocab_size)), evicting the oldest
         documents as the token budget requires."""
-        a = np.asarray(tokens)
-        if a.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
-        if a.shape[0] == 0:
-            raise ValueError("a job n-gram document needs at least one token")
-        super().add(_token_array(a, "tokens", self.vocab_size))
+        super().add(_document_array(tokens, "job n-gram", self.vocab_size))
 
     def count(self, ngram: Sequence[int] | np.ndarray) -> int:
         """How often `ngram` (1..own_order tokens) occurs in the live documents."""

@@ -523,6 +523,17 @@ def _float_array(x: object, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _document_array(tokens: object, what: str, vocab: int | None) -> np.ndarray:
+    """One finished document for a job-level index (`what` names it in errors): 1-D, at least one
+    token id, each in [0, vocab) - as contiguous int32."""
+    a = np.asarray(tokens)
+    if a.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
+    if a.shape[0] == 0:
+        raise ValueError(f"a {what} document needs at least one token")
+    return _token_array(a, "tokens", vocab)
+
+
 def _token_array(x: object, name: str, vocab: int | None) -> np.ndarray:
     """Integer ids -> contiguous int32, checking 0 <= id < vocab (or < 2**31)."""
     a = np.asarray(x)

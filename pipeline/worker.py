@@ -53,7 +53,7 @@ class GenerationWorker:
         """`resolved` carries what the driver already fixed: the head dir, the trie URL and the
         artifact fingerprints stamped on every output row."""
         self.cfg: PipelineConfig = from_dict(config)
-        self.resolved = resolved
+        self.resolved = {k: v for k, v in resolved.items() if k != "warm_documents"}  # not kept: fed below
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
         device = resolve_device(model_cfg.device)
         if device.type == "cpu":

@@ -165,3 +165,20 @@ def test_bad_documents_are_clear_errors_and_change_nothing():
     assert len(job) == 3 and job.num_documents == 1
     with pytest.raises(ValueError, match=r"1\.\.4 token ids"):
         job.count([1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("decoding.tree.job_ngram_tokens=-1", r"decoding\.tree\.job_ngram_tokens: must be >= 0"),
+    ("decoding.tree.job_ngram_tokens=300000000", r"decoding\.tree\.job_ngram_tokens: must be <= 2\*\*28"),
+    ("decoding.tree.job_ngram_order=0", r"decoding\.tree\.job_ngram_order: must be >= 1"),
+    ("decoding.tree.job_ngram_order=7", r"decoding\.tree\.job_ngram_order: must be <= 6"),
+    ("decoding.tree.job_ngram_prior=-0.5", r"decoding\.tree\.job_ngram_prior: must be >= 0"),
+])
+def test_the_config_names_a_bad_job_ngram_setting(tmp_path, override, message):
+    from pipeline.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("input:\n  urls: [prompts.jsonl]\noutput:\n  url: out/\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override])
+    assert load_config(path, ["decoding.tree.job_ngram_tokens=0"]).decoding.tree.job_ngram_tokens == 0

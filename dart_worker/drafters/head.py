@@ -176,11 +176,7 @@ class DartDrafter(HeadDrafter):
                                       prior=tree.job_ngram_prior)
 
     def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
-        if self.job_ngram is None:
-            return
-        for seq, prompt_len in zip(tokens, num_prompt, strict=True):
-            if len(seq) > prompt_len:
-                self.job_ngram.add(seq[int(prompt_len):])
+        self.warm([seq[int(p):] for seq, p in zip(tokens, num_prompt, strict=True)])
 
     def build(self, logits, tokens, caps):
         top_k = min(self.tree.top_k, logits.shape[-1])

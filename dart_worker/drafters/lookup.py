@@ -56,7 +56,7 @@ class ContextIndexes:
         self.indexes = [self._new_index() for _ in range(batch_size)]
 
     def warm(self, documents: Sequence[Sequence[int]]) -> None:
-        """Earlier outputs into the job cache (as `finish` adds them)."""
+        """Earlier outputs into the job cache (`finish` adds each finished row through here)."""
         if self.job_cache is not None:
             for doc in documents:
                 if len(doc):
@@ -91,10 +91,8 @@ class ContextIndexes:
         if self.job_cache is None:
             return
         start = time.perf_counter()
-        for seq, prompt_len in zip(tokens, num_prompt, strict=True):
-            document = seq if self.tree.lookup_cache_prompts else seq[int(prompt_len):]
-            if len(document):
-                self.job_cache.add(document)
+        keep_prompt = self.tree.lookup_cache_prompts
+        self.warm([seq if keep_prompt else seq[int(p):] for seq, p in zip(tokens, num_prompt, strict=True)])
         if self.profile is not None:
             self.profile.append({"finished": len(tokens), "add_s": time.perf_counter() - start})
 
