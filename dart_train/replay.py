@@ -1,4 +1,4 @@
-"""Greedy tau without verification forwards: replay a drafter against the target's own replies.
+"""Tau without verification forwards: replay a drafter against the target's own replies.
 
 Measuring tau with the engine costs one target forward over every draft tree of every round; on
 a 2-core CPU a budget-60 tree costs seconds, so comparing a handful of tree settings on a few
@@ -8,7 +8,7 @@ reply's next tokens, and the taps it hands the drafter are the target's hidden s
 tokens, which one forward over prompt + reply gives for every position at once (a causal model's
 row depends only on the rows before it). So:
 
-    refs = greedy_references(parts, prompts, max_new_tokens)   # the replies + their taps, once
+    refs = target_references(parts, prompts, max_new_tokens)   # the replies + their taps, once
     stats = replay(build_drafter(parts, "dart", tree), refs, max_new_tokens)  # per settings: ms per round
 
 `replay` drives the drafter through the engine's protocol (`Drafter`: start/observe/propose/
@@ -17,13 +17,25 @@ round in the engine's `RequestStats`, so its tau is the engine's (`fixed` sizing
 built, as the benchmark's budget cells). It differs from an engine run only where a multi-token
 verify forward rounds differently from the one-forward taps (fp32: at exact near-ties of the
 head's logits; bf16: more often, see docs/DESIGN.md); tests/test_replay.py checks it against the
-engine round by round. Temperature > 0 has no fixed reply to replay: measure it with the engine.
+engine round by round.
+
+Sampled decoding replays the same way. Every sampled token is the inverse-CDF draw of the request's
+uniform for its position (dart_worker.sampling), and verification walks the tree by those draws
+(dart_worker.verification), so a request with a given key commits the same reply under every
+drafter - the reply `ar` samples - and a round accepts exactly the deepest tree path that spells
+its next tokens, as under greedy decoding. `target_references(..., params=SamplingParams(
+temperature=1.0, seed=...))` samples the replies once; replaying them measures the drafter's
+tau at that temperature on as many prompts as greedy replay does (tests/test_replay.py checks it
+against the engine at temperature 1). In bf16 the engine's multi-token forwards round differently
+from the one-token ones that sampled the reply, and a sampled draw is more sensitive to that than
+an argmax: the engine's own reply would differ at some positions, so there the replayed tau is an
+estimate of the engine's (the reply is still a sample of the target's distribution), not a copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -41,7 +53,7 @@ TAP_BATCH = 8
 
 @dataclass
 class Reference:
-    """One prompt, the target's greedy reply to it and the target's taps over both.
+    """One prompt, the target's reply to it (greedy, or sampled with a fixed key) and its taps over both.
 
     taps: [len(tokens), F] fused hidden states of every token of prompt + reply, on the target's
     device and dtype (row i: what the engine hands a drafter for token i once it is committed).
@@ -56,12 +68,13 @@ class Reference:
         return self.prompt + self.reply
 
 
-def greedy_replies(parts: EngineParts, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   mode: str = "ar", max_live: int = 8) -> list[list[int]]:
-    """The target's greedy replies (token ids, EOS included when it ended there). Any lossless
-    `mode` gives the same replies (fp32); `ar` needs no head or trie."""
+def target_replies(parts: EngineParts, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   mode: str = "ar", max_live: int = 8, params: SamplingParams | None = None) -> list[list[int]]:
+    """The target's replies (token ids, EOS included when it ended there): greedy, or sampled with
+    `params` (its max_new_tokens is replaced by `max_new_tokens`; give it a seed to get the same
+    replies again). Any lossless `mode` gives the same replies (fp32); `ar` needs no head or trie."""
     engine = build_engine(parts, mode, defer_logits=False)
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    params = replace(params or SamplingParams(temperature=0.0), max_new_tokens=max_new_tokens)
     results = engine.generate([list(p) for p in prompts], params, max_live=max_live)
     for i, result in enumerate(results):
         if result.error:
@@ -81,12 +94,13 @@ def reference_taps(parts: EngineParts, sequences: Sequence[Sequence[int]]) -> li
     return out
 
 
-def greedy_references(parts: EngineParts, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      replies: Sequence[Sequence[int]] | None = None, mode: str = "ar") -> list[Reference]:
-    """References for `prompts`: their greedy replies (given, e.g. saved from an earlier run, or
-    generated with `mode`) and the taps over prompt + reply."""
+def target_references(parts: EngineParts, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      replies: Sequence[Sequence[int]] | None = None, mode: str = "ar",
+                      params: SamplingParams | None = None) -> list[Reference]:
+    """References for `prompts`: their replies (given, e.g. saved from an earlier run, or generated
+    with `mode`, greedy or sampled with `params`) and the taps over prompt + reply."""
     if replies is None:
-        replies = greedy_replies(parts, prompts, max_new_tokens, mode=mode)
+        replies = target_replies(parts, prompts, max_new_tokens, mode=mode, params=params)
     if len(replies) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(replies)} replies")
     for i, reply in enumerate(replies):
@@ -98,7 +112,8 @@ def greedy_references(parts: EngineParts, prompts: Sequence[Sequence[int]], max_
 
 def accepted_path(tree: DraftTree, continuation: Sequence[int]) -> np.ndarray:
     """Node indices (root's child first) of the deepest path of `tree` that spells the start of
-    `continuation`: what greedy verification accepts when the target's next tokens are it."""
+    `continuation`: what verification accepts when the target's next tokens (argmax or coupled
+    draws) are it."""
     matched = np.zeros(tree.size, dtype=bool)
     best = -1
     for i in range(tree.size):
@@ -127,9 +142,9 @@ def _block(refs: list[Reference], starts: list[int], counts: list[int], tokens: 
 @torch.inference_mode()
 def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
            max_positions: int | None = None) -> list[RequestStats]:
-    """Greedy decoding of every reference at once with `drafter`, verification replaced by the
-    references: one `RequestStats` per reference (accept lengths, tree sizes, sources) as the
-    engine would record them with fixed tree sizing."""
+    """Decoding of every reference at once with `drafter`, verification replaced by the references
+    (greedy or sampled, the same either way): one `RequestStats` per reference (accept lengths,
+    tree sizes, sources) as the engine would record them with fixed tree sizing."""
     refs = list(refs)
     if not refs:
         return []

@@ -2,7 +2,7 @@
 
 DART's beam re-scores the head's candidates with an N-gram estimate; `decoding.tree.job_ngram_*`
 mixes the counts of the rows a worker has finished into the static trie's (ngram_native.job_ngram).
-Its value grows with the rows seen, so this job measures greedy tau on ShareGPT dev prompts with
+Its value grows with the rows seen, so this job measures tau (greedy, or at `temperature`) on ShareGPT dev prompts with
 the drafter's job n-gram first fed the first N earlier outputs (`earlier_outputs`: what a job wrote
 before, e.g. `jobs.distill_data`'s JSONL or a pipeline run's Parquet), for each N in `warm_rows`,
 each prior in `priors` and each budget, next to the same drafter with the job n-gram off - all on
@@ -29,7 +29,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from jobs.tune_tree import TuneConfigError, load_structured_config, replay_job_main, setting
+from jobs.tune_tree import (
+    TuneConfigError,
+    load_structured_config,
+    replay_job_main,
+    replay_kind,
+    reply_sampling,
+    setting,
+)
 
 
 @dataclass
@@ -51,11 +58,15 @@ class JobNgramBenchConfig:
     check_prompts: int = 8  # skipped: the benchmark's own prompts
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
+    temperature: float = 0.0  # of the replayed replies (> 0: sampled with `seed`), as in jobs.tune_tree
+    top_p: float = 1.0
+    top_k: int = 0
     output_dir: str = "bench_job_ngram"
 
 
 def parse_config(argv: list[str]) -> JobNgramBenchConfig:
     cfg = load_structured_config(JobNgramBenchConfig, argv, TuneConfigError)
+    reply_sampling(cfg)
     if cfg.mode not in ("dart", "dart_lookup"):
         raise TuneConfigError(f"mode: {cfg.mode!r}: the job n-gram drafts in dart and dart_lookup only")
     if not cfg.earlier_outputs or not Path(cfg.earlier_outputs).is_file():
@@ -132,7 +143,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
 
 
 def _header(cfg: JobNgramBenchConfig, figures: dict) -> str:
-    return (f"# Greedy tau with the job n-gram fed N earlier outputs ({cfg.mode}, replay)\n\n"
+    return (f"# Tau with the job n-gram fed N earlier outputs ({cfg.mode}, {replay_kind(cfg)})\n\n"
             f"    {figures['command']}\n\n"
             f"{figures['conditions'].get('cpu', '?')}, {figures['dtype']}; {len(figures['prompts'])} dev prompts, "
             f"{cfg.max_new_tokens} new tokens; 'vs off': mean per-prompt difference +- standard error.\n\n")

@@ -7,10 +7,10 @@ data in the same run. For every head, in one process:
    per-position KL and the weighted dev loss, on the same `dev_sequences` dev-split sequences of
    `dev_source` (jobs.train_draft.evaluate_dev: the figures training logs, anchors sampled with
    the same fixed seeds for every head).
-2. **Greedy tau by replay** (`replay_prompts` > 0): every tree cell's greedy tau on that many
-   dev prompts for every head, from the same target replies (dart_train.replay: no verification
-   forwards, so many more prompts than the decoding runs afford), with the per-prompt paired
-   difference to the first head and its standard error.
+2. **Tau by replay** (`replay_prompts` > 0): every tree cell's tau on that many dev prompts for
+   every head at every configured temperature, from the same target replies (dart_train.replay:
+   no verification forwards, so many more prompts than the decoding runs afford), with the
+   per-prompt paired difference to the first head and its standard error.
 3. **Decoding**: the jobs.bench cells (modes x temperatures x budgets on the same ShareGPT dev
    prompts; tau, tokens/s, speedup against `ar` measured in the same sub-run, per-position
    acceptance).
@@ -94,20 +94,24 @@ def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:
 
 
 def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
-    """Greedy tau per head and tree cell on `replay_prompts` dev prompts (the same replies for all)."""
+    """Tau per head and tree cell on `replay_prompts` dev prompts (the same replies for all), at
+    every configured temperature (sampled replies seeded with cfg.seed: dart_train.replay)."""
     import statistics
 
-    from dart_train.replay import greedy_references, paired_difference, replay
+    from dart_train.replay import paired_difference, replay, target_references
     from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.engine_factory import build_drafter
+    from dart_worker.sampling import SamplingParams
     from jobs.bench import cells_of
     from jobs.bench_engine import load_parts, select_prompts
     from ngram_native.trees import TreeParams
 
-    cells = [c for c in cells_of(cfg) if c.temperature == 0 and c.budget is not None]
+    cells = [c for c in cells_of(cfg) if c.budget is not None]
     parts = load_parts(replace(cfg, head=heads[0]), {c.mode for c in cells})
     prompts = [ids for _, ids in select_prompts(parts.tokenizer, cfg.replay_prompts, cfg.max_prompt_tokens)]
-    refs = greedy_references(parts, prompts, cfg.max_new_tokens)
+    refs = {t: target_references(parts, prompts, cfg.max_new_tokens,
+                                 params=SamplingParams(temperature=t, seed=cfg.seed))
+            for t in sorted({c.temperature for c in cells})}
     model = parts.target.model
     per_prompt: dict[str, dict[str, list[float]]] = {}
     for path in heads:
@@ -115,8 +119,10 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
                                      dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)
         for c in cells:
             tree = TreeParams(budget=c.budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
-            stats = replay(build_drafter(parts, c.mode, tree), refs, cfg.max_new_tokens, parts.target.max_positions)
-            per_prompt.setdefault(c.label, {})[path] = [s.tau for s in stats]
+            stats = replay(build_drafter(parts, c.mode, tree), refs[c.temperature], cfg.max_new_tokens,
+                           parts.target.max_positions)
+            label = c.label if c.temperature == 0 else f"{c.label} T={c.temperature:g}"
+            per_prompt.setdefault(label, {})[path] = [s.tau for s in stats]
     out = {}
     for label, by_head in per_prompt.items():
         first = by_head[heads[0]]
@@ -169,7 +175,8 @@ def comparison_tables(figures: dict[str, Any]) -> list[str]:
         lines.append("")
     if figures.get("replay"):
         r = figures["replay"]
-        lines += [f"Greedy tau by replay, {r['prompts']} dev prompts x {r['max_new_tokens']} new tokens "
+        lines += [f"Tau by replay (greedy, and sampled where a cell says T=), {r['prompts']} dev prompts x "
+                  f"{r['max_new_tokens']} new tokens "
                   f"({r['dtype']}); the difference to the first head is the mean of per-prompt differences "
                   "+- its standard error.", "",
                   "| cell | " + " | ".join(f"{n} tau" for n in names) + " | " +

@@ -501,7 +501,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     strictly, as the engine loads it, and decodes by replay (dart_train.replay: the target's replies
     and taps are computed once per run; each evaluation then costs head forwards and tree builds
     only, and equals the engine's fixed-sizing tau)."""
-    from dart_train.replay import greedy_references, mean_tau, replay
+    from dart_train.replay import mean_tau, replay, target_references
     from dart_worker.drafters import drafter_spec
     from dart_worker.engine_factory import EngineParts, build_drafter
     from ngram_native.trees import TreeParams
@@ -524,7 +524,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
                 prompts.append(ids)
             if len(prompts) == ev.tau_prompts:
                 break
-        adapter_cache["refs"] = greedy_references(parts, prompts, ev.tau_max_new_tokens)
+        adapter_cache["refs"] = target_references(parts, prompts, ev.tau_max_new_tokens)
     parts = adapter_cache["parts"]
     parts.head = load_draft_head(checkpoint, model.config, model.get_input_embeddings(), device=parts.target.device,
                                  dtype=parts.target.dtype, tap_layers=parts.target.tap_layers)

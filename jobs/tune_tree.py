@@ -3,10 +3,11 @@
 DART's beam search has five knobs besides the budget (`decoding.tree`: top_k, beam_width,
 depth_decay, draft_decay, ngram_weight); their defaults are the DART reference's, chosen for other
 targets, heads and tries. What suits a head depends on how sharp and how calibrated it is, so
-this job measures it: greedy tau at each budget on ShareGPT dev prompts, by coordinate search
+this job measures it: tau at each budget on ShareGPT dev prompts (greedy, or sampled at the
+`temperature` / `top_p` / `top_k` given), by coordinate search
 over a grid (one knob at a time through its values, keeping the best, `passes` times over).
 
-Every tau is measured without verification forwards (`dart_train.replay`: the target's greedy
+Every tau is measured without verification forwards (`dart_train.replay`: the target's
 replies and their taps are computed once; a drafter setting then costs only its own head
 forwards and tree builds, milliseconds per round instead of seconds on a CPU), and equals the
 engine's `fixed`-sizing tau (tests/test_replay.py). The first `check_prompts` dev prompts (the
@@ -38,6 +39,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dart_worker.sampling import SamplingParams
 from ngram_native.trees import TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
@@ -72,6 +74,11 @@ class TuneTreeConfig:
     check_prompts: int = 8  # the first dev prompts (the benchmark's): held out, reported only
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
+    # How the replayed replies are decoded: greedy at temperature 0; otherwise sampled with `seed`
+    # (replay is exact for sampled replies too: dart_train.replay), so tau is measured at that warp.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
     output_dir: str = "tune_tree"
 
 
@@ -87,8 +94,28 @@ def load_structured_config(schema: type, argv: list[str], error: type[Exception]
     return load_structured(schema, path, overrides, error)
 
 
+def reply_sampling(cfg) -> SamplingParams:
+    """How a replay job's replies are decoded (cfg.temperature, top_p, top_k; sampled with cfg.seed)."""
+    try:
+        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
+                              max_new_tokens=cfg.max_new_tokens)
+    except (TypeError, ValueError) as exc:
+        raise TuneConfigError(f"reply sampling: {exc}") from None
+
+
+def replay_kind(cfg) -> str:
+    """How a replay job's replies were decoded, for report titles."""
+    params = reply_sampling(cfg)
+    if params.is_greedy:
+        return "greedy replay"
+    warp = f", top_p {params.top_p:g}" if params.top_p < 1 else ""
+    warp += f", top_k {params.top_k}" if params.top_k else ""
+    return f"replay of replies sampled at T={params.temperature:g}{warp}, seed {params.seed}"
+
+
 def parse_config(argv: list[str]) -> TuneTreeConfig:
     cfg: TuneTreeConfig = load_structured_config(TuneTreeConfig, argv, TuneConfigError)
+    reply_sampling(cfg)
     from dart_worker.drafters import drafter_names, drafter_spec
 
     if cfg.mode not in drafter_names() or not drafter_spec(cfg.mode).uses_tree:
@@ -125,7 +152,7 @@ def knobs_of(params: TreeParams) -> dict[str, Any]:
 
 
 class Replayer:
-    """Greedy tau of a tree setting on a set of references, memoised per setting."""
+    """Tau of a tree setting on a set of references, memoised per setting."""
 
     def __init__(self, parts, mode: str, refs, max_new_tokens: int):
         self.parts, self.mode, self.refs, self.max_new_tokens = parts, mode, refs, max_new_tokens
@@ -162,11 +189,14 @@ def coordinate_search(measure: Replayer, start: TreeParams, grid: dict[str, list
 
 
 def references(cfg: TuneTreeConfig, parts, prompts: list[list[int]], out: Path) -> list:
-    """The references of `prompts`, their replies reused from replies.json when it matches."""
-    from dart_train.replay import greedy_references
+    """The references of `prompts`, their replies (decoded as `reply_sampling(cfg)` says) reused from
+    replies.json when it matches."""
+    from dart_train.replay import target_references
 
+    params = reply_sampling(cfg)
+    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed]
     key = hashlib.sha256(json.dumps([cfg.target, cfg.dtype, str(parts.target.dtype), cfg.max_new_tokens,
-                                     prompts]).encode()).hexdigest()
+                                     prompts, *sampled]).encode()).hexdigest()
     path = out / "replies.json"
     replies = None
     if path.is_file():
@@ -175,11 +205,12 @@ def references(cfg: TuneTreeConfig, parts, prompts: list[list[int]], out: Path) 
             replies = saved["replies"]
     if replies is None:
         start = time.perf_counter()
-        refs = greedy_references(parts, prompts, cfg.max_new_tokens)
-        print(f"greedy replies of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
+        refs = target_references(parts, prompts, cfg.max_new_tokens, params=params)
+        kind = "greedy" if params.is_greedy else "sampled"
+        print(f"{kind} replies of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
         path.write_text(json.dumps({"key": key, "replies": [r.reply for r in refs]}))
         return refs
-    return greedy_references(parts, prompts, cfg.max_new_tokens, replies=replies)
+    return target_references(parts, prompts, cfg.max_new_tokens, replies=replies)
 
 
 def tune(cfg: TuneTreeConfig) -> dict[str, Any]:
@@ -251,7 +282,7 @@ def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measur
 
 def _header(cfg: TuneTreeConfig, figures: dict) -> str:
     cond = figures["conditions"]
-    return (f"# Tree settings searched ({cfg.mode}, greedy replay)\n\n    {figures['command']}\n\n"
+    return (f"# Tree settings searched ({cfg.mode}, {replay_kind(cfg)})\n\n    {figures['command']}\n\n"
             f"{cond.get('cpu', '?')}, {figures['dtype']}; {len(figures['search_prompts'])} search prompts, "
             f"{len(figures['check_prompts'])} held-out check prompts, {cfg.max_new_tokens} new tokens.\n\n")
 

@@ -398,7 +398,7 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
     overrides = [f"target={tiny_artifacts['target']}", f"heads=[{tiny_artifacts['head']},{other}]",
                  f"trie={tiny_artifacts['trie']}", "dtype=fp32", "device=cpu", "threads=1", "num_prompts=2",
                  "max_prompt_tokens=64", "max_new_tokens=5", "budgets=[4,6]", "mode_budgets={chain: [4]}",
-                 "repeats=1", "warmup_tokens=0", "modes=[ar,chain,dart]", "temperatures=[0.0]",
+                 "repeats=1", "warmup_tokens=0", "modes=[ar,chain,dart]", "temperatures=[0.0,1.0]",
                  f"dev_source={chats}", "dev_fraction=1.0", "dev_sequences=3", "dev_anchors_per_sequence=4",
                  "replay_prompts=2", f"output_dir={out}"]
     assert compare_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
@@ -415,7 +415,7 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
         assert got["dev_accuracy_per_position"] == want["dev_accuracy_per_position"] and len(want[
             "dev_accuracy_per_position"]) == 4
         assert got["dev_loss"] == want["dev_loss"] and got["sequences"] == 3
-        cells = {(e["mode"], e["budget"]): e for e in figures["decoding"][path]["summary"]}
+        cells = {(e["mode"], e["budget"]): e for e in figures["decoding"][path]["summary"] if e["temperature"] == 0}
         assert set(cells) == {("ar", None), ("chain", 4), ("dart", 4), ("dart", 6)}
         assert all(e["agreement_with_ar"] == 1.0 for e in cells.values())
         assert figures["decoding"][path]["conditions"]["head"] == path
@@ -423,6 +423,9 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
             if budget is not None:
                 assert figures["replay"]["cells"][f"{mode}@{budget}"][path]["tau"] == pytest.approx(entry["tau"])
     assert all(cell[heads[0]]["diff_vs_first"] == 0 for cell in figures["replay"]["cells"].values())
+    sampled = {label for label in figures["replay"]["cells"] if label.endswith(" T=1")}
+    assert sampled == {"chain@4 T=1", "dart@4 T=1", "dart@6 T=1"}  # replayed at temperature 1 too
+    assert all(figures["replay"]["cells"][label][h]["tau"] >= 1.0 for label in sampled for h in heads)
     table = (out / "compare.md").read_text()
     assert "| 0 | dart@6 |" in table and f"`{other}` tau" in table
 

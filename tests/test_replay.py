@@ -1,8 +1,9 @@
-"""dart_train.replay: greedy tau without verification forwards equals the engine's, round by round.
+"""dart_train.replay: tau without verification forwards equals the engine's, round by round.
 
 The engine (fixed tree sizing, fp32 tiny models) and the replay decode the same prompts with the
-same drafter settings; every request's accept lengths, tree sizes and accepted-token sources must
-be the same in both. The accepted path is checked against a brute-force reference.
+same drafter settings, greedy and sampled (seeded: the engine's coupled draws make the sampled
+reply fixed); every request's accept lengths, tree sizes and accepted-token sources must be the
+same in both. The accepted path is checked against a brute-force reference.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_train.replay import accepted_path, greedy_references, mean_tau, replay
+from dart_train.replay import accepted_path, mean_tau, replay, target_references
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_drafter, build_engine
 from dart_worker.sampling import SamplingParams
@@ -49,11 +50,13 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree", "dart", "lookup", "dart_lookup"])
 @pytest.mark.parametrize("budget", [6, 60])
-def test_replay_records_the_rounds_the_engine_records(parts, mode, budget):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replay_records_the_rounds_the_engine_records(parts, mode, budget, temperature):
     tree = TreeParams(budget=budget, lookup_cache_tokens=4096)  # the job cache learns from finished rows
     engine = build_engine(parts, mode, tree, defer_logits=False, sizing="fixed")
-    results = engine.generate(prompts(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
-    refs = greedy_references(parts, prompts(), MAX_NEW, replies=[r.token_ids for r in results])
+    params = SamplingParams(temperature=temperature, seed=7, max_new_tokens=MAX_NEW)
+    results = engine.generate(prompts(), params)
+    refs = target_references(parts, prompts(), MAX_NEW, replies=[r.token_ids for r in results])
     replayed = replay(build_drafter(parts, mode, tree), refs, MAX_NEW, parts.target.max_positions)
     for result, stats in zip(results, replayed, strict=True):
         assert stats.accept_lengths == result.stats.accept_lengths
@@ -61,22 +64,37 @@ def test_replay_records_the_rounds_the_engine_records(parts, mode, budget):
         assert stats.accepted_by_source == result.stats.accepted_by_source
     assert mean_tau(replayed) == pytest.approx(np.mean([r.stats.tau for r in results]))
     if mode in ("dart", "lookup") and budget == 60:  # the test means something: multi-token rounds
-        assert max(max(s.accept_lengths) for s in replayed) >= 2
+        # (sampled replies of the random target rarely repeat a span: there lookup accepts single tokens)
+        needed = 2 if temperature == 0 or mode == "dart" else 1
+        assert max(max(s.accept_lengths) for s in replayed) >= needed
+    if temperature > 0:  # and the sampled replies are not the greedy ones
+        greedy = engine.generate(prompts(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+        assert sum(g.token_ids != r.token_ids for g, r in zip(greedy, results)) >= len(results) // 2
+
+
+def test_sampled_replies_are_the_ones_ar_samples_with_that_seed(parts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_new_tokens=12)
+    expected = build_engine(parts, "ar", defer_logits=False).generate(prompts()[:3], params)
+    refs = target_references(parts, prompts()[:3], 12, params=params)
+    again = target_references(parts, prompts()[:3], 12, mode="dart", params=params)  # any lossless mode
+    assert [r.reply for r in refs] == [e.token_ids for e in expected] == [r.reply for r in again]
+    other = target_references(parts, prompts()[:3], 12, params=SamplingParams(temperature=1.0, seed=12))
+    assert [r.reply for r in other] != [r.reply for r in refs]
 
 
 def test_replies_default_to_the_targets_greedy_decoding(parts):
     engine = build_engine(parts, "ar", defer_logits=False)
     expected = engine.generate(prompts()[:3], SamplingParams(temperature=0.0, max_new_tokens=12))
-    refs = greedy_references(parts, prompts()[:3], 12)
+    refs = target_references(parts, prompts()[:3], 12)
     assert [r.reply for r in refs] == [e.token_ids for e in expected]
     assert all(r.taps.shape[0] == len(r.prompt) + len(r.reply) for r in refs)
 
 
 def test_mismatched_replies_are_refused(parts):
     with pytest.raises(ValueError, match="2 prompts but 1 replies"):
-        greedy_references(parts, prompts()[:2], 8, replies=[[3]])
+        target_references(parts, prompts()[:2], 8, replies=[[3]])
     with pytest.raises(ValueError, match="reply 0 has 0 tokens"):
-        greedy_references(parts, prompts()[:1], 8, replies=[[]])
+        target_references(parts, prompts()[:1], 8, replies=[[]])
 
 
 @st.composite

@@ -47,6 +47,8 @@ def test_ties_keep_the_starting_setting():
     (["budgets=[]"], "budgets"),
     (["passes=0"], "passes >= 1"),
     (["no_such_key=1"], "no_such_key"),
+    (["temperature=-1"], "reply sampling: temperature must be finite and >= 0"),
+    (["temperature=1", "top_p=0"], "reply sampling: top_p must be in"),
 ])
 def test_bad_configs_are_clear_errors(args, message):
     with pytest.raises(TuneConfigError, match=message):
@@ -81,5 +83,28 @@ def test_end_to_end_on_a_tiny_model_and_replies_are_reused(tmp_path, monkeypatch
     def no_generation(*args, **kwargs):
         raise AssertionError("replies should come from replies.json")
 
-    monkeypatch.setattr("dart_train.replay.greedy_replies", no_generation)
+    monkeypatch.setattr("dart_train.replay.target_replies", no_generation)
     assert tune_tree.main(args) == 0
+
+
+def test_sampled_replies_are_replayed_and_cached_apart_from_greedy_ones(tmp_path, monkeypatch):
+    from dart_train import replay as replay_module
+    from tests.tiny_models import save_tiny_artifacts
+
+    art = save_tiny_artifacts(tmp_path / "art")
+    base = [f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}", "dtype=fp32", "threads=1",
+            "num_prompts=2", "check_prompts=0", "max_new_tokens=8", "budgets=[8]", "grid={top_k: [2]}",
+            f"output_dir={tmp_path / 'out'}"]
+    made = []
+    real = replay_module.target_replies
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("params"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("dart_train.replay.target_replies", recording)
+    assert tune_tree.main(base) == 0
+    assert tune_tree.main([*base, "temperature=1.0", "seed=5"]) == 0  # another key: sampled anew
+    assert tune_tree.main([*base, "temperature=1.0", "seed=5"]) == 0  # the same: reused
+    assert [(p.temperature, p.seed) for p in made] == [(0.0, 0), (1.0, 5)]
+    assert "sampled at T=1, seed 5" in (tmp_path / "out" / "tune.md").read_text()
