@@ -13,6 +13,12 @@ Measures, in one run on the same ShareGPT dev prompts:
   scheduling and writing add between batches);
 - resident memory per node with 1 and 2 workers (sum of the workers' PSS, and the trie's
   share of it, which should be counted once however many workers map it).
+
+Whole jobs run one after another, and on a small machine the later of two back-to-back jobs can
+run measurably slower (a 2-core EPYC: 5-9% in the target's forwards, docs/ngram.md), which would
+favour whichever cell runs first. So with `repeats` > 1 the cells run forward on even repeats and
+backward on odd ones (A B B A ...: `run_order`), and every pipeline figure is the median over
+the repeats, with each repeat's rows/s kept in the report.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class PipelineBenchConfig:
     batch_size: int = 4
     budget: int = 32
     sizing: str = "auto"  # decoding.sizing of the speculative cells
+    repeats: int = 1  # whole jobs per cell, in alternating order (run_order); figures are medians
     direct: bool = True  # also time the engine without Ray Data, for the pipeline's overhead
     memory_workers: list[int] = field(default_factory=lambda: [1, 2])  # worker counts for the memory figure
     memory_prompts: int = 8
@@ -69,6 +76,20 @@ def parse_cell(cell: str, default_batch: int) -> tuple[str, int, int | None]:
     if len(parts) != 3:
         raise ValueError(f"cell {cell!r}: want 'mode' or 'mode/batch/max_live'")
     return parts[0], int(parts[1]), int(parts[2])
+
+
+def run_order(cells: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, cell) in the order to run them: forward on even repeats, backward on odd ones, so a
+    drift over the run weighs on every cell alike instead of on the later ones."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    return [(r, c) for r in range(repeats) for c in (cells if r % 2 == 0 else cells[::-1])]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median rows/s (the lower middle one for an even count), with every run's rows/s."""
+    ranked = sorted(runs, key=lambda run: run["rows_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "repeats_rows_per_s": [run["rows_per_s"] for run in runs]}
 
 
 def pipeline_config(work: Path, cell: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
@@ -174,6 +195,7 @@ class PssSampler:
 def main(argv: list[str] | None = None) -> dict:
     cfg: PipelineBenchConfig = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(PipelineBenchConfig), OmegaConf.from_cli(argv)))
+    run_order(list(cfg.modes), cfg.repeats)  # a bad repeats fails before any job runs
     device = resolve_device("auto")
     conditions = machine_conditions(threads=2) | {"device": str(device), "dtype": str(resolve_dtype("auto", device))}
     print(f"conditions: {conditions}", flush=True)
@@ -182,28 +204,32 @@ def main(argv: list[str] | None = None) -> dict:
         work = Path(tmp)
         n = write_prompts(work / "prompts.jsonl", cfg.num_prompts)
         print(f"{n} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, batch {cfg.batch_size}")
-        for mode in cfg.modes:
-            pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=mode.replace("/", "-"))
+        runs: dict[str, list[dict]] = {mode: [] for mode in cfg.modes}
+        for repeat, mode in run_order(list(cfg.modes), cfg.repeats):
+            tag = mode.replace("/", "-") + (f"-r{repeat}" if cfg.repeats > 1 else "")
+            pcfg = pipeline_config(work, mode, cfg, workers=1, threads=2, tag=tag)
             launched = time.time()
             summary = run_pipeline(pcfg)
             ray.shutdown()
             this = summary["this_run"]
             steady = steady_state(pcfg.output.url)
-            report["pipeline"][mode] = {"rows": this["rows"], "tokens": this["generated_tokens"],
-                                        "wall_s": summary["wall_s"], "rows_per_s": this["rows_per_s"],
-                                        "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean"),
-                                        "startup_s": steady.pop("first_batch_start_unix") - launched,
-                                        "steady": steady}
-            print(mode, "pipeline", report["pipeline"][mode], flush=True)
-            if cfg.direct:
+            runs[mode].append({"rows": this["rows"], "tokens": this["generated_tokens"],
+                               "wall_s": summary["wall_s"], "rows_per_s": this["rows_per_s"],
+                               "tokens_per_s": this["tokens_per_s"], "mean_tau": this["tau"].get("mean"),
+                               "startup_s": steady.pop("first_batch_start_unix") - launched,
+                               "steady": steady, "repeat": repeat})
+            print(mode, f"pipeline (repeat {repeat})", runs[mode][-1], flush=True)
+            if cfg.direct and repeat == 0:
                 report["engine_direct"][mode] = engine_direct(pcfg, work / "prompts.jsonl")
                 print(mode, "engine", report["engine_direct"][mode], flush=True)
+        report["pipeline"] = {mode: median_run(runs[mode]) for mode in cfg.modes}
         base = report["pipeline"][cfg.modes[0]]
         for mode in cfg.modes:
             p = report["pipeline"][mode]
             print(f"{mode}: {p['rows_per_s']:.3f} rows/s end to end ({p['rows_per_s'] / base['rows_per_s']:.2f}x "
                   f"{cfg.modes[0]}), {p['steady']['rows_per_s']:.3f} steady, tau {p['mean_tau'] or 0:.2f}, "
-                  f"tail {p['steady']['tail_s']:.1f} s ({p['steady']['tail_share']:.0%} of the span)", flush=True)
+                  f"tail {p['steady']['tail_s']:.1f} s ({p['steady']['tail_share']:.0%} of the span); "
+                  f"rows/s per repeat {[round(v, 3) for v in p['repeats_rows_per_s']]}", flush=True)
         for mode in report["engine_direct"]:
             p, e = report["pipeline"][mode], report["engine_direct"][mode]
             p["overhead_end_to_end"] = p["wall_s"] / (e["construct_s"] + e["wall_s"]) - 1

@@ -435,3 +435,21 @@ def test_compare_heads_refuses_a_directory_that_is_not_a_head(tmp_path, capsys):
 
     assert compare_main([f"heads=[{tmp_path}]"]) == 2
     assert "not a draft head directory" in capsys.readouterr().err
+
+
+def test_pipeline_bench_alternates_the_order_of_whole_jobs_and_reports_medians():
+    from jobs.bench_pipeline import median_run, run_order
+
+    assert run_order(["ar", "dart"], 1) == [(0, "ar"), (0, "dart")]
+    order = run_order(["ar", "dart", "x/16/4"], 4)
+    assert [c for _, c in order] == ["ar", "dart", "x/16/4", "x/16/4", "dart", "ar"] * 2
+    # every cell runs once per repeat, and as often early as late: the mean slot is the same for all
+    slots = {c: [i for i, (_, cell) in enumerate(order) if cell == c] for c in ("ar", "dart", "x/16/4")}
+    assert {len(v) for v in slots.values()} == {4} and len({sum(v) for v in slots.values()}) == 1
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_order(["ar"], 0)
+    runs = [{"rows_per_s": v, "repeat": i} for i, v in enumerate([0.30, 0.10, 0.20, 0.40])]
+    median = median_run(runs)
+    assert median["rows_per_s"] == 0.20 and median["repeat"] == 2
+    assert median["repeats_rows_per_s"] == [0.30, 0.10, 0.20, 0.40]
+    assert median_run(runs[:3])["rows_per_s"] == 0.20
