@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from dart_worker.drafters.base import Drafter
 from jobs.tune_tree import (
+    ReplayJobConfig,
     TuneConfigError,
     load_structured_config,
     replay_job_main,
@@ -47,23 +48,10 @@ from ngram_native.trees import SOURCE_CONTEXT, DraftTree
 
 
 @dataclass
-class ContextBoundConfig:
-    target: str = "default"
-    head: str | None = None  # None: the shipped default head
-    trie: str | None = None  # None: the default ShareGPT trie
-    dtype: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0
+class ContextBoundConfig(ReplayJobConfig):
     budgets: list[int] = field(default_factory=lambda: [16, 60])
     min_match: int = 1  # suffix tokens an oracle span must follow (1: the weakest condition, the highest bound)
-    num_prompts: int = 48
-    check_prompts: int = 8  # skipped: the benchmark's own prompts
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
     temperature: float = 1.0  # of the replayed replies (0: greedy; > 0: sampled with `seed`)
-    top_p: float = 1.0
-    top_k: int = 0
     output_dir: str = "bench_context_bound"
 
 
@@ -108,9 +96,10 @@ class OracleContext(Drafter):
         self.inner, self.refs, self.min_match, self.job = inner, list(refs), min_match, job
         self.has_model = inner.has_model
         self.live: list[int] = []
-        # Everything before reference r in the job (earlier prompts and replies), for job=True.
-        self.earlier = [np.asarray([t for ref in self.refs[:r] for t in ref.tokens], dtype=np.int64)
-                        for r in range(len(self.refs))]
+        # Every reference's prompt + reply in run order; reference r's earlier rows are the first
+        # starts[r] tokens (for job=True).
+        self.run_tokens = np.asarray([t for ref in self.refs for t in ref.tokens], dtype=np.int64)
+        self.starts = np.cumsum([0] + [len(ref.tokens) for ref in self.refs])
 
     def start(self, batch_size: int) -> None:
         self.live = list(range(batch_size))
@@ -140,7 +129,7 @@ class OracleContext(Drafter):
             continuation = ref.tokens[len(seq) : len(seq) + max_depths[b]]
             context = np.asarray(seq, dtype=np.int64)
             if self.job:
-                context = np.concatenate([self.earlier[self.live[b]], context])
+                context = np.concatenate([self.run_tokens[: self.starts[self.live[b]]], context])
             k = longest_copy(context, seq[-self.min_match :], continuation) if len(seq) >= self.min_match else 0
             if k:
                 span = DraftTree(np.asarray(continuation[:k], np.int32), np.arange(-1, k - 1, dtype=np.int32),
@@ -155,21 +144,13 @@ CELLS = ("dart", "dart_lookup", "dart + oracle context", "dart + oracle context 
 
 
 def measure(cfg: ContextBoundConfig) -> dict[str, Any]:
-    from pathlib import Path
-
     from dart_train.replay import mean_tau, replay
-    from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_drafter
     from jobs.bench import machine_conditions
-    from jobs.bench_engine import load_parts, select_prompts
-    from jobs.tune_tree import references
+    from jobs.tune_tree import replay_setup
 
-    threads = configure_cpu_threads(cfg.threads)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    parts = load_parts(cfg, ["dart_lookup"])
-    chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
-    refs = references(cfg, parts, [ids for _, ids in chosen], out)[cfg.check_prompts :]
+    threads, parts, chosen, refs = replay_setup(cfg, ["dart_lookup"])
+    refs = refs[cfg.check_prompts :]
     rows = []
     for budget in cfg.budgets:
         params = setting({}, budget=budget, job_ngram_tokens=0)  # every prompt once: no job history
@@ -210,11 +191,8 @@ def _header(cfg: ContextBoundConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def run(cfg):
-        figures = measure(cfg)
-        return figures, summary_lines(figures["results"])
-
-    return replay_job_main(argv, "jobs.bench_context_bound", __doc__, parse_config, run, "context_bound", _header)
+    return replay_job_main(argv, "jobs.bench_context_bound", __doc__, parse_config, measure, summary_lines,
+                           "context_bound", _header)
 
 
 if __name__ == "__main__":

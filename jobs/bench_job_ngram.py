@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from jobs.tune_tree import (
+    ReplayJobConfig,
     TuneConfigError,
     load_structured_config,
     replay_job_main,
@@ -40,27 +41,12 @@ from jobs.tune_tree import (
 
 
 @dataclass
-class JobNgramBenchConfig:
-    target: str = "default"
-    head: str | None = None  # None: the shipped default head
-    trie: str | None = None  # None: the default ShareGPT trie
-    dtype: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0
+class JobNgramBenchConfig(ReplayJobConfig):
     mode: str = "dart"  # dart or dart_lookup (the drafters with a job n-gram)
-    budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
     base: dict[str, Any] = field(default_factory=dict)  # TreeParams fields besides the budget; {} = defaults
     earlier_outputs: str = ""  # JSONL (conversations or completion) or Parquet (completion) of earlier rows
     warm_rows: list[int] = field(default_factory=lambda: [0, 100, 1000, 6000])
     priors: list[float] = field(default_factory=lambda: [4.0])
-    num_prompts: int = 48
-    check_prompts: int = 8  # skipped: the benchmark's own prompts
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # of the replayed replies (> 0: sampled with `seed`), as in jobs.tune_tree
-    top_p: float = 1.0
-    top_k: int = 0
     output_dir: str = "bench_job_ngram"
 
 
@@ -83,18 +69,12 @@ def parse_config(argv: list[str]) -> JobNgramBenchConfig:
 def measure(cfg: JobNgramBenchConfig) -> dict[str, Any]:
     from dart_train.corpus import job_output_documents
     from dart_train.replay import mean_tau, replay
-    from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_drafter
     from jobs.bench import machine_conditions
-    from jobs.bench_engine import load_parts, select_prompts
-    from jobs.tune_tree import references
+    from jobs.tune_tree import replay_setup
 
-    threads = configure_cpu_threads(cfg.threads)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    parts = load_parts(cfg, [cfg.mode])
-    chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
-    refs = references(cfg, parts, [ids for _, ids in chosen], out)[cfg.check_prompts :]
+    threads, parts, chosen, refs = replay_setup(cfg, [cfg.mode])
+    refs = refs[cfg.check_prompts :]
     documents = job_output_documents(cfg.earlier_outputs, max(cfg.warm_rows), parts.tokenizer)
     print(f"{len(refs)} dev prompts, {len(documents)} earlier outputs ({sum(map(len, documents))} tokens)")
 
@@ -150,11 +130,8 @@ def _header(cfg: JobNgramBenchConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def run(cfg):
-        figures = measure(cfg)
-        return figures, summary_lines(figures["results"])
-
-    return replay_job_main(argv, "jobs.bench_job_ngram", __doc__, parse_config, run, "job_ngram", _header)
+    return replay_job_main(argv, "jobs.bench_job_ngram", __doc__, parse_config, measure, summary_lines,
+                           "job_ngram", _header)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ DEFAULT_GRID = {
 
 
 @dataclass
-class TuneTreeConfig:
+class ReplayJobConfig:
+    """What every replay job (this one, jobs.bench_job_ngram, jobs.bench_context_bound) reads:
+    the target and drafting artifacts, the dev prompts, and how the replayed replies are decoded."""
+
     target: str = "default"
     head: str | None = None  # None: the shipped default head
     trie: str | None = None  # None: the default ShareGPT trie
@@ -65,13 +68,9 @@ class TuneTreeConfig:
     device: str = "auto"
     threads: int | None = None
     seed: int = 0
-    mode: str = "dart"  # any registered tree drafter (dart, ddtree, dart_lookup, ...)
     budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
-    base: dict[str, Any] = field(default_factory=dict)  # starting setting (TreeParams fields); {} = defaults
-    grid: dict[str, list] = field(default_factory=dict)  # knob -> values; {} = DEFAULT_GRID
-    passes: int = 2
-    num_prompts: int = 32  # dev prompts searched on
-    check_prompts: int = 8  # the first dev prompts (the benchmark's): held out, reported only
+    num_prompts: int = 48  # dev prompts measured on
+    check_prompts: int = 8  # the first dev prompts (the benchmark's): held out
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
     # How the replayed replies are decoded: greedy at temperature 0; otherwise sampled with `seed`
@@ -79,6 +78,16 @@ class TuneTreeConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    output_dir: str = "replay"
+
+
+@dataclass
+class TuneTreeConfig(ReplayJobConfig):
+    mode: str = "dart"  # any registered tree drafter (dart, ddtree, dart_lookup, ...)
+    base: dict[str, Any] = field(default_factory=dict)  # starting setting (TreeParams fields); {} = defaults
+    grid: dict[str, list] = field(default_factory=dict)  # knob -> values; {} = DEFAULT_GRID
+    passes: int = 2
+    num_prompts: int = 32  # dev prompts searched on (the check prompts are reported only)
     output_dir: str = "tune_tree"
 
 
@@ -188,7 +197,7 @@ def coordinate_search(measure: Replayer, start: TreeParams, grid: dict[str, list
     return best
 
 
-def references(cfg: TuneTreeConfig, parts, prompts: list[list[int]], out: Path) -> list:
+def references(cfg: ReplayJobConfig, parts, prompts: list[list[int]], out: Path) -> list:
     """The references of `prompts`, their replies (decoded as `reply_sampling(cfg)` says) reused from
     replies.json when it matches."""
     from dart_train.replay import target_references
@@ -213,20 +222,27 @@ def references(cfg: TuneTreeConfig, parts, prompts: list[list[int]], out: Path) 
     return target_references(parts, prompts, cfg.max_new_tokens, replies=replies)
 
 
-def tune(cfg: TuneTreeConfig) -> dict[str, Any]:
+def replay_setup(cfg: ReplayJobConfig, modes: list[str]):
+    """A replay job's common start: torch threads, the output directory, the target with what
+    `modes` need, the check + measured dev prompts ((id, token ids), in order) and their
+    references (replies cached in output_dir). Returns (threads, parts, chosen, refs)."""
     from dart_worker.device import configure_cpu_threads
-    from jobs.bench import machine_conditions
     from jobs.bench_engine import load_parts, select_prompts
 
     threads = configure_cpu_threads(cfg.threads)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    parts = load_parts(cfg, [cfg.mode])
+    parts = load_parts(cfg, modes)
     chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
     if len(chosen) < cfg.check_prompts + 1:
         raise TuneConfigError(f"only {len(chosen)} dev prompts fit max_prompt_tokens={cfg.max_prompt_tokens}")
-    prompts = [ids for _, ids in chosen]
-    refs = references(cfg, parts, prompts, out)
+    return threads, parts, chosen, references(cfg, parts, [ids for _, ids in chosen], out)
+
+
+def tune(cfg: TuneTreeConfig) -> dict[str, Any]:
+    from jobs.bench import machine_conditions
+
+    threads, parts, chosen, refs = replay_setup(cfg, [cfg.mode])
     search = Replayer(parts, cfg.mode, refs[cfg.check_prompts :], cfg.max_new_tokens)
     check = Replayer(parts, cfg.mode, refs[: cfg.check_prompts], cfg.max_new_tokens) if cfg.check_prompts else None
     rows = []
@@ -257,11 +273,11 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measure, name: str,
+def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measure, summarize, name: str,
                     header) -> int:
     """The command line of a replay job (this one, jobs.bench_job_ngram): parse `[config.yaml]
     key=value ...` (errors: exit 2), `measure(cfg)` -> figures with "results", then write
-    <output_dir>/<name>.json and <name>.md (`header(cfg, figures)` + the job's `summary_lines`)."""
+    <output_dir>/<name>.json and <name>.md (`header(cfg, figures)` + `summarize(figures["results"])`)."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
     parser.add_argument("args", nargs="*", help="[config.yaml] key=value ...")
     args = parser.parse_args(argv)
@@ -270,7 +286,8 @@ def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measur
     except TuneConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    figures, table = measure(cfg)
+    figures = measure(cfg)
+    table = summarize(figures["results"])
     figures["command"] = f"python -m {module} " + shlex.join(args.args)
     out = Path(cfg.output_dir)
     (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
@@ -288,11 +305,7 @@ def _header(cfg: TuneTreeConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def measure(cfg):
-        figures = tune(cfg)
-        return figures, summary_lines(figures["results"])
-
-    return replay_job_main(argv, "jobs.tune_tree", __doc__, parse_config, measure, "tune", _header)
+    return replay_job_main(argv, "jobs.tune_tree", __doc__, parse_config, tune, summary_lines, "tune", _header)
 
 
 if __name__ == "__main__":
