@@ -69,6 +69,57 @@ def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     return device
 
 
+class DeviceUnavailable(RuntimeError):
+    """A worker was given a device it cannot use (Ray assigned GPUs, torch cannot reach them)."""
+
+
+def cuda_problem() -> str | None:
+    """Why torch cannot use CUDA here, in words (None: it can). Initialising CUDA is what
+    surfaces a driver older than the wheel's CUDA, so this does (`torch.cuda.init`)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    try:
+        torch.cuda.init()
+    except Exception as err:  # torch raises RuntimeError or AssertionError for driver problems
+        return f"CUDA initialisation failed: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "torch sees no CUDA device"
+    return None
+
+
+def resolve_worker_device(spec: str, assigned_gpus: list[str]) -> torch.device:
+    """The device of a pipeline worker to which the cluster assigned `assigned_gpus` (Ray's GPU
+    ids; empty when it reserved none).
+
+    The assignment decides, never what happens to be visible: "auto" means CUDA when GPUs were
+    assigned and the CPU otherwise, "cuda" without an assignment and "cpu" with one are errors, and
+    a worker holding GPUs that torch cannot use stops with one line saying what was assigned, what
+    torch sees and the wheel's CUDA version, instead of running 50x slower on the CPU.
+    """
+    name = spec.strip().lower()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    if not assigned_gpus:
+        if name.startswith("cuda"):
+            raise DeviceUnavailable(f"model.device={spec!r} but the cluster assigned this worker no GPU: set "
+                                    "resources.num_gpus_per_worker (Ray gives a worker only the GPUs it reserves)")
+        return resolve_device("cpu" if name == "auto" else spec)
+    if name == "cpu" or name == "mps":
+        raise DeviceUnavailable(f"model.device={spec!r} but the cluster assigned this worker GPU(s) "
+                                f"{', '.join(assigned_gpus)}: set resources.num_gpus_per_worker=0 to run on CPUs")
+    problem = cuda_problem()
+    if problem is not None:
+        raise DeviceUnavailable(
+            f"the cluster assigned this worker GPU(s) {', '.join(assigned_gpus)} (CUDA_VISIBLE_DEVICES={visible}), "
+            f"but torch {torch.__version__} (built with CUDA {torch.version.cuda or 'none'}) cannot use them: "
+            f"{problem}; install a torch build for this node's driver, or set resources.num_gpus_per_worker=0 "
+            "and model.device=cpu to run on CPUs")
+    try:
+        return resolve_device("cuda" if name == "auto" else spec)
+    except (RuntimeError, ValueError) as err:  # e.g. cuda:1 with one GPU assigned (Ray renumbers them from 0)
+        raise DeviceUnavailable(f"model.device={spec!r} on a worker assigned GPU(s) {', '.join(assigned_gpus)} "
+                                f"(CUDA_VISIBLE_DEVICES={visible}): {err}") from None
+
+
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles).
 

@@ -26,6 +26,7 @@ import torch
 
 from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from dart_worker.kernels import logits_for
 from dart_worker.sampling import (
     SamplingParams,
     inverse_cdf_sample,
@@ -91,17 +92,18 @@ class DecodingEngine:
         waits (verification). On a CPU every stage's time is exact either way.
 
         `defer_logits`: in rounds where every request is greedy, project to the vocabulary only
-        the rows the verification walk reads (`verify_greedy_by_rows`). None = on a CPU where a
-        short measurement says it pays (`TargetAdapter.deferred_logits_pay`: without matrix units
-        the projection over every tree row is most of a verify forward); never on a GPU, where
-        one batched projection is cheap and a walk would add a host round trip per tree level."""
+        the rows the verification walk reads (`verify_greedy_by_rows`). None = the `logits`
+        strategy of `dart_worker.kernels`: deferred on a CPU where a short measurement says it pays
+        (`TargetAdapter.deferred_logits_pay`: without matrix units the projection over every tree
+        row is most of a verify forward); never on a GPU, where one batched projection is cheap
+        and a walk would add a host round trip per tree level."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = target.device
         if defer_logits is None:
-            defer_logits = self.device.type == "cpu" and target.deferred_logits_pay()
+            defer_logits = logits_for(self.device, target.deferred_logits_pay) == "deferred"
         self.defer_logits = defer_logits
         self.sync_timing = sync_timing
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the

@@ -7,8 +7,9 @@ slower than the same product as `weight x rows^T` on a 2-core AVX2 EPYC in float
 target, median of 7: 4 rows 160 -> 61 ms; draft head, 8 rows 14.5 -> 7.1 ms; 1 row and 100+ rows
 about equal). `python -m jobs.bench_verify_shapes` prints both ways side by side.
 
-Only float32 inference on a CPU takes the other orientation: that is where it was measured; a
-GPU, bf16 CPUs (AMX, oneDNN) and training (autograd, autocast) keep the module's own product.
+Which orientation runs is the `projection` strategy of `dart_worker.kernels` (weight-first for
+float32 on a CPU: that is where it was measured; a GPU and bf16 CPUs (AMX, oneDNN) keep the
+module's own product); training (autograd, autocast) and biased layers always keep the module's.
 
 MKL's `weight x rows^T` rounds differently by the weight's address alignment (not the rows'):
 the same weight at another offset of a buffer can differ in the last bit. Weights torch allocates
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dart_worker.kernels import projection_for
 
 
 def project(hidden: torch.Tensor, linear: nn.Module) -> torch.Tensor:
@@ -35,6 +38,9 @@ def project(hidden: torch.Tensor, linear: nn.Module) -> torch.Tensor:
 
 
 def _weight_first(rows: torch.Tensor, linear: nn.Module) -> bool:
-    return (rows.device.type == "cpu" and rows.shape[0] > 1 and rows.dtype == torch.float32
-            and type(linear) is nn.Linear and linear.bias is None and linear.weight.dtype == torch.float32
-            and not torch.is_grad_enabled())
+    """The weight-first product where the strategy asks for it and it is the same product: one
+    bias-free `nn.Linear` of the rows' dtype, inference, several rows (one row is a
+    matrix-vector product either way)."""
+    return (rows.shape[0] > 1 and type(linear) is nn.Linear and linear.bias is None
+            and linear.weight.dtype == rows.dtype and not torch.is_grad_enabled()
+            and projection_for(rows.device, rows.dtype) == "weight_first")

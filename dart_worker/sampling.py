@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dart_worker.kernels import warp_for
+
 _MAX_SEED = 2**63 - 1
 
 
@@ -135,10 +137,11 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
 
 
 def _use_candidates(scores: torch.Tensor) -> bool:
-    """Work on the few candidate tokens instead of whole rows? On a CPU every pass over a 262k
-    vocabulary costs milliseconds and a host sync is free; on an accelerator passes are cheap
-    and the syncs of the candidate search would stall the stream."""
-    return scores.device.type == "cpu"
+    """Work on the few candidate tokens instead of whole rows (the `warp` strategy of
+    `dart_worker.kernels`)? On a CPU every pass over a 262k vocabulary costs milliseconds and a
+    host sync is free; on an accelerator passes are cheap and the syncs of the candidate search
+    would stall the stream. Both give the same probabilities (tests run both on CPU tensors)."""
+    return warp_for(scores.device) == "candidates"
 
 
 def _nucleus_keep(values: torch.Tensor, mass: torch.Tensor, top_p: float) -> torch.Tensor:

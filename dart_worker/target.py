@@ -23,6 +23,7 @@ gather for every layer.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +34,20 @@ from transformers import DynamicCache, PreTrainedModel
 from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
 
+# Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa
+# boolean ones, eager additive ones (`TargetAdapter._mask_format`).
+TREE_MASK_ATTENTION = ("sdpa", "eager")
+# Relative difference allowed between the model's own logits and the adapter's (the same product,
+# in another orientation or row grouping: float rounding only; a missing logit scale is far more).
+HEAD_CHECK_TOLERANCE = 1e-2
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+
+def cache_argument(decoder: torch.nn.Module) -> str:
+    """The decoder forward's name for the KV cache: `cache` from transformers 5.24 on (which warns
+    about the old name and removes it in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -134,9 +147,42 @@ class TargetAdapter:
         self.layer_types = list(getattr(self.config, "layer_types", None) or [FULL_ATTENTION] * self.num_layers)
         self.sliding_window = getattr(self.config, "sliding_window", None)
         self.uses_mask_dict = SLIDING_ATTENTION in self.layer_types
+        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attention not in TREE_MASK_ATTENTION:
+            raise ValueError(f"{type(model).__name__} runs attention {attention!r}, which does not take the "
+                             f"ready-made tree masks this engine passes; load it with attn_implementation "
+                             f"one of {TREE_MASK_ATTENTION}")
+        # sdpa reads a boolean mask as "may attend"; eager *adds* the mask to the scores, so a
+        # boolean one would add 0/1 and mask nothing: it gets 0 / -inf-like float masks instead.
+        self._additive_masks = attention == "eager"
         self._captured: dict[int, torch.Tensor] = {}
         for index in sorted(set(self.tap_layers)):
             layers[index].register_forward_pre_hook(self._make_tap_hook(index), with_kwargs=True)
+        self._cache_argument = cache_argument(decoder)
+        self._check_logits_head()
+
+    @torch.no_grad()
+    def _check_logits_head(self) -> None:
+        """The adapter computes logits as `logits_at(decoder(...))` (see `forward`); check once, on a
+        few tokens, that this is what the model's own forward computes, so that a model with an
+        extra logit scale or a head of its own fails here, naming the difference, instead of
+        decoding something else than its own greedy output."""
+        probe = (torch.arange(4, device=self.device) * 7 + 1)[None] % self.vocab_size
+        try:
+            theirs = self.model(input_ids=probe, use_cache=False).logits.float()
+            ours = self.logits_at(self.model.get_decoder()(input_ids=probe, use_cache=False).last_hidden_state)
+        finally:
+            self._captured.clear()
+        ours = ours.float()
+        if theirs.shape != ours.shape:
+            raise ValueError(f"{type(self.model).__name__}: its forward gives logits of shape {tuple(theirs.shape)}, "
+                             f"LM head over the decoder's output {tuple(ours.shape)}; unsupported model head")
+        scale = float(theirs.abs().max())
+        error = float((theirs - ours).abs().max())
+        if not error <= HEAD_CHECK_TOLERANCE * scale + 1e-5:
+            raise ValueError(f"{type(self.model).__name__}: its logits are not the LM head (and final soft-capping) "
+                             f"over the decoder's output: max difference {error:.3g} at logits up to {scale:.3g}; "
+                             "a model with another logit transform is not supported")
 
     @property
     def device(self) -> torch.device:
@@ -174,10 +220,18 @@ class TargetAdapter:
         prefix = prefix.expand(batch, rows, cached)
         full = torch.cat([prefix, block], dim=-1)  # [B, S, T + S]
         if not self.uses_mask_dict:
-            return full[:, None]
+            return self._mask_format(full[:, None])
         key_pos = torch.cat([slot[None].expand(batch, cached), positions], dim=-1)  # [B, T + S]
         in_window = (positions[:, :, None] - key_pos[:, None, :]) < int(self.sliding_window)
-        return {FULL_ATTENTION: full[:, None], SLIDING_ATTENTION: (full & in_window)[:, None]}
+        return {FULL_ATTENTION: self._mask_format(full[:, None]),
+                SLIDING_ATTENTION: self._mask_format((full & in_window)[:, None])}
+
+    def _mask_format(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean "may attend" mask as the model's attention implementation reads masks."""
+        if not self._additive_masks:
+            return allowed
+        return torch.zeros((), dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
 
     # ---------------------------------------------------------------- forward
 
@@ -202,18 +256,18 @@ class TargetAdapter:
         """
         masks = self._attention_masks(state, positions, block)
         self._captured.clear()
-        inputs = dict(input_ids=input_ids, attention_mask=masks, position_ids=positions,
-                      past_key_values=state.cache, use_cache=True)
-        if defer_logits or self.device.type == "cpu":
-            hidden = self.model.get_decoder()(**inputs).last_hidden_state
-            logits = None
-            if not defer_logits:  # on a CPU the projection goes through `logits_at` (its orientation: see there)
-                if logit_rows is not None:
-                    hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
-                logits, hidden = self.logits_at(hidden), None
-        else:
-            hidden = None
-            logits = self.model(**inputs, logits_to_keep=logit_rows if logit_rows is not None else 0).logits
+        # One path on every device: the decoder, then the rows that are needed through the LM
+        # head (`logits_at`). The model's own forward is not used for logits, because what it
+        # does with a tensor `logits_to_keep` depends on the transformers version (4.x indexed
+        # `hidden[:, logits_to_keep]`, giving [B, B, R, V] for a [B, R] tensor; 5.x gathers per
+        # sample): correctness must not rest on which one is installed.
+        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=masks, position_ids=positions,
+                                          use_cache=True, **{self._cache_argument: state.cache}).last_hidden_state
+        logits = None
+        if not defer_logits:
+            if logit_rows is not None:
+                hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
+            logits, hidden = self.logits_at(hidden), None
         taps = torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
         self._captured.clear()
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the

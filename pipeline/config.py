@@ -49,7 +49,10 @@ class ModelConfig:
     draft_head: str | None = "default"  # "default" (shipped head), a checkpoint dir, or null (mode ar)
     trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto | cpu | cuda | cuda:N. Workers follow their Ray reservation: auto is CUDA when
+    # resources.num_gpus_per_worker > 0 and the CPU otherwise; a worker holding GPUs that torch
+    # cannot use stops the job at start-up (pipeline/device_check.py), never falls back to the CPU.
+    device: str = "auto"
     tap_layers: list[int] | None = None  # default: inputs of layers 2, L//2, L-3
 
 
@@ -91,7 +94,7 @@ class ResourcesConfig:
     # reservation: the reading and writing stages need CPU slots too, and leaving them one
     # while the engine's threads use every core keeps a small machine from deadlocking.
     torch_threads: int | None = None
-    num_gpus_per_worker: float = 0.0  # > 0 puts one engine per GPU share
+    num_gpus_per_worker: float = 0.0  # > 0 puts one engine per GPU share (and model.device auto on CUDA)
     batch_size: int = 4  # rows handed to one engine per call (Ray Data's map_batches batch)
     # sequences decoding together inside the engine (null: batch_size, a static batch). Below
     # batch_size the engine batches continuously: a finished row's slot is refilled from the
@@ -207,6 +210,11 @@ def validate(cfg: PipelineConfig) -> None:
     check(r.num_cpus_per_worker > 0, "resources.num_cpus_per_worker", "must be > 0")
     check(r.torch_threads is None or r.torch_threads >= 1, "resources.torch_threads", "must be >= 1 or null")
     check(r.num_gpus_per_worker >= 0, "resources.num_gpus_per_worker", "must be >= 0")
+    device = m.device.strip().lower()
+    check(not device.startswith("cuda") or r.num_gpus_per_worker > 0, "model.device",
+          f"{m.device!r} needs resources.num_gpus_per_worker > 0 (Ray gives a worker only the GPUs it reserves)")
+    check(device not in ("cpu", "mps") or r.num_gpus_per_worker == 0, "resources.num_gpus_per_worker",
+          f"reserves GPUs that model.device={m.device!r} never uses: set it to 0")
     check(r.batch_size >= 1, "resources.batch_size", "must be >= 1")
     check(r.max_live is None or 1 <= r.max_live <= r.batch_size, "resources.max_live",
           "must be null (= batch_size) or between 1 and resources.batch_size")

@@ -17,7 +17,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dart_worker.device import DeviceUnavailable, resolve_worker_device
 from pipeline.config import PipelineConfig
+from pipeline.device_check import planned_device
 from pipeline.inputs import InputError, jsonl_codec
 from pipeline.outputs import existing_row_keys
 from pipeline.preflight import StartupError, cpu_budget_problem, local_cpu_count, resolve_artifacts
@@ -73,6 +75,11 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
         problem = cpu_budget_problem(cfg, local_cpu_count())
         if problem:
             raise StartupError(problem)
+    if not external and r.num_gpus_per_worker > 0:  # a local run's workers are on this machine: check here
+        try:
+            resolve_worker_device(m.device, ["0"])
+        except DeviceUnavailable as exc:
+            raise StartupError(f"model.device: {exc}") from None
     workers = (f"{r.min_workers}..{r.max_workers} (autoscaling)" if r.min_workers is not None
                else str(r.num_workers))
     return {
@@ -96,7 +103,7 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
                     "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size,
                     "max_live": r.max_live or r.batch_size, "mode": d.mode,
                     "sizing": d.sizing, "tree_budget": d.tree.budget, "max_new_tokens": d.max_new_tokens,
-                    "temperature": d.temperature, "device": m.device, "dtype": m.dtype,
+                    "temperature": d.temperature, "device": planned_device(cfg), "dtype": m.dtype,
                     "cluster": os.environ["RAY_ADDRESS"] if external else f"local Ray, {local_cpu_count()} CPUs"},
     }
 

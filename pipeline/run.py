@@ -33,7 +33,9 @@ from typing import Any
 import pyarrow as pa
 import ray
 
+from dart_worker.device import DeviceUnavailable
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
+from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, read_prompts_with_report
 from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
@@ -164,6 +166,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
     ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
     check_cpu_budget(cfg)
+    try:
+        device = probe_workers(cfg)
+    except DeviceUnavailable as exc:
+        raise StartupError(f"model.device: {exc}") from None
+    log.info("workers decode on %s (%s, %s; kernels %s)", device["device"], device.get("gpu_name", device["node"]),
+             device["dtype"], device["kernels"])
     tally = RunTally()
     try:
         try:  # reads every input once (the duplicate-id pass): an unreadable file stops the job here
@@ -175,6 +183,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
                 tally.add(batch)
                 tally.maybe_print(cfg.run.progress_interval_s)
         except Exception as exc:
+            device_problem = worker_failure(exc)  # a worker on another node than the probe's
+            if device_problem is not None:
+                raise StartupError(f"model.device: {device_problem}") from None
             reason = storage_failure(exc)
             if reason is None:
                 raise

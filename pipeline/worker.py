@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.device import configure_cpu_threads, resolve_dtype, resolve_worker_device
 from dart_worker.drafters import drafter_spec
 from dart_worker.engine import GenerationResult
 from dart_worker.engine_factory import EngineParts, build_engine
@@ -29,6 +29,7 @@ from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_messages, format_user_prompt
 from dart_worker.sampling import SamplingParams
 from pipeline.config import PipelineConfig, from_dict
+from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
 from pipeline.outputs import result_rows_to_table
@@ -55,7 +56,7 @@ class GenerationWorker:
         self.cfg: PipelineConfig = from_dict(config)
         self.resolved = {k: v for k, v in resolved.items() if k != "warm_documents"}  # not kept: fed below
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
-        device = resolve_device(model_cfg.device)
+        device = resolve_worker_device(model_cfg.device, assigned_gpus())  # what Ray assigned, or an error
         if device.type == "cpu":
             resources = self.cfg.resources
             configure_cpu_threads(resources.torch_threads or max(1, int(resources.num_cpus_per_worker)))

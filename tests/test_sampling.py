@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dart_worker import sampling
+from dart_worker import kernels, sampling
 from dart_worker.sampling import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
 
 
@@ -32,13 +32,12 @@ def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return scores.softmax(dim=-1)
 
 
-@pytest.fixture(params=["candidates", "dense"])
-def warp_path(request, monkeypatch):
-    """Run a test through both implementations: the CPU candidate path and the dense
-    (accelerator) path. They must implement the same distribution."""
-    if request.param == "dense":
-        monkeypatch.setattr(sampling, "_use_candidates", lambda scores: False)
-    return request.param
+@pytest.fixture(params=kernels.WARPS)
+def warp_path(request):
+    """Run a test through both `warp` strategies: the CPU candidate path and the dense
+    (accelerator) path, forced on CPU tensors. They must implement the same distribution."""
+    with kernels.forced(warp=request.param):
+        yield request.param
 
 
 def assert_same_distribution(ours: torch.Tensor, theirs: torch.Tensor) -> None:
