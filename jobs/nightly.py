@@ -13,7 +13,10 @@ decoding.warm_from to the previous night's output when it holds rows), runs the 
 report next to the output (_nightly_report.json and _nightly_report.md, beside the pipeline's
 own _job_summary.json). Because the output prefix and the run id depend only on the date, a
 rerun for the same date (a RayJob retry, a manual rerun after a crash) resumes: it generates
-only the rows not yet written.
+only the rows not yet written, and a night that finished generates nothing and is judged again.
+That is the nightly's only output mode: the runner owns run.run_id, run.resume and
+output.if_exists (resume; any other value is refused), so a night never stops on, writes beside
+or replaces its own earlier attempt (pipeline/output_modes.py has the other modes).
 
 Exit codes, so that a scheduler (RayJob, CronJob) sees a bad night as a failed job:
 0 the night passed; 1 the failed-row fraction over the whole night's output exceeded
@@ -178,6 +181,10 @@ def load_night(path: str | Path, args: list[str] | None = None, now: dt.datetime
     if fixed:
         raise NightlyError(f"pipeline.run.{fixed[0]} is set by the nightly runner (run id "
                            "<nightly.run_id_prefix>-<date>, resume on): remove it from the config and overrides")
+    if_exists = pipeline["output"].get("if_exists") if isinstance(pipeline.get("output"), dict) else None
+    if if_exists not in (None, "resume"):
+        raise NightlyError(f"pipeline.output.if_exists={if_exists}: a night always resumes its own output (its "
+                           "prefix and run id come from the date); to generate a night again, delete its prefix")
 
     day = day or default_date(settings, now)
     template = (pipeline.get("output") or {}).get("url") if isinstance(pipeline.get("output"), dict) else None

@@ -26,6 +26,8 @@ from ngram_native.trees import TreeParams
 T = TypeVar("T")
 
 FORMATS = ("jsonl", "parquet")
+# What a run does when output.url already holds rows (pipeline/output_modes.py).
+IF_EXISTS = ("error", "resume", "beside", "replace")
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,10 @@ class InputConfig:
     messages_column: str | None = None  # ... or a list of {role, content} chat messages
     apply_chat_template: bool = True  # the target's chat template; plain "User:/Assistant:" if it has none
     max_prompt_chars: int = 32_000  # longer prompts become error rows
+    # false: special-token strings in a row's text (<eos>, <start_of_turn>, ...) are tokenized as
+    # text, only the chat template's own markers are control tokens; true: they are parsed as
+    # control tokens too, for prompts already formatted for the target (dart_worker/prompt_format.py)
+    parse_special_tokens: bool = False
 
 
 @dataclass
@@ -107,6 +113,10 @@ class OutputConfig:
     url: str = MISSING  # directory URL for Parquet parts and the job summary
     rows_per_file: int = 256
     include_token_ids: bool = True
+    # When url already holds parts: error (stop at start-up, saying what is there), resume (the same
+    # as run.resume: true), beside (write this run to <url>-<run id>), replace (write it aside and
+    # replace the old rows once it has finished). pipeline/output_modes.py
+    if_exists: str = "error"
 
 
 @dataclass
@@ -219,6 +229,9 @@ def validate(cfg: PipelineConfig) -> None:
     check(r.max_live is None or 1 <= r.max_live <= r.batch_size, "resources.max_live",
           "must be null (= batch_size) or between 1 and resources.batch_size")
     check(o.rows_per_file >= 1, "output.rows_per_file", "must be >= 1")
+    check(o.if_exists in IF_EXISTS, "output.if_exists", f"must be one of {IF_EXISTS}, got {o.if_exists!r}")
+    check(not cfg.run.resume or o.if_exists in ("error", "resume"), "run.resume",
+          f"run.resume=true resumes the output, which contradicts output.if_exists={o.if_exists}; set one of them")
     check(cfg.run.progress_interval_s > 0, "run.progress_interval_s", "must be > 0")
     if cfg.run.run_id is not None:
         check(cfg.run.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum(), "run.run_id",

@@ -21,6 +21,7 @@ from dart_worker.device import DeviceUnavailable, resolve_worker_device
 from pipeline.config import PipelineConfig
 from pipeline.device_check import planned_device
 from pipeline.inputs import InputError, jsonl_codec
+from pipeline.output_modes import plan_output
 from pipeline.outputs import existing_row_keys
 from pipeline.preflight import StartupError, cpu_budget_problem, local_cpu_count, resolve_artifacts
 from pipeline.storage import filesystem_for, redact
@@ -65,9 +66,10 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
             raise StartupError(f"input: cannot read {redact(url)}: {exc}") from None
         inputs.append({"url": redact(url), "rows": rows, "exact": exact})
     known = [i["rows"] for i in inputs if i["rows"] is not None]
+    plan = plan_output(cfg, run_id)  # the real run's check: rows there and no output.if_exists stop it here
     output: dict[str, Any] = {"url": redact(cfg.output.url), "exists": resolved["output_exists"],
-                              "resume": cfg.run.resume}
-    if cfg.run.resume and resolved["output_exists"]:
+                              "resume": plan.mode == "resume", "plan": redact(plan.describe())}
+    if plan.resumes:
         output["rows_done"] = len(existing_row_keys(cfg.output.url))
     r, m, d = cfg.resources, cfg.model, cfg.decoding
     external = bool(os.environ.get("RAY_ADDRESS"))
@@ -139,8 +141,10 @@ def format_report(plan: dict[str, Any]) -> str:
         resume = (f"resume: {o.get('rows_done', 0)} rows already written will be skipped" if o["exists"]
                   else "resume: nothing written yet")
     else:
-        resume = "resume off: rows already there are generated again" if o["exists"] else "fresh output"
+        resume = o.get("plan", "fresh output")
     lines.append(f"output      {o['url']} ({state}; {resume})")
+    if o["resume"] and o.get("plan", "").startswith("holds"):
+        lines.append(f"            {o['plan']}")
     gpus = f", {w['gpus_per_worker']:g} GPU" if w["gpus_per_worker"] else ""
     lines.append(f"workers     {w['workers']} x ({w['cpus_per_worker']:g} CPU{gpus}, {w['torch_threads']} torch "
                  f"threads), batch {w['batch_size']} ({w['max_live']} decoding at a time), mode {w['mode']} "

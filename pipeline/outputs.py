@@ -323,7 +323,7 @@ def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options
 # Listing, resume, reading back
 
 
-def _list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
+def list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
     """Paths of the part files directly under `directory`, sorted; [] if the directory does not exist yet."""
     try:
         fs.invalidate_cache(directory)  # other processes write here; a cached listing would be stale
@@ -411,7 +411,7 @@ def existing_row_keys(output_url: str, *, storage_options: dict[str, Any] | None
     not done.
     """
     fs, directory = filesystem_for(output_url, storage_options)
-    parts = _list_parts(fs, directory, output_url)
+    parts = list_parts(fs, directory, output_url)
 
     def keys_of(path: str) -> list[str] | _CorruptPart:
         try:
@@ -479,7 +479,7 @@ def read_output(
     read_columns = None if columns is None else list(dict.fromkeys(["row_key", *columns]))
     schema = OUTPUT_SCHEMA if read_columns is None else pa.schema([OUTPUT_SCHEMA.field(c) for c in read_columns])
     tables = []
-    for path in _list_parts(fs, directory, output_url):
+    for path in list_parts(fs, directory, output_url):
         if max_rows is not None and sum(len(t) for t in tables) >= max_rows:
             break
         try:

@@ -38,14 +38,14 @@ from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, read_prompts_with_report
 from pipeline.ngram_store import shutdown_ngram_stores
+from pipeline.output_modes import commit_output, open_output
 from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
 from pipeline.storage import StorageError, filesystem_for
-from pipeline.summary import STAT_COLUMNS, RunTally, build_summary
+from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary
 from pipeline.worker import GenerationWorker
 
 log = logging.getLogger("pipeline")
-SUMMARY_NAME = "_job_summary.json"
 
 
 class JobFailed(RuntimeError):
@@ -128,7 +128,7 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
 
 def output_totals(output_url: str) -> dict[str, Any]:
     """Figures over everything under the output (this run and any earlier resumed attempt)."""
-    table = read_output(output_url)
+    table = read_output(output_url, ["row_key", "id", "error", "num_generated_tokens"])  # not the text
     if table.num_rows == 0:
         return {"rows": 0}
     rows = table.select([c for c in ("row_key", "id", "error", "num_generated_tokens") if c in table.column_names])
@@ -158,10 +158,14 @@ def run_id_of(cfg: PipelineConfig) -> str:
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     run_id = run_id_of(cfg)
     resolved = resolve_artifacts(cfg, run_id)
+    # An output holding rows stops the run here unless output.if_exists says what to do with them.
+    configured, plan = cfg, open_output(cfg, run_id)
+    cfg, run_id = plan.job_config(cfg), plan.run_id
+    resolved["run_id"] = run_id
     removed = remove_temp_files(cfg.output.url)  # leftovers of writers killed mid-write
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
-    done_keys = existing_row_keys(cfg.output.url) if cfg.run.resume else set()
+    done_keys = existing_row_keys(cfg.output.url) if plan.resumes else set()
     if done_keys:
         print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
     ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
@@ -189,19 +193,17 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
             reason = storage_failure(exc)
             if reason is None:
                 raise
-            raise JobFailed(
-                f"{reason}\n  the job stopped; every part already written under {cfg.output.url} is kept "
-                f"({tally.rows} rows reported by this run, {len(done_keys)} by earlier ones): once the cause is "
-                f"fixed, rerun with run.resume=true to generate the rest"
-            ) from None
+            raise JobFailed(f"{reason}\n  {plan.failure_note(tally.rows, len(done_keys))}") from None
     finally:
         shutdown_ngram_stores()
     print(tally.progress_line())
-    summary = build_summary(tally, run_id=run_id, config=to_dict(cfg), resumed_rows=len(done_keys),
-                            duplicates=duplicates, output_totals=output_totals(cfg.output.url))
+    summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=len(done_keys),
+                            duplicates=duplicates, output_totals=output_totals(cfg.output.url),
+                            output_plan=plan.as_dict())
     fs, path = filesystem_for(cfg.output.url)
     with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
         f.write(json.dumps(summary, indent=1, default=str))
+    commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
     return summary
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+SUMMARY_NAME = "_job_summary.json"  # written next to the parts
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
                 "mean_tree_size", "mean_batch_live", "model_rounds", "finish_reason", "accepted_head",
                 "accepted_context", "accepted_job_cache")
@@ -102,7 +103,9 @@ def tau_distribution(taus: list[float]) -> dict[str, Any]:
 
 
 def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: int, duplicates: dict,
-                  output_totals: dict[str, Any]) -> dict[str, Any]:
+                  output_totals: dict[str, Any], output_plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job summary. `output_plan` (pipeline.output_modes.OutputPlan.as_dict) says where the run
+    wrote and what the output held when it started (the run it resumed, wrote beside or replaced)."""
     wall = tally.elapsed
     return {
         "run_id": run_id,
@@ -132,5 +135,6 @@ def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: i
         },
         "duplicate_ids": {"count": len(duplicates), "examples": sorted(map(str, duplicates))[:10]},
         "output": output_totals,
+        "output_plan": output_plan,
         "config": config,
     }
