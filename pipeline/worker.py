@@ -26,7 +26,7 @@ from dart_worker.engine import GenerationResult
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.fingerprint import tokenizer_fingerprint
 from dart_worker.loading import load_target
-from dart_worker.prompt_format import encode_prompt, format_messages, format_user_prompt
+from dart_worker.prompt_format import PromptEncoder
 from dart_worker.sampling import SamplingParams
 from pipeline.config import PipelineConfig, from_dict
 from pipeline.device_check import assigned_gpus
@@ -129,16 +129,19 @@ class GenerationWorker:
         return out
 
     def _encode(self, row: dict) -> list[int]:
-        use_template = self.cfg.input.apply_chat_template
+        """The row's prompt ids: its text is tokenized as text, the chat template's markers are control
+        tokens (input.parse_special_tokens=true parses special-token strings in the text as well)."""
+        encoder = getattr(self, "_prompt_encoder", None)
+        if encoder is None:  # once per worker: it indexes the tokenizer's special tokens
+            i = self.cfg.input
+            encoder = self._prompt_encoder = PromptEncoder(self.tokenizer, i.apply_chat_template,
+                                                           i.parse_special_tokens)
         if row.get("prompt_kind") == "messages":
             messages = json.loads(row["prompt"])
             if not isinstance(messages, list):
                 raise ValueError("messages must be a JSON list of {role, content} objects")
-            text = format_messages(self.tokenizer, messages, use_template)
-            return encode_prompt(self.tokenizer, text, templated=True)
-        if use_template:
-            return encode_prompt(self.tokenizer, format_user_prompt(self.tokenizer, row["prompt"]), templated=True)
-        return encode_prompt(self.tokenizer, row["prompt"], templated=False)
+            return encoder.encode_messages(messages)
+        return encoder.encode_text(row["prompt"])
 
     def _params(self, row: dict) -> SamplingParams:
         d = self.cfg.decoding
