@@ -13,13 +13,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats as scipy_stats
 
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine import DecodingEngine
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
+from jobs.gpu_acceptance.correctness import first_two_tokens_p_value
 from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
@@ -249,31 +249,10 @@ def test_seeded_sampling_commits_the_tokens_of_plain_sampling(models, self_trie,
         assert max(max(r.stats.accept_lengths, default=0) for r in results) >= 2
 
 
-def exact_two_token_distribution(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """P(y1, y2 | prompt) under the warped target, by enumerating y1 (toy vocabulary)."""
-    from dart_worker.sampling import warp_logits_to_probs
-
-    with torch.no_grad():
-        first = warp_logits_to_probs(model(torch.tensor([prompt])).logits[:, -1], params)[0]
-        vocab = first.shape[0]
-        batch = torch.tensor([[*prompt, y] for y in range(vocab)])
-        second = warp_logits_to_probs(model(batch).logits[:, -1], params)
-    return (first[:, None] * second).double().numpy()
-
-
 def assert_first_two_tokens_follow_the_target(model, prompt, params, results) -> None:
-    """Chi-square of the sampled (y1, y2) cells against the exact warped target distribution."""
-    expected = exact_two_token_distribution(model, prompt, params) * len(results)
-    counts = np.zeros_like(expected)
-    for r in results:
-        counts[r.token_ids[0], r.token_ids[1]] += 1
-    keep = expected >= 5
-    observed = np.append(counts[keep], counts[~keep].sum())
-    expect = np.append(expected[keep], expected[~keep].sum())
-    if expect[-1] == 0:
-        observed, expect = observed[:-1], expect[:-1]
-    assert counts[~(expected > 0)].sum() == 0, "sampled a token the warped target gives probability 0"
-    p_value = scipy_stats.chisquare(observed, expect * observed.sum() / expect.sum()).pvalue
+    """Chi-square of the sampled (y1, y2) cells against the exact warped target distribution
+    (the acceptance run's check, jobs.gpu_acceptance.correctness; cross-checked with scipy there)."""
+    p_value = first_two_tokens_p_value(model, prompt, params, [r.token_ids for r in results])
     assert p_value > 1e-3, p_value
 
 

@@ -10,62 +10,26 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+from dart_worker.random_models import TINY_FAMILIES, random_model, tiny_config
+
+FAMILIES = TINY_FAMILIES
 TINY_VOCAB = 96
 
 
 def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 6,
                max_position_embeddings: int = 256, sliding_window: int = 16,
                initializer_range: float = 0.2) -> PreTrainedModel:
-    """A randomly initialised model of `family` in fp32 and eval mode.
+    """A randomly initialised model of `family` in fp32 and eval mode (`dart_worker.random_models`).
 
     A larger init range than the default (0.02) makes the output distributions peaked and
     varied, so greedy paths are non-trivial instead of repeating one token.
     """
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        initializer_range=initializer_range,
-    )
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    elif family == "gemma3":
-        config = Gemma3TextConfig(
-            **common,
-            sliding_window=sliding_window,
-            layer_types=[
-                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)
-            ],
-            query_pre_attn_scalar=16,
-        )
-        model = Gemma3ForCausalLM(config)
-    else:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    return model.float().eval()
+    config = tiny_config(family, vocab_size=vocab_size, num_layers=num_layers,
+                         max_position_embeddings=max_position_embeddings, sliding_window=sliding_window,
+                         initializer_range=initializer_range)
+    return random_model(config, seed=seed)
 
 
 def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
