@@ -36,10 +36,10 @@ The JSONL reader streams each file in chunks, splits only at b"\\n" and parses e
 own; the Parquet reader reads each file with its own schema. Both know each row's exact position
 in its file, which gives stable keys and a deterministic "first occurrence" for duplicate ids.
 
-Duplicate ids are found with a Ray Data aggregation (groupby on row_key; only keys seen more than
-once reach the driver), so the input is read twice: once for the aggregation and once when the
-pipeline consumes the dataset. That costs far less than generating, and no row is collected on
-the driver.
+Duplicate ids are found with a Ray Data sort of the row keys, counted block by block with pyarrow
+(only keys seen more than once, and each block's first and last key, reach the driver), so the
+input is read twice: once for this pass and once when the pipeline consumes the dataset. That
+costs far less than generating, and no row is collected on the driver.
 """
 
 from __future__ import annotations
@@ -49,15 +49,16 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from ray.data.aggregate import Count, Min
+from ray.data.aggregate import Count
 from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FileBasedDatasource
 from ray.data.expressions import col
@@ -583,21 +584,47 @@ def _num_partitions() -> int:
 def find_repeated_keys(datasource: FileBasedDatasource) -> dict[str, tuple[str, int]]:
     """{row_key: (position of its first occurrence, number of rows)} for each key on more than one parsed row.
 
-    A Ray Data groupby counts keys on the cluster; only the repeated ones reach the driver. Only
-    "id:" keys can repeat (the others are unique by construction), but every key is checked so
-    that any collision would still be caught. The aggregation gets a dataset (and DataContext) of
-    its own, with the task-based sort shuffle: the default hash shuffle starts aggregator actors,
-    which took seconds for a few thousand keys on a 2-CPU node, against tenths of a second.
+    Ray Data sorts the (row_key, position) pairs on the cluster, so that the rows of a key are
+    contiguous; each sorted block is then counted with pyarrow's vectorized group_by
+    (`repeats_and_edges`), and only the keys it sees more than once, plus its first and last key
+    (whose rows may continue in the neighbouring blocks), reach the driver, where they are merged.
+    Only "id:" keys can repeat (the others are unique by construction), but every key is checked
+    so that any collision would still be caught. The sort gets a dataset (and DataContext) of its
+    own, with the task-based sort shuffle: the hash shuffle starts aggregator actors, which took
+    seconds for a few thousand keys on a 2-CPU node. Ray Data's own groupby().aggregate() did the
+    same job 5-7x slower (22 s against 3.5 s for 100k rows here: it aggregates group by group).
     """
     parsed = ray.data.read_datasource(datasource)
     parsed.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-    groups = (
-        parsed.select_columns(["row_key", ORDER_COLUMN])
-        .groupby("row_key", num_partitions=_num_partitions())
-        .aggregate(Count(alias_name="n"), Min(ORDER_COLUMN, alias_name="first"))
-        .filter(expr=col("n") > 1)
-    )
-    return {row["row_key"]: (row["first"], int(row["n"])) for row in groups.iter_rows()}
+    ordered = parsed.select_columns(["row_key", ORDER_COLUMN]).sort("row_key")
+    counted = ordered.map_batches(repeats_and_edges, batch_format="pyarrow", batch_size=None)
+    return merge_repeats(counted.iter_batches(batch_format="pyarrow", batch_size=None))
+
+
+def merge_repeats(counted: Iterable[pa.Table]) -> dict[str, tuple[str, int]]:
+    """The repeated keys, from `repeats_and_edges` of every contiguous run of the sorted rows: a
+    key's entries from several runs add up (counts) and keep the smallest position."""
+    merged: dict[str, tuple[str, int]] = {}
+    for batch in counted:
+        for key, n, first in zip(*(batch.column(c).to_pylist() for c in ("row_key", "n", "first"))):
+            seen = merged.get(key)
+            merged[key] = (min(first, seen[0]), seen[1] + n) if seen else (first, n)
+    return {key: entry for key, entry in merged.items() if entry[1] > 1}
+
+
+def repeats_and_edges(block: pa.Table) -> pa.Table:
+    """(row_key, n, first) for the keys of one contiguous run of sorted rows that are on more than
+    one of its rows, and for its first and last key, which may have more rows in other runs."""
+    if block.num_rows == 0:
+        return pa.table({"row_key": pa.array([], pa.string()), "n": pa.array([], pa.int64()),
+                         "first": pa.array([], pa.string())})
+    keys = block.column("row_key")
+    edges = pa.array([keys[0].as_py(), keys[-1].as_py()], pa.string())
+    groups = block.group_by("row_key").aggregate([("row_key", "count"), (ORDER_COLUMN, "min")])
+    keep = pc.or_(pc.greater(groups.column("row_key_count"), 1), pc.is_in(groups.column("row_key"), edges))
+    groups = groups.filter(keep)
+    return pa.table({"row_key": groups.column("row_key"), "n": groups.column("row_key_count").cast(pa.int64()),
+                     "first": groups.column(f"{ORDER_COLUMN}_min")})
 
 
 def resolve_repeated_keys(parsed: ray.data.Dataset, repeated: dict[str, tuple[str, int]]) -> ray.data.Dataset:
@@ -657,7 +684,7 @@ def read_prompts_with_report(
 ) -> tuple[ray.data.Dataset, dict[str, int]]:
     """`read_prompts` plus the duplicate ids it resolved: {id: number of rows with that id}.
 
-    Use this rather than read_prompts + find_duplicate_ids: the ids come from the aggregation
+    Use this rather than read_prompts + find_duplicate_ids: the ids come from the duplicate pass
     read_prompts runs anyway, so the input is not read an extra time.
     """
     fields = PromptFields(id_column, prompt_column, messages_column, max_prompt_chars)
@@ -688,7 +715,7 @@ def read_prompts(
     `urls` are files, directories or globs on one filesystem (see pipeline.storage.expand_inputs).
     Rows that cannot be generated carry an error instead of a prompt. Duplicate ids are already
     resolved (first occurrence kept, the others error rows with their own keys) and logged, so
-    row_key is unique. Runs one Ray Data aggregation now (the duplicate pass); the returned
+    row_key is unique. Runs the duplicate pass now (a Ray Data sort of the keys); the returned
     dataset is lazy and reads the input again when consumed.
     """
     ds, _ = read_prompts_with_report(

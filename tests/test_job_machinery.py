@@ -1,0 +1,124 @@
+"""The job's own machinery at scale (issue #32): the pieces `jobs.bench_load` measured and mended.
+
+- The duplicate-id pass counts sorted runs of keys with pyarrow and merges the runs' edges on the
+  driver: exact whatever the cut into runs (a key's rows may span any number of them).
+- The driver's tally keeps the progress line O(1) and its tau percentiles exact.
+- The load benchmark's own helpers: the inputs it generates, Ray Data's stats it parses, the growth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobs.bench_load import growth, operator_figures, write_inputs
+from pipeline.inputs import ORDER_COLUMN, merge_repeats, order_key, repeats_and_edges
+from pipeline.summary import RunTally, tau_distribution
+
+# ------------------------------------------------------------------------------ duplicate pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(st.sampled_from([f"id:{k}" for k in range(12)]), min_size=1, max_size=60),
+       cuts=st.lists(st.integers(0, 60), max_size=12))
+def test_counting_sorted_runs_finds_exactly_the_repeated_keys(keys, cuts):
+    """Any contiguous cut of the sorted rows (Ray Data decides the blocks) gives the exact counts
+    and first positions of the repeated keys."""
+    rows = sorted((key, order_key("file:///in.jsonl", i, "line")) for i, key in enumerate(keys))
+    table = pa.table({"row_key": [k for k, _ in rows], ORDER_COLUMN: [o for _, o in rows]})
+    bounds = sorted({0, len(rows), *(c for c in cuts if c <= len(rows))})
+    runs = [repeats_and_edges(table.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
+    counts = Counter(keys)
+    expected = {key: (min(o for k, o in rows if k == key), n) for key, n in counts.items() if n > 1}
+    assert merge_repeats(runs) == expected
+    # and each run sends the driver only its repeated keys and its two edges
+    for (a, b), run in zip(itertools.pairwise(bounds), runs):
+        inner = {k for k, n in Counter(keys_ for keys_, _ in rows[a:b]).items() if n > 1}
+        assert set(run.column("row_key").to_pylist()) <= inner | {rows[a][0], rows[b - 1][0]}
+
+
+def test_an_empty_run_counts_nothing():
+    empty = pa.table({"row_key": pa.array([], pa.string()), ORDER_COLUMN: pa.array([], pa.string())})
+    assert repeats_and_edges(empty).num_rows == 0 and merge_repeats([repeats_and_edges(empty)]) == {}
+
+
+# ------------------------------------------------------------------------------ the driver's tally
+
+
+def stats_batch(taus, errors=None, mode="dart"):
+    n = len(taus)
+    errors = errors or [None] * n
+    return pa.table({"row_key": [f"id:{i}" for i in range(n)], "error": errors, "mode": [mode] * n,
+                     "num_generated_tokens": [3] * n, "tau": taus, "rounds": [0 if t == 0 else 2 for t in taus],
+                     "finish_reason": ["length" if e is None else "error" for e in errors]})
+
+
+def test_the_tally_and_its_tau_distribution_are_exact():
+    rng = np.random.default_rng(0)
+    taus = [float(t) for t in rng.choice([0.0, 1.0, 1.5, 2.25, 3.0, 7.9, 8.0, 11.0], size=999)]
+    tally = RunTally()
+    for k in range(0, len(taus), 100):
+        tally.add(stats_batch(taus[k: k + 100]))
+    tally.add(stats_batch([1.0, 1.0], errors=["malformed JSON: x", "empty prompt"]))
+    decoded = sorted(t for t in taus if t != 0)
+    dist = tau_distribution(tally.taus)
+    assert tally.rows == 1001 and tally.failed == 2 and tally.tokens == 3 * 999
+    assert dist["count"] == len(decoded) and dist["mean"] == pytest.approx(statistics.mean(decoded))
+    assert [dist["p10"], dist["p50"], dist["p90"]] == [decoded[int(q * len(decoded))] for q in (0.1, 0.5, 0.9)]
+    assert (dist["min"], dist["max"]) == (decoded[0], decoded[-1])
+    assert sum(dist["histogram"].values()) == len(decoded)
+    assert dist["histogram"][">=8.0"] == sum(t >= 8.0 for t in decoded) and "<8.0" in dist["histogram"]
+    assert f"mean tau {statistics.mean(decoded):.2f}" in tally.progress_line()
+    assert tau_distribution([]) == {"count": 0}
+
+
+# ------------------------------------------------------------------------------ the benchmark's helpers
+
+
+def test_generated_inputs_hold_the_rows_duplicates_and_bad_lines_they_report(tmp_path):
+    counts = write_inputs(tmp_path, 2000, files=3, duplicate_fraction=0.05, bad_fraction=0.05)
+    lines = [line for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    assert len(lines) == counts["lines"] == 2000 and len(list(tmp_path.glob("*.jsonl"))) == 3
+    ids = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record.get("prompt"), str) and record["prompt"] and "id" in record:
+            ids.append(record["id"])
+    assert 50 < counts["bad"] < 150 and 50 < counts["duplicate"] < 150
+    assert len(ids) - len(set(ids)) == counts["duplicate"]
+
+
+STATS = """Operator 1 ReadJsonlPrompt->MapBatches(mark): 4 tasks executed, 160 blocks produced in 23.14s
+* Remote wall time: 222.1us min, 509.27ms max, 17.92ms mean, 1.2s total
+* Output num rows per block: 52 min, 64 max, 62 mean, 10000 total
+
+Operator 2 MapBatches(GenerationWorker): 157 tasks executed, 157 blocks produced in 155.79s
+* Remote wall time: 296.42ms min, 1.69s max, 781.89ms mean, 150.64s total
+* Output num rows per block: 52 min, 116 max, 68 mean, 10000 total
+"""
+
+
+def test_operator_figures_come_from_ray_datas_stats():
+    read, generate = operator_figures(STATS)
+    assert read["operator"] == "ReadJsonlPrompt->MapBatches(mark)" and read["rows"] == 10000
+    assert (read["span_s"], read["busy_s"], read["blocks"]) == (23.14, 1.2, 160)
+    assert generate["rows_per_busy_s"] == pytest.approx(10000 / 150.64)
+
+
+def test_growth_is_the_ratio_between_the_smallest_and_largest_size():
+    small = {"fresh": {"wall_s": 10.0, "memory": {"driver_peak_rss_mib": 600.0}}, "resume": {"wall_s": 5.0}}
+    large = {"fresh": {"wall_s": 80.0, "memory": {"driver_peak_rss_mib": 660.0}}, "resume": {"wall_s": 20.0}}
+    g = growth({1000: small, 10000: large})
+    assert g["rows"]["ratio"] == 10 and g["wall_s"]["ratio"] == 8 and g["resume wall_s"]["ratio"] == 4
+    assert g["driver_peak_rss_mib"]["ratio"] == pytest.approx(1.1) and g["startup_s"]["ratio"] is None
