@@ -7,8 +7,12 @@ x86-64 or arm64 machine. Set NGRAM_NATIVE_WERROR=1 to turn warnings into errors 
 import glob
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the sources in parallel (NPY_NUM_BUILD_JOBS, default: every core): a GPU machine
+# building the extension for the acceptance run has 16 cores and minutes.
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 compile_args = ["-O3", "-Wall", "-Wextra"]
 if os.environ.get("NGRAM_NATIVE_WERROR") == "1":

@@ -80,3 +80,22 @@ def test_chi_square_p_value_matches_scipy():
     ours = chi_square_p_value(observed, expected)
     theirs = scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
     assert ours == pytest.approx(theirs, rel=1e-9)
+
+
+def test_it_needs_nothing_a_bare_gpu_machine_lacks(tmp_path):
+    """The lent GPU machine has no ray, gguf, ijson, s3fs, zstandard, moto or matplotlib: the run
+    must not import them (omegaconf travels as a wheel, docs/gpu.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    absent = ("ray", "gguf", "ijson", "s3fs", "zstandard", "moto", "matplotlib", "pyarrow.dataset")
+    args = [*SMALL, "families=[gemma3]", "modes=[ar,dart_lookup]", "chi_square_draws=0", f"output_dir={tmp_path}"]
+    code = ("import sys\n"
+            f"for name in {absent!r}: sys.modules[name] = None  # import raises ImportError\n"
+            "from jobs.gpu_acceptance.__main__ import main\n"
+            f"sys.exit(main({args!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "acceptance.md").exists()
