@@ -24,9 +24,11 @@ the growth of each figure (x10 rows: 10 is linear).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,7 +57,8 @@ class LoadBenchConfig:
     torch_threads: int = 1
     duplicate_fraction: float = 0.01  # rows repeating an earlier id
     bad_fraction: float = 0.01  # malformed JSON, empty prompts, missing ids, non-string prompts
-    work_dir: str | None = None  # default: a temporary directory, removed at the end
+    phases: list[str] = field(default_factory=lambda: ["fresh", "resume"])  # resume needs a fresh run's output
+    work_dir: str | None = None  # where inputs, artifacts and outputs go (kept); default: a temporary directory
     output: str | None = None  # JSON with every figure
 
 
@@ -281,8 +284,28 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         result["generation_span_s"] = max(ends) - min(starts)
         result["rows_per_s_generation_span"] = table.num_rows / result["generation_span_s"]
     result["rows_per_s_end_to_end"] = (this["rows"] + this["rows_skipped_as_done"]) / wall
+    result["stage_rows_per_s"] = stage_rates(result, spec["rows"])
     result["ray_data_stats"] = stats
     return result
+
+
+def stage_rates(result: dict[str, Any], rows: int) -> dict[str, float | None]:
+    """Rows per second of each stage of the job: the driver's (rows over the stage's wall time) and
+    Ray Data's operators (rows over the sum of their tasks' wall times: what one CPU does)."""
+    stages = result["driver_stages_s"]
+
+    def per(seconds: float | None) -> float | None:
+        return rows / seconds if seconds else None
+
+    resume = result["phase"] == "resume"  # only then does the output hold the rows to check and scan
+    rates = {"duplicate pass (driver)": per(stages.get("build_dataset")),
+             "output check (driver)": per(stages.get("open_output")) if resume else None,
+             "resume scan (driver)": per(stages.get("existing_row_keys")) if resume else None,
+             "summary totals (driver)": per(stages.get("output_totals"))}
+    for label, marker in (("read", "Read"), ("generation", "GenerationWorker"), ("write", "write_rows")):
+        op = next((o for o in result["operators"] if marker in o["operator"]), None)
+        rates[f"{label} (per busy CPU)"] = op.get("rows_per_busy_s") if op else None
+    return rates
 
 
 def run_in_subprocess(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -361,20 +384,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     conditions = machine_conditions(threads=cfg.torch_threads) | {"dtype": "fp32", "device": "cpu"}
     print(f"conditions: {conditions}", flush=True)
     report: dict[str, Any] = {"config": asdict(cfg), "conditions": conditions, "runs": {}}
-    with tempfile.TemporaryDirectory(prefix="bench-load-", dir=cfg.work_dir) as tmp:
-        work = Path(tmp)
-        artifacts = save_tiny_artifacts(work / "artifacts")
+    with contextlib.ExitStack() as stack:
+        work = Path(cfg.work_dir) if cfg.work_dir else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="bench-load-")))
+        work.mkdir(parents=True, exist_ok=True)
+        artifacts = (json.loads((work / "artifacts.json").read_text()) if (work / "artifacts.json").is_file()
+                     else save_tiny_artifacts(work / "artifacts"))
+        (work / "artifacts.json").write_text(json.dumps(artifacts))
         for rows in cfg.rows:
             started = time.time()
-            counts = write_inputs(work / f"in-{rows}", rows, cfg.files, cfg.duplicate_fraction, cfg.bad_fraction)
-            print(f"{rows} rows: inputs written in {time.time() - started:.1f} s ({counts})", flush=True)
+            counts_file = work / f"in-{rows}.counts.json"
+            if counts_file.is_file():  # the same inputs as the run that wrote them (a later resume phase)
+                counts = json.loads(counts_file.read_text())
+            else:
+                counts = write_inputs(work / f"in-{rows}", rows, cfg.files, cfg.duplicate_fraction, cfg.bad_fraction)
+                counts_file.write_text(json.dumps(counts))
+            print(f"{rows} rows: inputs ready in {time.time() - started:.1f} s ({counts})", flush=True)
             spec = {"rows": rows, "inputs": str(work / f"in-{rows}"), "output": str(work / f"out-{rows}"),
                     "artifacts": artifacts, **{k: getattr(cfg, k) for k in (
                         "mode", "max_new_tokens", "batch_size", "max_live", "rows_per_file", "workers",
                         "torch_threads")}}
             runs = {}
-            for resume in (False, True):
-                result = run_in_subprocess({**spec, "resume": resume}, work)
+            for phase in cfg.phases:
+                if phase == "fresh" and Path(spec["output"]).exists():
+                    shutil.rmtree(spec["output"])
+                result = run_in_subprocess({**spec, "resume": phase == "resume"}, work)
                 result["exactly_once"] = check_exactly_once(spec["output"], counts["lines"])
                 runs[result["phase"]] = result
                 shown = {k: v for k, v in result.items() if k not in ("ray_data_stats", "operators")}
@@ -382,10 +416,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for op in result["operators"]:
                     print(f"    {op}", flush=True)
             report["runs"][rows] = {"inputs": counts, **runs}
-        report["growth"] = growth({rows: report["runs"][rows] for rows in cfg.rows})
-    print(json.dumps(report["growth"], indent=1))
+        if set(cfg.phases) == {"fresh", "resume"}:
+            report["growth"] = growth({rows: report["runs"][rows] for rows in cfg.rows})
+    print("\n".join(markdown_table(report)))
     write_report(cfg.output, report)
     return report
+
+
+def markdown_table(report: dict[str, Any]) -> list[str]:
+    """The figures per size, and their growth, as the rows of a Markdown table."""
+    sizes = sorted(report["runs"], key=int)
+    figures: dict[str, list[Any]] = {}
+
+    def add(name: str, phase: str, path: tuple[str, ...], fmt: str) -> None:
+        values = [_get(report["runs"][n].get(phase, {}), path) for n in sizes]
+        figures[name] = [("-" if v is None else format(v, fmt)) for v in values] + [
+            "-" if None in (values[0], values[-1]) or not values[0] or len(values) < 2
+            else f"{values[-1] / values[0]:.1f}x"]
+
+    add("job wall time, s", "fresh", ("wall_s",), ".0f")
+    add("rows/s end to end", "fresh", ("rows_per_s_end_to_end",), ".1f")
+    add("start-up (call to first row decoding), s", "fresh", ("startup_s",), ".1f")
+    for stage in ("duplicate pass (driver)", "summary totals (driver)",
+                  "read (per busy CPU)", "generation (per busy CPU)", "write (per busy CPU)"):
+        add(f"{stage}, rows/s", "fresh", ("stage_rows_per_s", stage), ".0f")
+    add("duplicate pass, s", "fresh", ("driver_stages_s", "build_dataset"), ".1f")
+    add("driver peak RSS, MiB", "fresh", ("memory", "driver_peak_rss_mib"), ".0f")
+    add("generation actor peak PSS, MiB", "fresh", ("memory", "generation_actor_peak_pss_mib"), ".0f")
+    add("largest other Ray worker peak PSS, MiB", "fresh", ("memory", "other_ray_workers_peak_pss_mib"), ".0f")
+    add("Ray workers peak total PSS, MiB", "fresh", ("memory", "ray_workers_peak_total_pss_mib"), ".0f")
+    add("resume: job wall time, s", "resume", ("wall_s",), ".0f")
+    add("resume: scan of written parts, s", "resume", ("driver_stages_s", "existing_row_keys"), ".2f")
+    add("resume: scan, rows/s", "resume", ("stage_rows_per_s", "resume scan (driver)"), ".0f")
+    add("resume: output check (every part's footer), s", "resume", ("driver_stages_s", "open_output"), ".2f")
+    add("resume: duplicate pass, s", "resume", ("driver_stages_s", "build_dataset"), ".1f")
+    add("resume: driver peak RSS, MiB", "resume", ("memory", "driver_peak_rss_mib"), ".0f")
+    header = ["| figure | " + " | ".join(f"{int(n):,} rows" for n in sizes) + " | growth |",
+              "|---|" + "---:|" * (len(sizes) + 1)]
+    return header + [f"| {name} | " + " | ".join(values) + " |" for name, values in figures.items()]
 
 
 if __name__ == "__main__":
