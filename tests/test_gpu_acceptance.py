@@ -19,7 +19,7 @@ from jobs.gpu_acceptance.correctness import chi_square_p_value
 
 SMALL = ["device=cpu", "prompts=2", "new_tokens=12", "chi_square_draws=400", "context=24", "generate_tokens=6",
          "repeats=1", "verify_batches=[1,2]", "verify_rows=[1,4]", "drafting_tokens=6", "throughput_batch=2",
-         "budget=8"]
+         "budget=8", "time_budget_s=1e9"]
 
 
 def test_the_acceptance_run_passes_on_a_cpu_and_reports_every_section(tmp_path, capsys):

@@ -1,0 +1,74 @@
+"""The lowest torch, transformers and ray that pyproject.toml allows are the ones tested here.
+
+CI installs the newest releases the ranges allow; this test builds a virtual environment on top of
+that one (`--system-site-packages`) with exactly the declared floors of the three libraries whose
+behaviour the engine and the job rely on (transformers' cache and attention internals, torch's
+kernels, Ray Data's actor pools), and runs the tests that exercise them there: the kernel
+strategies, the target adapter, the GPU acceptance run on a CPU, the device checks and one whole
+pipeline job. A floor that does not work fails here, instead of on a user's older install.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from dart_worker.cache_dir import cache_dir, file_lock
+
+REPO = Path(__file__).resolve().parents[1]
+FLOORED = ("torch", "transformers", "ray")
+FLOOR_TESTS = (
+    "tests/test_kernels.py",
+    "tests/test_target.py",
+    "tests/test_gpu_acceptance.py",
+    "tests/test_device_check.py",
+    "tests/test_pipeline_run.py::test_every_row_once_with_errors_and_lossless_results",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def declared_floors() -> dict[str, tuple[str, str]]:
+    """name -> (requirement with extras, floor version) for FLOORED, from pyproject.toml."""
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {}
+    for requirement in dependencies:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?>=([0-9][0-9.]*)", requirement.replace(" ", ""))
+        if found and found.group(1) in FLOORED:
+            floors[found.group(1)] = (found.group(1) + (found.group(2) or ""), found.group(3))
+    missing = set(FLOORED) - set(floors)
+    assert not missing, f"pyproject.toml declares no '>=' floor for {sorted(missing)}"
+    return floors
+
+
+def floor_environment(floors: dict[str, tuple[str, str]]) -> Path:
+    """A venv over this interpreter's packages with the floors installed on top (cached by floors)."""
+    key = hashlib.sha256(repr(sorted(floors.items())).encode() + sys.version.encode()).hexdigest()[:12]
+    venv = cache_dir("floor-venvs") / key
+    python = venv / "bin" / "python"
+    with file_lock(venv.with_suffix(".lock")):
+        if not (venv / "ready").exists():
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
+            pins = [f"{requirement}=={version}" for requirement, version in floors.values()]
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *pins], check=True)
+            (venv / "ready").write_text("\n".join(pins) + "\n")
+    return python
+
+
+def test_the_declared_floors_pass_the_tests_that_rely_on_them():
+    floors = declared_floors()
+    python = floor_environment(floors)
+    versions = subprocess.run(
+        [str(python), "-c", "import torch, transformers, ray; print(torch.__version__, transformers.__version__, "
+                            "ray.__version__)"], check=True, capture_output=True, text=True).stdout.split()
+    for name, found in zip(FLOORED, versions):
+        assert found.split("+")[0] == floors[name][1], f"{name}: the floor environment has {found}"
+    done = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *FLOOR_TESTS],
+                          cwd=REPO, capture_output=True, text=True, timeout=3000)
+    assert done.returncode == 0, f"at the floors {versions}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
