@@ -264,7 +264,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         with MemorySampler() as memory, StageTimer(run_module, stages) as timer:
             summary = run_module.run_pipeline(cfg)
             wall = time.time() - started
-        stats = captured["dataset"].stats() if "dataset" in captured else ""
+        stats = captured["dataset"].stats() if captured.get("dataset") is not None else ""
     finally:
         run_module.build_dataset = original_build
     ray.shutdown()

@@ -581,50 +581,130 @@ def _num_partitions() -> int:
     return max(1, min(64, cpus))
 
 
-def find_repeated_keys(datasource: FileBasedDatasource) -> dict[str, tuple[str, int]]:
-    """{row_key: (position of its first occurrence, number of rows)} for each key on more than one parsed row.
+@dataclass(frozen=True)
+class KeyScan:
+    """What the duplicate pass learns about the input's row keys without collecting them."""
+
+    repeated: dict[str, tuple[str, int]]  # row_key -> (position of its first occurrence, number of rows)
+    rows: int  # parsed rows (one per non-blank JSONL line or Parquet row)
+    pending: int | None  # rows whose final key (after duplicates) is not in `done`; None without `done`
+
+
+def duplicate_key(key: str, order: str) -> str:
+    """The key a later occurrence of `key`, at position `order`, gets (resolve_repeated_keys)."""
+    return f"dup:{hashlib.sha1(order.encode()).hexdigest()[:16]}:{key}"
+
+
+def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = None) -> KeyScan:
+    """The duplicate pass: which keys repeat, how many rows there are and, given the keys already
+    written (`done`, for a resumed run), how many rows are left to generate.
 
     Ray Data sorts the (row_key, position) pairs on the cluster, so that the rows of a key are
     contiguous; each sorted block is then counted with pyarrow's vectorized group_by
     (`repeats_and_edges`), and only the keys it sees more than once, plus its first and last key
-    (whose rows may continue in the neighbouring blocks), reach the driver, where they are merged.
-    Only "id:" keys can repeat (the others are unique by construction), but every key is checked
-    so that any collision would still be caught. The sort gets a dataset (and DataContext) of its
-    own, with the task-based sort shuffle: the hash shuffle starts aggregator actors, which took
-    seconds for a few thousand keys on a 2-CPU node. Ray Data's own groupby().aggregate() did the
-    same job 5-7x slower (22 s against 3.5 s for 100k rows here: it aggregates group by group).
+    (whose rows may continue in the neighbouring blocks), reach the driver, where they are merged
+    (`merge_repeats`). Only "id:" keys can repeat (the others are unique by construction), but
+    every key is checked so that any collision would still be caught. The sort gets a dataset (and
+    DataContext) of its own, with the task-based sort shuffle: the hash shuffle starts aggregator
+    actors, which took seconds for a few thousand keys on a 2-CPU node. Ray Data's own
+    groupby().aggregate() did the same job 5-7x slower (22 s against 3.5 s for 100k rows here: it
+    aggregates group by group).
     """
     parsed = ray.data.read_datasource(datasource)
     parsed.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     ordered = parsed.select_columns(["row_key", ORDER_COLUMN]).sort("row_key")
-    counted = ordered.map_batches(repeats_and_edges, batch_format="pyarrow", batch_size=None)
-    return merge_repeats(counted.iter_batches(batch_format="pyarrow", batch_size=None))
+    ref = ray.put(done) if done is not None else None
+
+    def count(block: pa.Table) -> pa.Table:
+        return repeats_and_edges(block, get_once(ref) if ref is not None else None)
+
+    counted = ordered.map_batches(count, batch_format="pyarrow", batch_size=None)
+    batches = counted.iter_batches(batch_format="pyarrow", batch_size=None)
+    return merge_repeats(batches, count_pending=done is not None)
 
 
-def merge_repeats(counted: Iterable[pa.Table]) -> dict[str, tuple[str, int]]:
-    """The repeated keys, from `repeats_and_edges` of every contiguous run of the sorted rows: a
-    key's entries from several runs add up (counts) and keep the smallest position."""
-    merged: dict[str, tuple[str, int]] = {}
-    for batch in counted:
-        for key, n, first in zip(*(batch.column(c).to_pylist() for c in ("row_key", "n", "first"))):
-            seen = merged.get(key)
-            merged[key] = (min(first, seen[0]), seen[1] + n) if seen else (first, n)
-    return {key: entry for key, entry in merged.items() if entry[1] > 1}
+def find_repeated_keys(datasource: FileBasedDatasource) -> dict[str, tuple[str, int]]:
+    """{row_key: (position of its first occurrence, number of rows)} for each key on more than one parsed row."""
+    return scan_keys(datasource).repeated
 
 
-def repeats_and_edges(block: pa.Table) -> pa.Table:
-    """(row_key, n, first) for the keys of one contiguous run of sorted rows that are on more than
-    one of its rows, and for its first and last key, which may have more rows in other runs."""
+_COUNTED = pa.schema([("row_key", pa.string()), ("n", pa.int64()), ("first", pa.string()),
+                      ("key_done", pa.bool_()), ("first_dup_done", pa.bool_()), ("dups_pending", pa.int64()),
+                      ("pending", pa.int64())])
+
+
+def repeats_and_edges(block: pa.Table, done: frozenset[str] | None = None) -> pa.Table:
+    """_COUNTED rows for one contiguous run of sorted (row_key, position) rows: (row_key, n, first)
+    for each key on more than one of its rows and for its first and last key, which may have more
+    rows in other runs. Given `done`: per such key, whether the key is done, whether the duplicate
+    key of its first row here is done, and how many rows here have a duplicate key not done.
+    And one row with a null key for the run's other rows (keys on one row only, not at an edge:
+    each is its key's first occurrence): how many (`n`) and, given `done`, how many of them are
+    not done (`pending`)."""
     if block.num_rows == 0:
-        return pa.table({"row_key": pa.array([], pa.string()), "n": pa.array([], pa.int64()),
-                         "first": pa.array([], pa.string())})
+        return _COUNTED.empty_table()
     keys = block.column("row_key")
     edges = pa.array([keys[0].as_py(), keys[-1].as_py()], pa.string())
-    groups = block.group_by("row_key").aggregate([("row_key", "count"), (ORDER_COLUMN, "min")])
-    keep = pc.or_(pc.greater(groups.column("row_key_count"), 1), pc.is_in(groups.column("row_key"), edges))
-    groups = groups.filter(keep)
-    return pa.table({"row_key": groups.column("row_key"), "n": groups.column("row_key_count").cast(pa.int64()),
-                     "first": groups.column(f"{ORDER_COLUMN}_min")})
+    if done is not None:
+        key_list, orders = keys.to_pylist(), block.column(ORDER_COLUMN).to_pylist()
+        flags = [k in done for k in key_list]
+        dup_done = [duplicate_key(k, o) in done for k, o in zip(key_list, orders)]
+        # the flag rides on the position, so that the smallest position carries its own flag
+        block = pa.table({"row_key": keys, "order_flag": [o + ("\x1f1" if d else "\x1f0") for o, d in
+                                                           zip(orders, dup_done)],
+                          "key_done": flags, "dup_pending": [0 if d else 1 for d in dup_done]})
+        groups = block.group_by("row_key").aggregate(
+            [("row_key", "count"), ("order_flag", "min"), ("key_done", "max"), ("dup_pending", "sum")])
+        firsts = groups.column("order_flag_min").to_pylist()
+        first = pa.array([f[:-2] for f in firsts], pa.string())
+        first_dup_done = pa.array([f.endswith("1") for f in firsts], pa.bool_())
+        key_done, dups_pending = groups.column("key_done_max"), groups.column("dup_pending_sum").cast(pa.int64())
+    else:
+        groups = block.group_by("row_key").aggregate([("row_key", "count"), (ORDER_COLUMN, "min")])
+        first = groups.column(f"{ORDER_COLUMN}_min")
+        first_dup_done = key_done = pa.nulls(len(groups), pa.bool_())
+        dups_pending = pa.nulls(len(groups), pa.int64())
+    n = groups.column("row_key_count").cast(pa.int64())
+    keep = pc.or_(pc.greater(n, 1), pc.is_in(groups.column("row_key"), edges))
+    counted = pa.table([groups.column("row_key"), n, first, key_done, first_dup_done, dups_pending,
+                        pa.nulls(len(groups), pa.int64())], schema=_COUNTED)
+    rest = counted.filter(pc.invert(keep))
+    settled = None if done is None else int(pc.sum(pc.invert(rest.column("key_done"))).as_py() or 0)
+    total = pa.table([pa.array([None], pa.string()), pa.array([rest.num_rows], pa.int64()),
+                      pa.array([None], pa.string()), pa.nulls(1, pa.bool_()), pa.nulls(1, pa.bool_()),
+                      pa.nulls(1, pa.int64()), pa.array([settled], pa.int64())], schema=_COUNTED)
+    return pa.concat_tables([counted.filter(keep), total])
+
+
+def merge_repeats(counted: Iterable[pa.Table], count_pending: bool = False) -> KeyScan:
+    """The KeyScan from `repeats_and_edges` of every contiguous run of the sorted rows: a key's
+    entries from several runs add up and keep the smallest position (with that row's flag); a
+    key's rows left to generate are its first row if the key is not done, and each later row
+    whose duplicate key is not done."""
+    merged: dict[str, list] = {}
+    rows, pending = 0, 0
+    for batch in counted:
+        columns = [batch.column(c).to_pylist() for c in _COUNTED.names]
+        for key, n, first, key_done, first_dup_done, dups_pending, settled in zip(*columns):
+            rows += n
+            if key is None:
+                pending += settled or 0
+                continue
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = [first, n, key_done, first_dup_done, dups_pending]
+                continue
+            if first < seen[0]:
+                seen[0], seen[3] = first, first_dup_done
+            seen[1] += n
+            seen[2] = seen[2] or key_done
+            if dups_pending is not None:
+                seen[4] += dups_pending
+    if count_pending:  # a key's first row keeps the key; each later one gets its duplicate key
+        pending += sum((not key_done) + dups_pending - (not first_dup_done)
+                       for _, _, key_done, first_dup_done, dups_pending in merged.values())
+    repeated = {key: (entry[0], entry[1]) for key, entry in merged.items() if entry[1] > 1}
+    return KeyScan(repeated, rows, pending if count_pending else None)
 
 
 def resolve_repeated_keys(parsed: ray.data.Dataset, repeated: dict[str, tuple[str, int]]) -> ray.data.Dataset:
@@ -650,7 +730,7 @@ def resolve_repeated_keys(parsed: ray.data.Dataset, repeated: dict[str, tuple[st
                 continue
             what = "id" if key.startswith("id:") else "row key"
             message = f"duplicate {what} (first seen in {describe_position(entry[0])})"
-            keys[i] = f"dup:{hashlib.sha1(order.encode()).hexdigest()[:16]}:{key}"
+            keys[i] = duplicate_key(key, order)
             prompts[i] = None
             errors[i] = message if errors[i] is None else f"{message}; {errors[i]}"
         columns = {name: batch.column(name) for name in INPUT_SCHEMA.names}
@@ -687,17 +767,39 @@ def read_prompts_with_report(
     Use this rather than read_prompts + find_duplicate_ids: the ids come from the duplicate pass
     read_prompts runs anyway, so the input is not read an extra time.
     """
-    fields = PromptFields(id_column, prompt_column, messages_column, max_prompt_chars)
+    read = scan_prompts(urls, format, PromptFields(id_column, prompt_column, messages_column, max_prompt_chars),
+                        storage_options=storage_options)
+    return read.dataset, read.duplicates
+
+
+@dataclass(frozen=True)
+class PromptScan:
+    """The lazy dataset of INPUT_SCHEMA rows (duplicates resolved) and what the duplicate pass counted."""
+
+    dataset: ray.data.Dataset
+    duplicates: dict[str, int]  # id -> number of rows with that id, for the ids on more than one row
+    rows: int  # input rows
+    pending: int | None  # rows whose key is not among `done_keys` (None when none were given)
+
+
+def scan_prompts(urls: Sequence[str], format: Literal["jsonl", "parquet"], fields: PromptFields, *,
+                 done_keys: frozenset[str] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> PromptScan:
+    """Run the duplicate pass over the inputs now (it reads every input file: one that cannot be
+    read is an InputError here, before any generation) and return the lazy dataset. Given the keys
+    already written (`done_keys`, a resumed run), it also counts the rows still to generate, so a
+    run that finds everything done need not start a worker."""
     datasource = prompt_datasource(urls, format, fields, storage_options)
     try:
-        repeated = find_repeated_keys(datasource)  # reads every input file: unreadable ones fail here
+        scan = scan_keys(datasource, done_keys)
     except InputError as e:  # raised in a Ray task: keep our one-line message, not Ray's notes and traceback
         cause = getattr(e, "cause", e)
         raise InputError(str(cause).split("\n", 1)[0]) from None
-    if repeated:
-        logger.warning("duplicate ids in the input: %s", describe_duplicates(repeated))
-    duplicates = {key[3:]: n for key, (_, n) in repeated.items() if key.startswith("id:")}
-    return resolve_repeated_keys(ray.data.read_datasource(datasource), repeated), duplicates
+    if scan.repeated:
+        logger.warning("duplicate ids in the input: %s", describe_duplicates(scan.repeated))
+    duplicates = {key[3:]: n for key, (_, n) in scan.repeated.items() if key.startswith("id:")}
+    dataset = resolve_repeated_keys(ray.data.read_datasource(datasource), scan.repeated)
+    return PromptScan(dataset, duplicates, scan.rows, scan.pending)
 
 
 def read_prompts(

@@ -36,7 +36,7 @@ import ray
 from dart_worker.device import DeviceUnavailable
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.device_check import probe_workers, worker_failure
-from pipeline.inputs import InputError, read_prompts_with_report
+from pipeline.inputs import InputError, PromptFields, scan_prompts
 from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
 from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
@@ -90,13 +90,18 @@ def write_rows(batch: pa.Table, output_url: str, run_id: str) -> pa.Table:
 
 
 def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str]):
-    """The lazy Ray Data pipeline; returns (dataset, duplicate ids)."""
+    """The lazy Ray Data pipeline; returns (dataset, duplicate ids), the dataset None when a resumed
+    run finds every input row written already (then no worker is started)."""
     i, r = cfg.input, cfg.resources
     # Duplicate ids are resolved while reading: the first occurrence is generated, the others
     # become "duplicate id" error rows with keys of their own.
-    ds, duplicates = read_prompts_with_report(
-        resolved["input_files"], i.format, id_column=i.id_column, prompt_column=i.prompt_column,
-        messages_column=i.messages_column, max_prompt_chars=i.max_prompt_chars)
+    read = scan_prompts(resolved["input_files"], i.format,
+                        PromptFields(i.id_column, i.prompt_column, i.messages_column, i.max_prompt_chars),
+                        done_keys=frozenset(done_keys) if done_keys else None)
+    if read.pending == 0:
+        print(f"resume: all {read.rows} input rows are written already; nothing to generate")
+        return None, read.duplicates
+    ds, duplicates = read.dataset, read.duplicates
     if done_keys:
         ds = filter_done(ds, done_keys)
     # One batch per block: the read side makes blocks of thousands of rows, and an actor task
@@ -183,7 +188,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         except (InputError, StorageError) as exc:
             raise StartupError(f"input: {exc}") from None
         try:
-            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None) if ds is not None else ():
                 tally.add(batch)
                 tally.maybe_print(cfg.run.progress_interval_s)
         except Exception as exc:

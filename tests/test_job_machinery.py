@@ -20,34 +20,47 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.bench_load import growth, operator_figures, write_inputs
-from pipeline.inputs import ORDER_COLUMN, merge_repeats, order_key, repeats_and_edges
+from pipeline.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
 from pipeline.summary import RunTally, tau_distribution
 
 # ------------------------------------------------------------------------------ duplicate pass
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(keys=st.lists(st.sampled_from([f"id:{k}" for k in range(12)]), min_size=1, max_size=60),
-       cuts=st.lists(st.integers(0, 60), max_size=12))
-def test_counting_sorted_runs_finds_exactly_the_repeated_keys(keys, cuts):
+       cuts=st.lists(st.integers(0, 60), max_size=12), done_bits=st.lists(st.booleans(), min_size=60, max_size=60),
+       resumed=st.booleans())
+def test_counting_sorted_runs_is_exact_whatever_the_cut(keys, cuts, done_bits, resumed):
     """Any contiguous cut of the sorted rows (Ray Data decides the blocks) gives the exact counts
-    and first positions of the repeated keys."""
-    rows = sorted((key, order_key("file:///in.jsonl", i, "line")) for i, key in enumerate(keys))
+    and first positions of the repeated keys, the number of rows, and, given the keys a resumed
+    run finds written, the number of rows still to generate (what the job's keys will be: a key's
+    first row keeps it, each later row gets its duplicate key)."""
+    positions = [order_key("file:///in.jsonl", i, "line") for i in range(len(keys))]
+    first = {}
+    for key, order in zip(keys, positions):
+        first.setdefault(key, order)
+    final = [key if first[key] == order else duplicate_key(key, order) for key, order in zip(keys, positions)]
+    done = frozenset(k for k, bit in zip(final, done_bits) if bit) | {"id:not-in-the-input"} if resumed else None
+    rows = sorted(zip(keys, positions))
     table = pa.table({"row_key": [k for k, _ in rows], ORDER_COLUMN: [o for _, o in rows]})
     bounds = sorted({0, len(rows), *(c for c in cuts if c <= len(rows))})
-    runs = [repeats_and_edges(table.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
+    runs = [repeats_and_edges(table.slice(a, b - a), done) for a, b in itertools.pairwise(bounds)]
+    scan = merge_repeats(runs, count_pending=resumed)
     counts = Counter(keys)
-    expected = {key: (min(o for k, o in rows if k == key), n) for key, n in counts.items() if n > 1}
-    assert merge_repeats(runs) == expected
-    # and each run sends the driver only its repeated keys and its two edges
+    assert scan.repeated == {key: (first[key], n) for key, n in counts.items() if n > 1}
+    assert scan.rows == len(keys)
+    assert scan.pending == (sum(k not in done for k in final) if resumed else None)
+    # and each run sends the driver only its repeated keys, its two edges and one row of totals
     for (a, b), run in zip(itertools.pairwise(bounds), runs):
         inner = {k for k, n in Counter(keys_ for keys_, _ in rows[a:b]).items() if n > 1}
-        assert set(run.column("row_key").to_pylist()) <= inner | {rows[a][0], rows[b - 1][0]}
+        sent = run.column("row_key").to_pylist()
+        assert sent[-1] is None and set(sent[:-1]) <= inner | {rows[a][0], rows[b - 1][0]}
 
 
 def test_an_empty_run_counts_nothing():
     empty = pa.table({"row_key": pa.array([], pa.string()), ORDER_COLUMN: pa.array([], pa.string())})
-    assert repeats_and_edges(empty).num_rows == 0 and merge_repeats([repeats_and_edges(empty)]) == {}
+    scan = merge_repeats([repeats_and_edges(empty, frozenset())], count_pending=True)
+    assert (scan.repeated, scan.rows, scan.pending) == ({}, 0, 0)
 
 
 # ------------------------------------------------------------------------------ the driver's tally
@@ -122,3 +135,53 @@ def test_growth_is_the_ratio_between_the_smallest_and_largest_size():
     g = growth({1000: small, 10000: large})
     assert g["rows"]["ratio"] == 10 and g["wall_s"]["ratio"] == 8 and g["resume wall_s"]["ratio"] == 4
     assert g["driver_peak_rss_mib"]["ratio"] == pytest.approx(1.1) and g["startup_s"]["ratio"] is None
+
+
+# ------------------------------------------------------------------------------ a resume with nothing left
+
+
+@pytest.mark.integration
+def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path):
+    """The duplicate pass counts the rows left to generate; when none are, the job ends without
+    starting a generation worker (before, it loaded the model to process zero rows). A resume with
+    rows left still generates exactly those."""
+    import ray
+    from ray.util.state import list_actors
+
+    from pipeline.config import load_config
+    from pipeline.outputs import read_output
+    from pipeline.run import run_pipeline
+    from tests.tiny_models import save_tiny_artifacts
+
+    artifacts = save_tiny_artifacts(tmp_path / "artifacts")
+    lines = [json.dumps({"id": f"r{k % 7}", "prompt": f"w{5 + k} w9"}) for k in range(9)]  # r0, r1 twice
+    (tmp_path / "in.jsonl").write_text("\n".join([*lines, "{broken", json.dumps({"id": "e", "prompt": ""})]) + "\n")
+    overrides = [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
+                 f"model.target={artifacts['target']}", "model.dtype=fp32", "model.device=cpu", "decoding.mode=ar",
+                 "decoding.max_new_tokens=2",
+                 "resources.num_cpus_per_worker=0.5", "resources.batch_size=2", "output.rows_per_file=2",
+                 "run.run_id=resume-test"]
+
+    def job(*extra: str) -> tuple[dict, list[str]]:
+        ray.shutdown()
+        try:
+            summary = run_pipeline(load_config(None, [*overrides, *extra]))
+            actors = [a.class_name for a in list_actors()]
+        finally:
+            ray.shutdown()
+        return summary, actors
+
+    first, actors = job()
+    assert first["this_run"]["rows"] == 11 and any("GenerationWorker" in a for a in actors)
+    again, actors = job("run.resume=true")
+    assert again["this_run"]["rows"] == 0 and again["this_run"]["rows_skipped_as_done"] == 11
+    assert not any("GenerationWorker" in a for a in actors), actors
+    assert again["output"]["rows"] == 11 and len(read_output(f"{tmp_path}/out", ["row_key"])) == 11
+
+    lost = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
+    lost_keys = set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
+    lost.unlink()
+    lost_keys -= set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
+    partial, actors = job("run.resume=true")
+    assert lost_keys and partial["this_run"]["rows"] == len(lost_keys) and any("GenerationWorker" in a for a in actors)
+    assert len(set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())) == 11
