@@ -79,6 +79,10 @@ class PromptEncoder:
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.special_ids = frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
         self.special_ids |= frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        # id -> the text that spells it: a special id whose span in the text says something else
+        # (the unknown token standing for a word the vocabulary lacks) is not a special-token string
+        self._spelling = {i: str(getattr(decoder.get(i), "content", None) or tokenizer.convert_ids_to_tokens(i))
+                          for i in self.special_ids}
         self._pattern: re.Pattern | None = None
 
     def encode_text(self, prompt: str) -> list[int]:
@@ -136,13 +140,13 @@ class PromptEncoder:
         if getattr(self.tokenizer, "is_fast", False):
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             return [(start, end, token_id) for token_id, (start, end)
-                    in zip(encoded["input_ids"], encoded["offset_mapping"]) if token_id in self.special_ids]
+                    in zip(encoded["input_ids"], encoded["offset_mapping"])
+                    if token_id in self.special_ids and text[start:end] == self._spelling[token_id]]
         if self._pattern is None:  # a Python tokenizer has no offsets: find the strings themselves
-            strings = sorted({self.tokenizer.convert_ids_to_tokens(i) for i in self.special_ids}, key=len,
-                             reverse=True)
+            strings = sorted(set(self._spelling.values()), key=len, reverse=True)
             self._pattern = re.compile("|".join(re.escape(s) for s in strings if s))
-        return [(m.start(), m.end(), self.tokenizer.convert_tokens_to_ids(m.group())) for m in
-                self._pattern.finditer(text)]
+        ids = {spelling: i for i, spelling in self._spelling.items()}
+        return [(m.start(), m.end(), ids[m.group()]) for m in self._pattern.finditer(text)]
 
 
 def _masked(text: str, spans: list[tuple[int, int, int]]) -> str:

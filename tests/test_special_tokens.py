@@ -121,6 +121,20 @@ def test_a_template_that_rewrites_hostile_text_is_refused_not_guessed():
         encoder.encode_text("a <eos> b")
 
 
+def test_the_unknown_token_standing_for_a_word_is_no_special_string():
+    """A word-level vocabulary maps words it lacks ("User:", the plain frame's) to <unk>, a special
+    id: that is not a special-token string in the text, so it is neither masked nor taken for a
+    template marker (a hostile row used to fail with an internal error here)."""
+    from tests.tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    encoder = PromptEncoder(tok)
+    assert encoder.special_spans("User: w5 nope") == []
+    assert encoder.special_spans("w5 <eos> w6") == [(3, 8, tok.eos_token_id)]
+    for text in ("w5 nope w6", "w5 <eos> nope <bos>"):
+        assert encoder.encode_text(text) == tok(format_user_prompt(tok, text), split_special_tokens=True)["input_ids"]
+
+
 def test_config_key_and_default():
     cfg = load_config(None, ["input.urls=[x]", "output.url=y"])
     assert cfg.input.parse_special_tokens is False
