@@ -113,6 +113,7 @@ class MemorySampler:
         self.driver_peak_rss = 0
         self.peak_by_kind: dict[str, int] = {}
         self.peak_workers_total = 0
+        self.processes_at_peak: dict[str, int] = {}  # how many Ray processes of each kind made that total
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -129,9 +130,10 @@ class MemorySampler:
     def sample(self) -> None:
         me = self._psutil.Process()
         self.driver_peak_rss = max(self.driver_peak_rss, me.memory_info().rss)
-        total = 0
+        total, counts = 0, {}
         for proc in self._psutil.process_iter(["cmdline"]):
-            kind = self.kind(" ".join(proc.info["cmdline"] or []))
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            kind = self.kind(cmdline)
             if kind is None or proc.pid == me.pid:
                 continue
             try:
@@ -141,7 +143,10 @@ class MemorySampler:
             self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), pss)
             if kind != "ray_daemons":
                 total += pss
-        self.peak_workers_total = max(self.peak_workers_total, total)
+                label = "idle" if cmdline.startswith("ray::IDLE") else kind
+                counts[label] = counts.get(label, 0) + 1
+        if total > self.peak_workers_total:
+            self.peak_workers_total, self.processes_at_peak = total, counts
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -161,6 +166,8 @@ class MemorySampler:
         mib = 2**20
         return {"driver_peak_rss_mib": self.driver_peak_rss / mib,
                 "ray_workers_peak_total_pss_mib": self.peak_workers_total / mib,
+                "ray_worker_processes_at_peak": self.processes_at_peak,
+                "ray_worker_processes_at_peak_n": sum(self.processes_at_peak.values()),
                 **{f"{kind}_peak_pss_mib": value / mib for kind, value in sorted(self.peak_by_kind.items())}}
 
 
@@ -169,7 +176,7 @@ class StageTimer:
     names, so the job runs its ordinary code) and adds up the seconds spent in each."""
 
     def __init__(self, module: Any, names: list[str]):
-        self.module, self.seconds, self.results = module, {}, {}
+        self.module, self.seconds, self.results, self.ended = module, {}, {}, {}
         self._originals = {name: getattr(module, name) for name in names if hasattr(module, name)}
 
     def __enter__(self) -> StageTimer:
@@ -186,6 +193,7 @@ class StageTimer:
                 return result
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                self.ended[name] = time.time()
         return wrapper
 
     def __exit__(self, *exc) -> None:
@@ -281,6 +289,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
                   if f is not None and w is not None]
         ends = [f.timestamp() for f in table["finished_at"].to_pylist() if f is not None]
         result["startup_s"] = min(starts) - started
+        # start-up = the driver's checks, Ray, the duplicate pass, then the generation actor's start
+        result["startup_after_duplicate_pass_s"] = min(starts) - timer.ended.get("build_dataset", started)
         result["generation_span_s"] = max(ends) - min(starts)
         result["rows_per_s_generation_span"] = table.num_rows / result["generation_span_s"]
     result["rows_per_s_end_to_end"] = (this["rows"] + this["rows_skipped_as_done"]) / wall
@@ -437,6 +447,7 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("job wall time, s", "fresh", ("wall_s",), ".0f")
     add("rows/s end to end", "fresh", ("rows_per_s_end_to_end",), ".1f")
     add("start-up (call to first row decoding), s", "fresh", ("startup_s",), ".1f")
+    add("... of which after the duplicate pass (workers start), s", "fresh", ("startup_after_duplicate_pass_s",), ".1f")
     for stage in ("duplicate pass (driver)", "summary totals (driver)",
                   "read (per busy CPU)", "generation (per busy CPU)", "write (per busy CPU)"):
         add(f"{stage}, rows/s", "fresh", ("stage_rows_per_s", stage), ".0f")
@@ -445,6 +456,7 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("generation actor peak PSS, MiB", "fresh", ("memory", "generation_actor_peak_pss_mib"), ".0f")
     add("largest other Ray worker peak PSS, MiB", "fresh", ("memory", "other_ray_workers_peak_pss_mib"), ".0f")
     add("Ray workers peak total PSS, MiB", "fresh", ("memory", "ray_workers_peak_total_pss_mib"), ".0f")
+    add("... summed over this many Ray worker processes", "fresh", ("memory", "ray_worker_processes_at_peak_n"), "d")
     add("resume: job wall time, s", "resume", ("wall_s",), ".0f")
     add("resume: scan of written parts, s", "resume", ("driver_stages_s", "existing_row_keys"), ".2f")
     add("resume: scan, rows/s", "resume", ("stage_rows_per_s", "resume scan (driver)"), ".0f")

@@ -470,7 +470,9 @@ def read_output(
     `max_rows`: read parts in name order only until they hold that many rows (then the first
     `max_rows` of them by row_key).
 
-    For tests and the job summary: it reads everything into the driver. A corrupt part is a
+    For tests and the job summary: it reads everything into the driver, so name the columns you
+    need. Without `max_rows` the parts are read in parallel threads, as `existing_row_keys` reads
+    them: on an object store each read is a round trip of tens of milliseconds. A corrupt part is a
     StorageError here (this function never modifies the output). Should a row_key appear in two
     parts (only possible if batches were formed differently on a retry), the row from the first
     part by name is kept and a warning logged.
@@ -478,19 +480,29 @@ def read_output(
     fs, directory = filesystem_for(output_url, storage_options)
     read_columns = None if columns is None else list(dict.fromkeys(["row_key", *columns]))
     schema = OUTPUT_SCHEMA if read_columns is None else pa.schema([OUTPUT_SCHEMA.field(c) for c in read_columns])
-    tables = []
-    for path in list_parts(fs, directory, output_url):
-        if max_rows is not None and sum(len(t) for t in tables) >= max_rows:
-            break
+
+    def load(path: str) -> pa.Table:
         try:
             table = _with_added_columns(_read_part(fs, path, read_columns), schema)
         except _CorruptPart as e:
             raise StorageError(f"corrupt output part {url_of(fs, path)}: {e}") from None
         try:
             names = schema.names if read_columns is not None else OUTPUT_SCHEMA.names
-            tables.append(table.select(names).replace_schema_metadata(None).cast(schema.remove_metadata()))
+            return table.select(names).replace_schema_metadata(None).cast(schema.remove_metadata())
         except (pa.ArrowInvalid, KeyError, ValueError) as e:
             raise StorageError(f"output part {url_of(fs, path)} does not match the output schema: {e}") from e
+
+    paths = list_parts(fs, directory, output_url)
+    if max_rows is None:
+        with ThreadPoolExecutor(_LIST_THREADS) as pool:
+            tables = list(pool.map(load, paths))  # in name order, as the first-copy rule needs
+    else:
+        tables, rows = [], 0
+        for path in paths:
+            if rows >= max_rows:
+                break
+            tables.append(load(path))
+            rows += len(tables[-1])
     if not tables:
         return schema.empty_table()
     table = pa.concat_tables(tables)

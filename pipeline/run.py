@@ -39,10 +39,10 @@ from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, PromptFields, scan_prompts
 from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
-from pipeline.outputs import existing_row_keys, filter_done, read_output, remove_temp_files, write_part
+from pipeline.outputs import existing_row_keys, filter_done, remove_temp_files, write_part
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
 from pipeline.storage import StorageError, filesystem_for
-from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary
+from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary, output_totals
 from pipeline.worker import GenerationWorker
 
 log = logging.getLogger("pipeline")
@@ -129,18 +129,6 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
     ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"]},
                         batch_size=cfg.output.rows_per_file, batch_format="pyarrow", num_cpus=0.25)
     return ds, duplicates
-
-
-def output_totals(output_url: str) -> dict[str, Any]:
-    """Figures over everything under the output (this run and any earlier resumed attempt)."""
-    table = read_output(output_url, ["row_key", "id", "error", "num_generated_tokens"])  # not the text
-    if table.num_rows == 0:
-        return {"rows": 0}
-    rows = table.select([c for c in ("row_key", "id", "error", "num_generated_tokens") if c in table.column_names])
-    data = rows.to_pydict()
-    failed = sum(1 for e in data["error"] if e)
-    return {"rows": rows.num_rows, "distinct_row_keys": len(set(data["row_key"])), "rows_ok": rows.num_rows - failed,
-            "rows_failed": failed, "generated_tokens": int(sum(n or 0 for n in data["num_generated_tokens"]))}
 
 
 def check_cpu_budget(cfg: PipelineConfig) -> None:
