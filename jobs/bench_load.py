@@ -101,9 +101,15 @@ def write_inputs(directory: Path, rows: int, files: int, duplicate_fraction: flo
 
 
 class MemorySampler:
-    """Peak memory while a job runs, sampled every `interval_s`: this (driver) process's RSS and,
-    per Ray worker process (`ray::...`), its PSS (shared pages split among their users), grouped
-    by kind (the generation actor, other Ray Data workers, Ray's own daemons)."""
+    """Peak memory while a job runs, sampled every `interval_s`: this (driver) process's RSS and the
+    PSS (shared pages split among their users) of the processes of the Ray instance it started,
+    only its own descendants (another Ray on the machine is not counted), by kind: the generation
+    actor, the other workers (Ray Data's read and write tasks, the trie store, idle workers), and
+    Ray's infrastructure (raylet, GCS, dashboard, agents, Ray Data's bookkeeping actors)."""
+
+    INFRASTRUCTURE = ("raylet", "gcs_server", "dashboard", "DashboardAgent", "RuntimeEnvAgent", "_StatsActor",
+                      "_AutoscalingCoordinatorActor", "ActorLocationTracker", "log_monitor", "monitor.py",
+                      "autoscaler")
 
     def __init__(self, interval_s: float = 0.5):
         import psutil
@@ -113,40 +119,37 @@ class MemorySampler:
         self.driver_peak_rss = 0
         self.peak_by_kind: dict[str, int] = {}
         self.peak_workers_total = 0
-        self.processes_at_peak: dict[str, int] = {}  # how many Ray processes of each kind made that total
+        self.peak_infrastructure_total = 0
+        self.processes_at_peak: dict[str, int] = {}  # how many processes of each kind made that total
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def kind(cmdline: str) -> str | None:
+    @classmethod
+    def kind(cls, cmdline: str) -> str:
         if "GenerationWorker" in cmdline:
             return "generation_actor"
-        if cmdline.startswith("ray::"):
-            return "other_ray_workers"
-        if "gcs_server" in cmdline or "raylet" in cmdline:
-            return "ray_daemons"
-        return None
+        if any(name in cmdline for name in cls.INFRASTRUCTURE) or not cmdline.startswith("ray::"):
+            return "ray_infrastructure"
+        return "other_workers"
 
     def sample(self) -> None:
         me = self._psutil.Process()
         self.driver_peak_rss = max(self.driver_peak_rss, me.memory_info().rss)
-        total, counts = 0, {}
-        for proc in self._psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            kind = self.kind(cmdline)
-            if kind is None or proc.pid == me.pid:
-                continue
+        totals = {"workers": 0, "infrastructure": 0}
+        counts: dict[str, int] = {}
+        for proc in me.children(recursive=True):
             try:
+                kind = self.kind(" ".join(proc.cmdline()))
                 pss = proc.memory_full_info().pss
             except (self._psutil.Error, OSError):
                 continue
             self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), pss)
-            if kind != "ray_daemons":
-                total += pss
-                label = "idle" if cmdline.startswith("ray::IDLE") else kind
-                counts[label] = counts.get(label, 0) + 1
-        if total > self.peak_workers_total:
-            self.peak_workers_total, self.processes_at_peak = total, counts
+            totals["infrastructure" if kind == "ray_infrastructure" else "workers"] += pss
+            counts[kind] = counts.get(kind, 0) + 1
+        self.peak_infrastructure_total = max(self.peak_infrastructure_total, totals["infrastructure"])
+        if totals["workers"] > self.peak_workers_total:
+            self.peak_workers_total = totals["workers"]
+            self.processes_at_peak = {k: v for k, v in counts.items() if k != "ray_infrastructure"}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -162,12 +165,13 @@ class MemorySampler:
         self._thread.join()
         self.sample()
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> dict[str, Any]:
         mib = 2**20
         return {"driver_peak_rss_mib": self.driver_peak_rss / mib,
                 "ray_workers_peak_total_pss_mib": self.peak_workers_total / mib,
                 "ray_worker_processes_at_peak": self.processes_at_peak,
                 "ray_worker_processes_at_peak_n": sum(self.processes_at_peak.values()),
+                "ray_infrastructure_peak_total_pss_mib": self.peak_infrastructure_total / mib,
                 **{f"{kind}_peak_pss_mib": value / mib for kind, value in sorted(self.peak_by_kind.items())}}
 
 
@@ -351,6 +355,7 @@ GROWTH_FIGURES = {  # (phase, path in the result): how each grows with the rows
     "driver_peak_rss_mib": ("fresh", ("memory", "driver_peak_rss_mib")),
     "generation_actor_peak_pss_mib": ("fresh", ("memory", "generation_actor_peak_pss_mib")),
     "ray_workers_peak_total_pss_mib": ("fresh", ("memory", "ray_workers_peak_total_pss_mib")),
+    "ray_infrastructure_peak_total_pss_mib": ("fresh", ("memory", "ray_infrastructure_peak_total_pss_mib")),
     "resume wall_s": ("resume", ("wall_s",)),
     "resume scan_s (existing_row_keys)": ("resume", ("driver_stages_s", "existing_row_keys")),
     "resume driver_peak_rss_mib": ("resume", ("memory", "driver_peak_rss_mib")),
@@ -454,9 +459,11 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("duplicate pass, s", "fresh", ("driver_stages_s", "build_dataset"), ".1f")
     add("driver peak RSS, MiB", "fresh", ("memory", "driver_peak_rss_mib"), ".0f")
     add("generation actor peak PSS, MiB", "fresh", ("memory", "generation_actor_peak_pss_mib"), ".0f")
-    add("largest other Ray worker peak PSS, MiB", "fresh", ("memory", "other_ray_workers_peak_pss_mib"), ".0f")
+    add("largest other Ray worker peak PSS, MiB", "fresh", ("memory", "other_workers_peak_pss_mib"), ".0f")
     add("Ray workers peak total PSS, MiB", "fresh", ("memory", "ray_workers_peak_total_pss_mib"), ".0f")
     add("... summed over this many Ray worker processes", "fresh", ("memory", "ray_worker_processes_at_peak_n"), "d")
+    add("Ray's own processes peak total PSS, MiB", "fresh", ("memory", "ray_infrastructure_peak_total_pss_mib"),
+        ".0f")
     add("resume: job wall time, s", "resume", ("wall_s",), ".0f")
     add("resume: scan of written parts, s", "resume", ("driver_stages_s", "existing_row_keys"), ".2f")
     add("resume: scan, rows/s", "resume", ("stage_rows_per_s", "resume scan (driver)"), ".0f")
