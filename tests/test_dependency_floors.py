@@ -14,11 +14,11 @@ import hashlib
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
-import tomllib
 
 from dart_worker.cache_dir import cache_dir, file_lock
 
