@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
 from ngram_native.trees import TreeParams
+from pipeline.row_settings import SETTING_NAMES, default_settings_columns
 
 T = TypeVar("T")
 
@@ -47,6 +48,9 @@ class InputConfig:
     # text, only the chat template's own markers are control tokens; true: they are parsed as
     # control tokens too, for prompts already formatted for the target (dart_worker/prompt_format.py)
     parse_special_tokens: bool = False
+    # Per-row settings (pipeline/row_settings.py): setting -> the input column holding it, read when
+    # the input has that column (a null value there: the decoding.* value). Null ignores a setting.
+    settings_columns: dict[str, str | None] = field(default_factory=default_settings_columns)
 
 
 @dataclass
@@ -194,6 +198,12 @@ def validate(cfg: PipelineConfig) -> None:
           "set exactly one of input.prompt_column and input.messages_column")
     check(d.warm_rows >= 1, "decoding.warm_rows", f"must be >= 1, got {d.warm_rows}")
     check(i.max_prompt_chars > 0, "input.max_prompt_chars", "must be > 0")
+    for name, column in i.settings_columns.items():
+        check(name in SETTING_NAMES, f"input.settings_columns.{name}", f"is not a per-row setting; known: "
+              f"{list(SETTING_NAMES)}")
+        check(column is None or (bool(column) and column not in (i.id_column, i.prompt_column, i.messages_column)),
+              f"input.settings_columns.{name}", f"must be null or a column other than the id and prompt, "
+              f"got {column!r}")
     if d.mode in drafter_names():
         spec = drafter_spec(d.mode)
         check(not spec.needs_head or m.draft_head is not None, "model.draft_head",

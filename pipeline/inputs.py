@@ -16,7 +16,10 @@ Every row of the result has the columns of INPUT_SCHEMA:
                  "empty prompt", "prompt is not a string (got int)", "prompt longer than N
                  characters (got M)", "missing id", "duplicate id (first seen in <source> line 3)",
                  "prompt holds a lone surrogate (U+DCFF at character 5), which is not valid Unicode
-                 text", "prompt is not valid UTF-8 (byte 0xff at offset 2)", ...)
+                 text", "prompt is not valid UTF-8 (byte 0xff at offset 2)", "setting 'seed' holds a
+                 dict, which no setting accepts", ...)
+    settings     null, or the row's own sampling settings (the setting columns present and not null,
+                 input.settings_columns) as one JSON object; the worker checks them (pipeline/row_settings.py)
 
 No content ever makes a reader raise: every line or row becomes a row, ok or error. What does
 raise (InputError, naming the file) is a file that cannot be read at all: an I/O failure, a
@@ -63,6 +66,7 @@ from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FileBasedDatasource
 from ray.data.expressions import col
 
+from pipeline.row_settings import encode_settings
 from pipeline.storage import (
     StorageError,
     arrow_filesystem,
@@ -84,6 +88,7 @@ INPUT_SCHEMA = pa.schema(
         pa.field("prompt_kind", pa.string()),
         pa.field("source", pa.string()),
         pa.field("error", pa.string()),
+        pa.field("settings", pa.string()),
     ]
 )
 # The readers add the row's position ("<source>\x1f<zero-padded index>\x1f<line|row>") for the duplicate pass.
@@ -114,6 +119,8 @@ class PromptFields:
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
     max_prompt_chars: int | None = None
+    # (setting, column) pairs read into the row's `settings` column (pipeline/row_settings.py)
+    setting_columns: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.id_column:
@@ -130,6 +137,15 @@ class PromptFields:
     @property
     def content_column(self) -> str:
         return self.messages_column or self.prompt_column  # type: ignore[return-value]
+
+    def with_settings(self, prompt: str | None, error: str | None,
+                      values: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+        """(prompt, error, settings JSON) of a record whose setting columns hold `values` (absent
+        ones left out): a setting no JSON value can hold is the row's error (joined after others)."""
+        settings, settings_error = encode_settings(values)
+        if settings_error:
+            return None, "; ".join(e for e in (error, settings_error) if e), None
+        return prompt, error, settings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,19 +287,28 @@ def normalise_record(
 
 def parse_jsonl_line(line: bytes, fields: PromptFields) -> tuple[str | None, str | None, str | None]:
     """(id, prompt, error) of one JSONL line (bytes without the newline)."""
+    row_id, prompt, error, _ = parse_jsonl_record(line, fields)
+    return row_id, prompt, error
+
+
+def parse_jsonl_record(line: bytes, fields: PromptFields) -> tuple[str | None, str | None, str | None, str | None]:
+    """(id, prompt, error, settings JSON) of one JSONL line (bytes without the newline)."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        return None, None, f"malformed JSON: invalid UTF-8 at byte {e.start}"
+        return None, None, f"malformed JSON: invalid UTF-8 at byte {e.start}", None
     try:
         record = json.loads(text)
     except RecursionError:
-        return None, None, "malformed JSON: nested too deeply"
+        return None, None, "malformed JSON: nested too deeply", None
     except ValueError as e:  # json.JSONDecodeError, and int strings beyond Python's digit limit
-        return None, None, f"malformed JSON: {e}"
+        return None, None, f"malformed JSON: {e}", None
     if not isinstance(record, dict):
-        return None, None, f"line is not a JSON object (got {_type_name(record)})"
-    return normalise_record(fields, record.get(fields.id_column, _MISSING), record.get(fields.content_column, _MISSING))
+        return None, None, f"line is not a JSON object (got {_type_name(record)})", None
+    row_id, prompt, error = normalise_record(fields, record.get(fields.id_column, _MISSING),
+                                             record.get(fields.content_column, _MISSING))
+    values = {name: record[column] for name, column in fields.setting_columns if column in record}
+    return (row_id, *fields.with_settings(prompt, error, values))
 
 
 def iter_lines(f: Any, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
@@ -335,8 +360,10 @@ class _RowBuilder:
         self.source, self.kind, self.rows_per_block = source, kind, rows_per_block
         self._columns: dict[str, list] = {name: [] for name in PARSED_SCHEMA.names}
 
-    def add(self, row_key: str, row_id: str | None, prompt: str | None, error: str | None, order: str) -> None:
+    def add(self, row_key: str, row_id: str | None, prompt: str | None, error: str | None, order: str,
+            settings: str | None = None) -> None:
         c = self._columns
+        c["settings"].append(settings)
         c["row_key"].append(row_key)
         c["id"].append(row_id)
         c["prompt"].append(prompt)
@@ -414,7 +441,7 @@ class JsonlPromptDatasource(_PromptDatasource):
                 refuse_if_not_text(line, source)
             if not line.strip():
                 continue
-            row_id, prompt, error = parse_jsonl_line(line, self._fields)
+            row_id, prompt, error, settings = parse_jsonl_record(line, self._fields)
             if row_id is not None:
                 row_key = "id:" + row_id
             else:
@@ -422,7 +449,7 @@ class JsonlPromptDatasource(_PromptDatasource):
                 repeat = repeats[digest]
                 repeats[digest] += 1
                 row_key = f"row:{source}#{digest}" + (f"~{repeat}" if repeat else "")
-            rows.add(row_key, row_id, prompt, error, order_key(source, line_no, "line"))
+            rows.add(row_key, row_id, prompt, error, order_key(source, line_no, "line"), settings)
             if rows.full():
                 yield rows.take()
         if len(rows):
@@ -471,21 +498,26 @@ class ParquetPromptDatasource(_PromptDatasource):
     def _read_rows(self, parquet: pq.ParquetFile, source: str) -> Iterator[pa.Table]:
         names = set(parquet.schema_arrow.names)
         id_column, content_column = self._fields.id_column, self._fields.content_column
-        for name in {id_column, content_column}:
+        setting_columns = [(name, column) for name, column in self._fields.setting_columns if column in names]
+        for name in {id_column, content_column, *(column for _, column in setting_columns)}:
             if len(parquet.schema_arrow.get_all_field_indices(name)) > 1:
                 raise InputError(f"cannot read {source}: it has {parquet.schema_arrow.names.count(name)} columns "
                                  f"named {name!r}, so which one to read is ambiguous")
-        columns = [c for c in dict.fromkeys((id_column, content_column)) if c in names]
+        columns = [c for c in dict.fromkeys((id_column, content_column, *(c for _, c in setting_columns)))
+                   if c in names]
         rows = _RowBuilder(source, self._fields.kind, self._rows_per_block)
         position = 0
         for batch in parquet.iter_batches(batch_size=self._rows_per_block, columns=columns):
             n = batch.num_rows
             ids = _python_values(batch.column(id_column)) if id_column in names else [_MISSING] * n
             contents = _python_values(batch.column(content_column)) if content_column in names else [_MISSING] * n
-            for id_value, content in zip(ids, contents):
+            settings_values = [(name, _python_values(batch.column(column))) for name, column in setting_columns]
+            for k, (id_value, content) in enumerate(zip(ids, contents)):
                 row_id, prompt, error = normalise_record(self._fields, id_value, content)
+                prompt, error, settings = self._fields.with_settings(
+                    prompt, error, {name: values[k] for name, values in settings_values})
                 row_key = "id:" + row_id if row_id is not None else f"row:{source}#{position}"
-                rows.add(row_key, row_id, prompt, error, order_key(source, position, "row"))
+                rows.add(row_key, row_id, prompt, error, order_key(source, position, "row"), settings)
                 position += 1
                 if rows.full():
                     yield rows.take()

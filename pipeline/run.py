@@ -41,6 +41,7 @@ from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
 from pipeline.outputs import existing_row_keys, filter_done, remove_temp_files, write_part
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
+from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
 from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary, output_totals
 from pipeline.worker import GenerationWorker
@@ -96,7 +97,8 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
     # Duplicate ids are resolved while reading: the first occurrence is generated, the others
     # become "duplicate id" error rows with keys of their own.
     read = scan_prompts(resolved["input_files"], i.format,
-                        PromptFields(i.id_column, i.prompt_column, i.messages_column, i.max_prompt_chars),
+                        PromptFields(i.id_column, i.prompt_column, i.messages_column, i.max_prompt_chars,
+                                     settings_columns(i.settings_columns)),
                         done_keys=frozenset(done_keys) if done_keys else None)
     if read.pending == 0:
         print(f"resume: all {read.rows} input rows are written already; nothing to generate")

@@ -33,6 +33,7 @@ from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
 from pipeline.outputs import result_rows_to_table
+from pipeline.row_settings import decode_settings, row_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +89,18 @@ class GenerationWorker:
         rows = batch.to_pylist()
         outputs: list[dict | None] = [None] * len(rows)
         requests = []  # (row index, token ids, params)
+        params: list[SamplingParams | None] = [None] * len(rows)
         for k, row in enumerate(rows):
             if row.get("error"):
                 outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=row["error"]))
                 continue
             try:
-                requests.append((k, self._encode(row), self._params(row)))
+                params[k] = self._params(row)
+                requests.append((k, self._encode(row), params[k]))
             except (ValueError, TypeError) as exc:
-                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)))
+                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)), params[k])
         for k, result in self._generate(requests):
-            outputs[k] = self._row(rows[k], result)
+            outputs[k] = self._row(rows[k], result, params[k])
             # Each row's own finish (rows of one batch finish at different rounds, and with
             # continuous batching start at different ones too); rows that never ran: the batch's end.
             if result.finished_unix is not None:
@@ -144,14 +147,23 @@ class GenerationWorker:
         return encoder.encode_text(row["prompt"])
 
     def _params(self, row: dict) -> SamplingParams:
+        """The config's sampling settings with the row's own (its `settings` column) applied; a bad
+        row setting raises SettingError (a ValueError: the row becomes an error row)."""
         d = self.cfg.decoding
-        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                              seed=row_seed(d.seed, row["row_key"]), max_new_tokens=d.max_new_tokens,
-                              stop_token_ids=tuple(d.stop_token_ids), stop=tuple(d.stop))
+        defaults = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed,
+                                  max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
+                                  stop=tuple(d.stop))
+        return row_sampling_params(defaults, decode_settings(row.get("settings")),
+                                   lambda base: row_seed(base, row["row_key"]))
 
-    def _row(self, row: dict, result: GenerationResult) -> dict:
+    def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None) -> dict:
+        """The output row; its settings columns are the ones the row decoded with (the config's for
+        an error row without settings of its own, nulls for one whose settings were not usable)."""
         d = self.cfg.decoding
         ok = result.error is None
+        if params is None and not row.get("settings"):
+            params = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                                    seed=row_seed(d.seed, row["row_key"]), max_new_tokens=d.max_new_tokens)
         return {
             "row_key": row["row_key"],
             "id": row.get("id"),
@@ -162,11 +174,11 @@ class GenerationWorker:
             "error": result.error,
             **result.stats.to_row(),
             "mode": d.mode,
-            "temperature": d.temperature,
-            "top_p": d.top_p,
-            "top_k": d.top_k,
-            "seed": row_seed(d.seed, row["row_key"]),
-            "max_new_tokens": d.max_new_tokens,
+            "temperature": params.temperature if params else None,
+            "top_p": params.top_p if params else None,
+            "top_k": params.top_k if params else None,
+            "seed": params.seed if params else None,
+            "max_new_tokens": params.max_new_tokens if params else None,
             "target_fingerprint": self.resolved.get("target_fingerprint"),
             "head_fingerprint": self.resolved.get("head_fingerprint"),
             "trie_fingerprint": self.resolved.get("trie_fingerprint"),

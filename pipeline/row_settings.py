@@ -1,0 +1,132 @@
+"""Per-row sampling settings: optional input columns that override `decoding.*` for their row.
+
+A dataset-generation input often carries its own limits and sampling settings per prompt (a long
+answer here, a low temperature there, a row's own seed or stop strings). `input.settings_columns`
+maps each setting to the input column that holds it (by default the column of the same name; null
+ignores the setting). A row whose column is absent or null uses the config's value.
+
+The readers (pipeline/inputs.py) only collect the raw values into the row's `settings` column, as
+one JSON object (`encode_settings`), so the dataflow carries one string column whatever the input
+format. The worker turns them into the row's `SamplingParams` (`row_sampling_params`), where every
+value is checked: a bad value (a string temperature, top_p 2, a negative seed, a fractional
+max_new_tokens) makes that row an error row naming the setting and the value, never a failed job,
+and its neighbours in the batch decode as usual - rows with different settings share one
+continuous batch (the engine warps each request with its own parameters).
+
+The row's `seed` replaces `decoding.seed` in the per-row derivation (`pipeline.worker.row_seed`),
+so the seed written to the output row reproduces it alone with the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dart_worker.sampling import SamplingParams
+
+# Setting -> what it must hold. int settings accept integral floats (a Parquet writer that went
+# through pandas stores an int column with nulls as float64), never bools or fractions.
+SETTING_KINDS: dict[str, str] = {
+    "max_new_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "seed": "int",
+    "stop": "strings",
+}
+SETTING_NAMES = tuple(SETTING_KINDS)
+
+
+class SettingError(ValueError):
+    """A row's setting cannot be used (the row becomes an error row with this message)."""
+
+
+def default_settings_columns() -> dict[str, str | None]:
+    """Each setting from the input column of its own name, when the input has it."""
+    return {name: name for name in SETTING_NAMES}
+
+
+def settings_columns(mapping: Mapping[str, str | None] | None) -> tuple[tuple[str, str], ...]:
+    """(setting, column) pairs that are read, from `input.settings_columns` (None: the defaults)."""
+    merged = default_settings_columns()
+    merged.update(mapping or {})
+    unknown = sorted(set(merged) - set(SETTING_NAMES))
+    if unknown:
+        raise ValueError(f"unknown per-row settings {unknown}; known: {list(SETTING_NAMES)}")
+    return tuple((name, column) for name, column in merged.items() if column)
+
+
+def encode_settings(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(JSON object of the non-null values, None) or (None, error) for a value JSON cannot hold.
+
+    Called by the readers with {setting: raw value} for the setting columns present in the record.
+    """
+    present = {name: value for name, value in values.items() if value is not None}
+    if not present:
+        return None, None
+    for name, value in present.items():
+        if not _json_plain(value):
+            return None, f"setting {name!r} holds a {type(value).__name__}, which no setting accepts"
+    return json.dumps(present, ensure_ascii=False, allow_nan=True), None
+
+
+def _json_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_plain(v) for v in value)
+    return False
+
+
+def decode_settings(text: str | None) -> dict[str, Any]:
+    """The row's settings column back as a dict ({} for a row without settings)."""
+    if not text:
+        return {}
+    values = json.loads(text)
+    if not isinstance(values, dict):
+        raise SettingError(f"settings must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def checked_setting(name: str, value: Any) -> Any:
+    """`value` as the type of setting `name`, or a SettingError naming both."""
+    kind = SETTING_KINDS.get(name)
+    if kind is None:
+        raise SettingError(f"unknown setting {name!r}")
+    if kind == "int":
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingError(f"setting {name!r} must be an integer, got {value!r}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SettingError(f"setting {name!r} must be a number, got {value!r}")
+        return float(value)
+    # strings: one stop string or a list of them
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise SettingError(f"setting {name!r} must be a non-empty string or a list of them, got {value!r}")
+    return tuple(value)
+
+
+def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], seed_of) -> SamplingParams:
+    """The row's SamplingParams: `defaults` (the config's, seed = decoding.seed) with the row's
+    settings applied; `seed_of(base_seed)` derives the request seed from the base seed in force
+    (the row's or the config's). A bad value raises SettingError naming the setting."""
+    values = {name: checked_setting(name, value) for name, value in settings.items()}
+    base_seed = values.pop("seed", defaults.seed)
+    if base_seed is not None and not 0 <= base_seed < 2**63:
+        raise SettingError(f"setting 'seed' must be in [0, 2**63), got {base_seed}")
+    fields = {
+        "temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
+        "max_new_tokens": defaults.max_new_tokens, "stop_token_ids": defaults.stop_token_ids, "stop": defaults.stop,
+    }
+    fields.update(values)
+    try:
+        return SamplingParams(seed=seed_of(base_seed), **fields)
+    except (TypeError, ValueError) as exc:
+        raise SettingError(f"row setting: {exc}") from None
