@@ -175,13 +175,20 @@ def file_fingerprint(path: str | os.PathLike) -> str:
 # --- model files ------------------------------------------------------------------------------
 
 
-def _counts_for_fingerprint(path: Path) -> bool:
-    name = path.name
+def counts_for_fingerprint(name: str) -> bool:
+    """Whether a model file called `name` decides what the model computes (see the module doc).
+
+    Public so that a model being downloaded (dart_worker/target_store.py) is fingerprinted by the
+    same rule as one on disk, from hashes taken while its bytes arrive."""
     if name.startswith(".") or name == CONVERSION_STAMP_NAME:
         return False
     if name.lower().startswith(_FINGERPRINT_SKIP_PREFIXES):
         return False
-    return path.suffix.lower() in _FINGERPRINT_SUFFIXES and path.is_file()
+    return Path(name).suffix.lower() in _FINGERPRINT_SUFFIXES
+
+
+def _counts_for_fingerprint(path: Path) -> bool:
+    return counts_for_fingerprint(path.name) and path.is_file()
 
 
 def _hash_cache_paths(path: Path, beside: Path) -> list[Path]:
@@ -218,7 +225,6 @@ def _files_fingerprint(files: list[Path], cache_paths: list[Path]) -> str:
     file's size, mtime and inode are unchanged, so repeated calls cost a few stat()s."""
     cached = _read_hash_cache(cache_paths)
     fresh: dict[str, dict] = {}
-    combined = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         stat = path.stat()
         key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
@@ -226,10 +232,35 @@ def _files_fingerprint(files: list[Path], cache_paths: list[Path]) -> str:
         if not (entry and all(entry.get(k) == v for k, v in key.items()) and "sha256" in entry):
             entry = {**key, "sha256": file_fingerprint(path)}
         fresh[path.name] = entry
-        combined.update(f"{path.name}\t{entry['size']}\t{entry['sha256']}\n".encode())
     if fresh != cached:
         _write_hash_cache(cache_paths, fresh)
+    return combine_file_hashes({name: (e["size"], e["sha256"]) for name, e in fresh.items()})
+
+
+def combine_file_hashes(files: dict[str, tuple[int, str]]) -> str:
+    """The model fingerprint from {file name: (size, sha256)} of the files that count: the one
+    combining rule, for files on disk and for files whose hashes were taken while downloading."""
+    combined = hashlib.sha256()
+    for name in sorted(files):
+        size, sha256 = files[name]
+        combined.update(f"{name}\t{size}\t{sha256}\n".encode())
     return combined.hexdigest()
+
+
+def record_file_hashes(directory: str | os.PathLike, hashes: dict[str, str]) -> None:
+    """Seed the per-file hash cache of a model directory with sha256s already known (computed
+    while the files were downloaded), so that its first `model_files_fingerprint` costs a few
+    stat()s instead of reading every weight again. Only files present now are recorded; each is
+    keyed by its current size, mtime and inode like any cached hash."""
+    directory = Path(directory)
+    files = {}
+    for name, sha256 in hashes.items():
+        path = directory / name
+        if counts_for_fingerprint(name) and path.is_file():
+            stat = path.stat()
+            files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino,
+                           "sha256": sha256}
+    _write_hash_cache(_hash_cache_paths(directory, directory / FINGERPRINT_CACHE_NAME), files)
 
 
 def model_files_fingerprint(path: str | os.PathLike) -> str:

@@ -5,6 +5,9 @@ A target spec is one of:
   a local directory    a Hugging Face model directory (config.json + weights + tokenizer)
   a path ending .gguf  a GGUF file, dequantised through transformers (slow: ~1 min for 270M;
                        prefer converting once to a directory, as the default target does)
+  a URL                any fsspec URL of such a directory or .gguf file (s3://, gs://, ...):
+                       downloaded once per node into the project cache and verified
+                       (target_store.py); file:// URLs are local paths
   a hub id "org/name"  only where the Hugging Face Hub is reachable; offline, only if it is
                        already in the local HF cache
 
@@ -45,6 +48,7 @@ from transformers import (
 from dart_worker.device import resolve_device, resolve_dtype
 from dart_worker.fingerprint import model_files_fingerprint
 from dart_worker.gguf import load_gguf, load_gguf_tokenizer
+from dart_worker.target_store import fetch_model_dir, is_remote_url, local_path_of
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +97,16 @@ def resolve_source(spec: str | os.PathLike) -> ModelSource:
     """
     spec_str = os.fspath(spec).strip()
     if not spec_str:
-        raise ValueError("empty target spec; expected 'default', a model directory, a .gguf file or a hub id")
+        raise ValueError("empty target spec; expected 'default', a model directory, a .gguf file, a URL or a "
+                         "hub id")
     if spec_str == DEFAULT_SPEC:
         from dart_worker.default_target import default_target_dir
 
         return ModelSource("dir", str(default_target_dir()), spec_str)
-    path = Path(spec_str).expanduser()
+    if is_remote_url(spec_str):  # downloaded once per node, verified, content-addressed
+        local = fetch_model_dir(spec_str, what="target")
+        return ModelSource("gguf" if local.is_file() else "dir", str(local), spec_str)
+    path = Path(local_path_of(spec_str)).expanduser()
     if spec_str.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"target GGUF file {spec_str!r} does not exist (resolved to {path.resolve()})")
@@ -217,7 +225,8 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
 # --- tokenizer alone and fingerprint -------------------------------------------------------
 
 def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer alone: "default" (the embedded target's), a local model/tokenizer directory or a .gguf file.
+    """The tokenizer alone: "default" (the embedded target's), a local model/tokenizer directory, a
+    .gguf file, or a URL of either (fetched like a target).
 
     No hub look-ups: this runs where there may be no network, so a name that is not a local
     path is an error rather than a download attempt.
@@ -227,7 +236,9 @@ def load_tokenizer(spec: str | os.PathLike) -> PreTrainedTokenizerBase:
         from dart_worker.default_target import default_tokenizer
 
         return default_tokenizer()
-    path = Path(spec_str).expanduser()
+    if is_remote_url(spec_str):
+        spec_str = str(fetch_model_dir(spec_str, what="tokenizer"))
+    path = Path(local_path_of(spec_str)).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf_tokenizer(path)
     if not path.is_dir():

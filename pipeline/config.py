@@ -55,7 +55,8 @@ class InputConfig:
 
 @dataclass
 class ModelConfig:
-    target: str = "default"  # "default" (embedded Gemma-3-270M), a local HF dir, a .gguf file or a hub id
+    target: str = "default"  # "default" (embedded Gemma-3-270M), a local HF dir, a .gguf file, a URL of
+    # either (s3://, gs://: downloaded once per node, dart_worker/target_store.py) or a hub id
     draft_head: str | None = "default"  # "default" (shipped head), a checkpoint dir, or null (mode ar)
     trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
