@@ -1,10 +1,24 @@
 """Save and load DART draft heads: a directory holding config.json + model.safetensors.
 
-The layout and tensor names are those of the published DART heads, so their checkpoints load
-unchanged. Loading is strict because a head that silently half-loads, or that was trained for
-another target, still produces plausible-looking logits: every mismatch is a `DraftHeadLoadError`
+The layout and tensor names are those of the published DART heads (github.com/fvliang/DART,
+`LlamaForCausalLMDart`: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; config.json a
+`DartConfig`, a LlamaConfig plus `draft_length`, `draft_vocab_size`, `target_hidden_size`).
+Loading is strict because a head that silently half-loads, or that was trained for another
+target, still produces plausible-looking logits: every mismatch is a `DraftHeadLoadError`
 naming what was expected and what was found. Weights are read with safetensors only; nothing is
 ever unpickled.
+
+A head spec may be a directory, an fsspec URL of one (fetched once per node, like a target:
+dart_worker/target_store.py) or an upstream release directory as published (`resolve_head_dir`).
+A release differs from this project's checkpoints in two ways: its config is a transformers
+`DartConfig` dump (model_type, architectures, dtype, token ids, ... beside the architecture; the
+head's own defaults where it omits a field), and its weights carry a full copy of the target's
+token embedding (`embed_tokens.weight`: vocab x hidden, 1.2 GB for Qwen3-8B in bf16), which DART
+replaces with the target's own at load. A release is mapped once per node into the cache
+(`heads/imported/<its fingerprint>`): the config is parsed and written complete, the embedding copy
+becomes a probe of a few rows (`target_embedding_probe`), so that every later load reads the head
+alone and can still tell whether the target is the model the head was trained with. A head whose
+embedding copy or probe differs from the target's embedding is refused, naming the rows.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
@@ -28,11 +43,18 @@ from dart_worker.draft_head import (
     target_text_config,
 )
 from dart_worker.target import default_tap_layers
+from dart_worker.target_store import fetch_model_dir, is_remote_url, local_path_of
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+EMBEDDING_COPY = "embed_tokens.weight"
+# Rows of the target embedding an imported head keeps (float32) to recognise its target by.
+EMBEDDING_PROBE = "target_embedding_probe"
+EMBEDDING_PROBE_ROWS = "target_embedding_probe_rows"
+PROBE_ROW_COUNT = 64
 # Keys a checkpoint may carry besides the head's own state dict.
-OPTIONAL_KEYS = ("t2d", "embed_tokens.weight")
+OPTIONAL_KEYS = ("t2d", EMBEDDING_COPY, EMBEDDING_PROBE, EMBEDDING_PROBE_ROWS)
+IMPORT_STAMP = "dart_import"
 
 
 class DraftHeadLoadError(ValueError):
@@ -85,6 +107,83 @@ def read_draft_config(directory: str | os.PathLike) -> DraftHeadConfig:
         raise DraftHeadLoadError(f"{path}: {exc}") from exc
 
 
+def resolve_head_dir(spec: str | os.PathLike) -> Path:
+    """The local directory, in this project's layout, behind a head spec: a checkpoint directory
+    (as is), an fsspec URL of one (downloaded once per node and verified, like a target), or an
+    upstream DART release directory (mapped once into the cache, `import_release`)."""
+    text = os.fspath(spec)
+    if is_remote_url(text):
+        directory = fetch_model_dir(text, what="draft head", store="heads")
+    else:
+        directory = Path(local_path_of(text)).expanduser()
+    return import_release(directory) if is_release_layout(directory) else directory
+
+
+def is_release_layout(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a head as the DART authors' training saves it: weights with a copy
+    of the target's embedding, which every load would read again and which is the one record of
+    which model the head was trained with. (A release without the copy has exactly this project's
+    names and loads as it is; its extra config keys are kept as extras.)"""
+    directory = Path(directory)
+    try:
+        data = json.loads((directory / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # read_draft_config reports it, naming the file
+    if not isinstance(data, dict) or IMPORT_STAMP in data:
+        return False
+    try:
+        with safe_open(directory / WEIGHTS_NAME, framework="pt") as f:
+            return EMBEDDING_COPY in set(f.keys())
+    except Exception:  # missing or not safetensors: _read_safetensors reports it
+        return False
+
+
+def import_release(directory: str | os.PathLike) -> Path:
+    """Map an upstream DART release directory once into this project's layout, in the cache.
+
+    The copy is named by the release's file fingerprint, built under a lock and renamed into place
+    (`cache_dir.build_atomically`), so concurrent workers on a node map it once and a later load
+    finds it. Its config is the parsed `DraftHeadConfig` (the release's other keys kept as extras,
+    plus an `dart_import` stamp naming the source); its weights are the release's tensors as they
+    are, except the embedding copy, replaced by `PROBE_ROW_COUNT` of its rows in float32. A release
+    that is not a DART head (missing config fields, other tensor names or shapes) is refused here
+    with the problem named.
+    """
+    from dart_worker.cache_dir import build_atomically, cache_dir
+    from dart_worker.fingerprint import model_files_fingerprint
+
+    directory = Path(directory)
+    config = read_draft_config(directory)
+    fingerprint = model_files_fingerprint(directory)
+    final = cache_dir("heads", "imported") / fingerprint
+
+    def build(tmp: Path) -> None:
+        tensors = _read_safetensors(directory)
+        with torch.device("meta"):  # shapes only
+            reference = DartDraftHead(config, nn.Embedding(config.vocab_size, config.hidden_size))
+        shapes = {n: tuple(t.shape) for n, t in reference.state_dict().items()}
+        _check_keys(shapes, tensors, directory)
+        _check_shapes_and_dtypes(shapes, tensors, config, directory)
+        copy = tensors.pop(EMBEDDING_COPY, None)
+        if copy is not None:
+            if copy.shape != (config.vocab_size, config.hidden_size):
+                raise DraftHeadLoadError(
+                    f"{directory / WEIGHTS_NAME}: {EMBEDDING_COPY} has shape {tuple(copy.shape)}, but the target's "
+                    f"embedding is ({config.vocab_size}, {config.hidden_size}) by its {CONFIG_NAME}; this head was "
+                    "trained for another model")
+            rows = probe_rows(copy.shape[0])
+            tensors[EMBEDDING_PROBE] = copy[rows].float().contiguous()
+            tensors[EMBEDDING_PROBE_ROWS] = rows
+        config.extras[IMPORT_STAMP] = {"source": str(directory.resolve()), "source_fingerprint": fingerprint,
+                                       "layout": "DART release (github.com/fvliang/DART LlamaForCausalLMDart)"}
+        tmp.mkdir()
+        save_file({n: t.contiguous() for n, t in tensors.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    return build_atomically(final, build, is_valid=lambda p: (p / CONFIG_NAME).is_file()
+                            and (p / WEIGHTS_NAME).is_file())
+
+
 def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfig, embed_tokens: nn.Module,
                     device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None,
@@ -98,7 +197,7 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
     d2t that maps outside the target vocabulary; and, when `tap_layers` (the taps the target
     adapter will feed) is given, a head trained on other taps.
     """
-    directory = Path(directory)
+    directory = resolve_head_dir(directory)
     config = read_draft_config(directory)
     text_config = target_text_config(target_config)
     _check_config_fits_target(config, text_config, embed_tokens, directory)
@@ -116,7 +215,9 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
         raise DraftHeadLoadError(f"{directory}: {exc}") from exc
     expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
     _check_keys(expected, tensors, directory)
-    _check_embedding_copy(tensors.get("embed_tokens.weight"), embed_tokens, directory)
+    weight = getattr(embed_tokens, "weight", None)
+    if weight is not None and weight.device.type != "meta":
+        _check_embedding(tensors, weight, directory)
     _check_shapes_and_dtypes(expected, tensors, config, directory)
     problem = check_d2t(tensors["d2t"], config.draft_vocab_size, config.vocab_size)
     if problem:
@@ -134,17 +235,51 @@ def load_draft_head(directory: str | os.PathLike, target_config: PretrainedConfi
 
 
 def check_head_config_fits_target(directory: str | os.PathLike, target_config: PretrainedConfig,
-                                  tap_layers: Sequence[int] | None = None) -> None:
-    """The config-level checks of `load_draft_head`, without reading weights or building the target:
-    the head's vocabulary, hidden sizes and tap layers against the target's config (a driver's
-    start-up check). `tap_layers` None: the taps the target adapter uses by default."""
-    directory = Path(directory)
+                                  tap_layers: Sequence[int] | None = None,
+                                  target_dir: str | os.PathLike | None = None) -> None:
+    """The checks of `load_draft_head` a driver makes at start-up without building the target: the
+    head's vocabulary, hidden sizes and tap layers against the target's config (`tap_layers` None:
+    the taps the target adapter uses by default) and, with `target_dir` (a model directory in
+    safetensors) and a head that recorded its target's embedding, those embedding rows against the
+    target's file (only those rows are read)."""
+    directory = resolve_head_dir(directory)
     config = read_draft_config(directory)
     text_config = target_text_config(target_config)
     _check_config_fits_target(config, text_config, None, directory)
     layers = text_config.num_hidden_layers
     check_tap_layers(config, tap_layers if tap_layers is not None else default_tap_layers(layers), layers,
                      f"draft head {directory / CONFIG_NAME}")
+    if target_dir is not None:
+        with safe_open(directory / WEIGHTS_NAME, framework="pt") as f:
+            names = set(f.keys())
+            probe = {n: f.get_tensor(n) for n in (EMBEDDING_PROBE, EMBEDDING_PROBE_ROWS) if n in names}
+        if len(probe) == 2:
+            rows = _target_embedding_rows(Path(target_dir), probe[EMBEDDING_PROBE_ROWS])
+            if rows is not None:
+                _compare_embedding_rows(probe[EMBEDDING_PROBE], rows, probe[EMBEDDING_PROBE_ROWS], directory)
+
+
+def _target_embedding_rows(target_dir: Path, rows: torch.Tensor) -> torch.Tensor | None:
+    """Rows `rows` of the token embedding in a model directory's safetensors (sharded or not), read
+    without loading the rest; None where the file layout is not one we can read that way."""
+    index = target_dir / "model.safetensors.index.json"
+    names = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+    files = [target_dir / WEIGHTS_NAME]
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [target_dir / weight_map[n] for n in names if n in weight_map]
+    for path in files:
+        if not path.is_file():
+            continue
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name in present:
+                    embedding = f.get_slice(name)
+                    if int(rows.max()) >= embedding.get_shape()[0]:
+                        return None
+                    return torch.stack([embedding[int(r): int(r) + 1][0] for r in rows])
+    return None
 
 
 def check_tap_layers(config: DraftHeadConfig, tap_layers: Sequence[int], num_layers: int, where: str) -> None:
@@ -202,17 +337,52 @@ def _check_keys(expected: dict[str, tuple], tensors: dict[str, torch.Tensor], di
             f"unexpected {unexpected} (expected exactly {sorted(expected)} plus optional {list(OPTIONAL_KEYS)})")
 
 
-def _check_embedding_copy(weight: torch.Tensor | None, embed_tokens: nn.Module, directory: Path) -> None:
-    """A checkpoint may carry a copy of the target's embedding; it is ignored but must fit."""
-    if weight is None:
-        return
-    target_shape = (getattr(embed_tokens, "num_embeddings", None), getattr(embed_tokens, "embedding_dim", None))
-    if None in target_shape:
-        return
-    if tuple(weight.shape) != target_shape:
+def _check_embedding(tensors: dict[str, torch.Tensor], weight: torch.Tensor, directory: Path) -> None:
+    """A checkpoint may carry a copy of its target's embedding (an upstream release) or a probe of
+    some of its rows (an imported one). The head is used with the target's own embedding, so the
+    copy is not loaded; but it says which model the head was trained with, and a different one
+    (another size, or the base model of an instruct target: same shapes, other values) is refused."""
+    copy = tensors.get(EMBEDDING_COPY)
+    if copy is not None:
+        if tuple(copy.shape) != tuple(weight.shape):
+            raise DraftHeadLoadError(
+                f"{directory / WEIGHTS_NAME}: {EMBEDDING_COPY} has shape {tuple(copy.shape)}, but the "
+                f"target's embedding is {tuple(weight.shape)}; this head was trained for another model")
+        rows = probe_rows(copy.shape[0])
+        _compare_embedding_rows(copy[rows], weight[rows.to(weight.device)], rows, directory)
+    probe, rows = tensors.get(EMBEDDING_PROBE), tensors.get(EMBEDDING_PROBE_ROWS)
+    if probe is not None and rows is not None:
+        if int(rows.max()) >= weight.shape[0] or probe.shape[-1] != weight.shape[1]:
+            raise DraftHeadLoadError(
+                f"{directory / WEIGHTS_NAME}: the head records a target embedding of width {probe.shape[-1]} "
+                f"with row {int(rows.max())}, the target's is {tuple(weight.shape)}; this head was trained for "
+                "another model")
+        _compare_embedding_rows(probe, weight[rows.to(weight.device)], rows, directory)
+
+
+def probe_rows(vocab_size: int, count: int = PROBE_ROW_COUNT) -> torch.Tensor:
+    """The embedding rows an imported head keeps: evenly spread over the vocabulary (special
+    tokens at the start, rare merges at the end), fixed for a vocabulary size."""
+    return torch.unique(torch.linspace(0, vocab_size - 1, steps=min(count, vocab_size)).round().long())
+
+
+def _compare_embedding_rows(recorded: torch.Tensor, target: torch.Tensor, rows: torch.Tensor,
+                            directory: Path) -> None:
+    """Equal up to the rounding of a dtype change (a bf16 release against an fp32 or bf16 target)."""
+    recorded, target = recorded.detach().float().cpu(), target.detach().float().cpu()
+    if recorded.shape != target.shape:
+        raise DraftHeadLoadError(f"{directory / WEIGHTS_NAME}: the recorded target embedding rows have shape "
+                                 f"{tuple(recorded.shape)}, the target's {tuple(target.shape)}")
+    scale = max(float(target.abs().max()), 1e-12)
+    bad = ((recorded - target).abs() > 1e-2 * target.abs() + 1e-3 * scale).any(dim=-1)
+    if bool(bad.any()):
+        which = rows[bad].tolist()
         raise DraftHeadLoadError(
-            f"{directory / WEIGHTS_NAME}: embed_tokens.weight has shape {tuple(weight.shape)}, but the "
-            f"target's embedding is {target_shape}; this head was trained for another model")
+            f"{directory / WEIGHTS_NAME}: this head was trained with another target: its copy of the target's "
+            f"token embedding differs from model.target's in {len(which)} of {len(rows)} compared rows "
+            f"(token ids {which[:8]}{' ...' if len(which) > 8 else ''}; largest difference "
+            f"{float((recorded - target).abs().max()):.3g}, target values up to {scale:.3g}). Use the head "
+            f"published for this exact target (base and instruct variants differ) or train one (jobs.train_draft)")
 
 
 def _check_shapes_and_dtypes(expected: dict[str, tuple], tensors: dict[str, torch.Tensor],

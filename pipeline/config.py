@@ -57,7 +57,9 @@ class InputConfig:
 class ModelConfig:
     target: str = "default"  # "default" (embedded Gemma-3-270M), a local HF dir, a .gguf file, a URL of
     # either (s3://, gs://: downloaded once per node, dart_worker/target_store.py) or a hub id
-    draft_head: str | None = "default"  # "default" (shipped head), a checkpoint dir, or null (mode ar)
+    # "default" (shipped head), a checkpoint dir, a URL of one, an upstream DART release dir (mapped once:
+    # dart_worker/draft_checkpoint.py), or null (mode ar)
+    draft_head: str | None = "default"
     trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32
     # auto | cpu | cuda | cuda:N. Workers follow their Ray reservation: auto is CUDA when

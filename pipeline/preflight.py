@@ -59,10 +59,10 @@ def resolve_artifacts(cfg: PipelineConfig, run_id: str, *, create_output: bool =
 
     spec = drafter_spec(cfg.decoding.mode)
     if spec.needs_head:
-        head_dir = _resolve_head(cfg.model.draft_head)
+        head_spec, head_dir = _resolve_head(cfg.model.draft_head)
         if source.kind == "dir":
             _check_head_fits_target(head_dir, Path(source.location), cfg.model.tap_layers)
-        resolved["head_dir"] = str(head_dir)
+        resolved["head_dir"] = head_spec  # as given: each node fetches or maps a URL or a release itself
         resolved["head_fingerprint"] = file_fingerprint(head_dir / "model.safetensors")
     if spec.needs_trie:
         resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(cfg.model.trie, tokenizer)
@@ -98,21 +98,24 @@ def _warm_documents(url: str, rows: int, target_fingerprint: str, tokenizer) -> 
     return [list(d) for d in ids + encoded if d]
 
 
-def _resolve_head(spec: str | None) -> Path:
+def _resolve_head(spec: str | None) -> tuple[str, Path]:
+    """(the head spec workers load, the local directory in this project's layout behind it: a URL
+    fetched, an upstream DART release mapped; dart_worker.draft_checkpoint.resolve_head_dir)."""
     from dart_worker.default_head import default_head_dir
-    from dart_worker.draft_checkpoint import read_draft_config
+    from dart_worker.draft_checkpoint import read_draft_config, resolve_head_dir
 
-    path = default_head_dir() if spec == "default" else Path(spec).expanduser() if spec else None
-    if path is None:
+    given = str(default_head_dir()) if spec == "default" and default_head_dir() else spec if spec else None
+    if given is None:
         raise StartupError("model.draft_head=default, but this build ships no default draft head; "
                            "train one with jobs.train_draft and pass its directory, or use decoding.mode=ar")
     try:
+        path = resolve_head_dir(given)
         read_draft_config(path)
     except (OSError, ValueError) as exc:
-        raise StartupError(f"model.draft_head {str(path)!r}: {exc}") from None
+        raise StartupError(f"model.draft_head {given!r}: {exc}") from None
     if not (path / "model.safetensors").is_file():
-        raise StartupError(f"model.draft_head {str(path)!r}: model.safetensors is missing")
-    return path
+        raise StartupError(f"model.draft_head {given!r}: model.safetensors is missing")
+    return given, path
 
 
 def _check_head_fits_target(head_dir: Path, target_dir: Path, tap_layers: list[int] | None) -> None:
@@ -124,7 +127,7 @@ def _check_head_fits_target(head_dir: Path, target_dir: Path, tap_layers: list[i
 
     try:
         target_config = AutoConfig.from_pretrained(str(target_dir))
-        check_head_config_fits_target(head_dir, target_config, tap_layers)
+        check_head_config_fits_target(head_dir, target_config, tap_layers, target_dir=target_dir)
     except (OSError, ValueError) as exc:
         raise StartupError(f"model.draft_head {str(head_dir)!r}: {exc}") from None
 

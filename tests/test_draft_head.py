@@ -434,16 +434,21 @@ def test_checkpoint_round_trip_gives_identical_outputs(family, tmp_path):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
-def test_load_converts_dtype_and_ignores_a_fitting_embedding_copy(tmp_path):
+def test_load_converts_dtype_and_checks_an_embedding_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))  # a head with a copy is mapped once there
     head = make_head("llama")
-    save_draft_head(head, tmp_path)
+    save_draft_head(head, tmp_path / "head")
     model = target("llama")
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["embed_tokens.weight"] = torch.zeros(TINY_VOCAB, 64)  # published heads may carry one
-    save_file(tensors, tmp_path / "model.safetensors")
-    loaded = load_draft_head(tmp_path, model.config, model.get_input_embeddings(), dtype=torch.bfloat16)
+    tensors = load_file(tmp_path / "head" / "model.safetensors")
+    tensors["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()  # published heads carry one
+    save_file(tensors, tmp_path / "head" / "model.safetensors")
+    loaded = load_draft_head(tmp_path / "head", model.config, model.get_input_embeddings(), dtype=torch.bfloat16)
     assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.d2t.dtype == torch.long
-    assert read_draft_config(tmp_path) == head.config
+    assert read_draft_config(tmp_path / "head") == head.config
+    tensors["embed_tokens.weight"] = torch.zeros(TINY_VOCAB, 64)  # fits the shapes, but another model's
+    save_file(tensors, tmp_path / "head" / "model.safetensors")
+    with pytest.raises(DraftHeadLoadError, match="this head was trained with another target"):
+        load_draft_head(tmp_path / "head", model.config, model.get_input_embeddings())
 
 
 def edit_tensors(edit):
@@ -523,6 +528,7 @@ LOAD_ERRORS = {
 
 @pytest.mark.parametrize("case", LOAD_ERRORS)
 def test_loader_rejects_bad_checkpoints(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))
     corrupt, message = LOAD_ERRORS[case]
     save_draft_head(make_head("llama"), tmp_path)
     corrupt(tmp_path)

@@ -243,3 +243,22 @@ def test_file_urls_are_local_paths_not_copies(cache, tiny_dir):
 
     assert resolve_source(f"file://{tiny_dir}").location == str(tiny_dir.resolve())
     assert not (cache / "targets").exists()
+
+
+def test_draft_head_from_s3_loads_like_the_local_one(s3, cache, tmp_path):
+    import torch
+
+    from dart_worker.draft_checkpoint import load_draft_head, resolve_head_dir, save_draft_head
+    from dart_worker.draft_head import DartDraftHead
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3)
+    save_draft_head(head, tmp_path / "head")
+    url = _upload(s3, tmp_path / "head", "heads/tiny")
+    local = resolve_head_dir(url)
+    assert local.parent == cache / "heads"
+    loaded = load_draft_head(url, model.config, model.get_input_embeddings())
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
