@@ -166,33 +166,130 @@ def target_family(model: PreTrainedModel) -> str:
 
 
 def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype,
-            source: ModelSource, started: float) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    model = model.to(device=device, dtype=dtype)
+            source: ModelSource, started: float, split: bool = False,
+            ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if not split:  # a model spread by a device map stays where accelerate placed each module
+        model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     validate_target(model, tokenizer, source.spec)
+    where = describe_placement(model) if split else str(device)
     log.info("loaded target %s (%s, %s): %d layers, hidden %d, vocab %d, %s on %s in %.1f s",
              source.spec, target_family(model), source.location, len(model.model.layers),
              model.config.hidden_size, model.get_input_embeddings().num_embeddings,
-             str(dtype).removeprefix("torch."), device, time.monotonic() - started)
+             str(dtype).removeprefix("torch."), where, time.monotonic() - started)
     return model, tokenizer
+
+
+# --- one target over several devices -----------------------------------------------------------
+
+# Share of each device's free memory left out of the weights' budget: the KV cache of a batch and
+# the activations of a verify forward live there too (a 64-row tree over 16 sequences of 2k tokens
+# of Llama-3-8B holds ~4 GB of KV in bf16).
+DEFAULT_HEADROOM = 0.2
+
+
+def split_device_map(config, devices, dtype: torch.dtype, max_memory: dict | None = None,
+                     headroom: float = DEFAULT_HEADROOM, trust_remote_code: bool = False) -> dict[str, int | str]:
+    """Which device each module of a target goes to when one worker spreads it over `devices`.
+
+    Whole decoder layers in order (accelerate's `infer_auto_device_map` over an empty model, never
+    splitting a `_no_split_modules` block), balanced over the devices (`get_balanced_memory`), the
+    token embedding on the first device (the engine's tensors live where the embedding is) and
+    tied weights together. `max_memory` {device index: bytes} defaults to each CUDA device's free
+    memory less `headroom`. A target that does not fit on the devices is a ValueError giving its
+    size and theirs: nothing is ever placed on the CPU or disk behind the user's back.
+    """
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import compute_module_sizes, get_balanced_memory
+
+    devices = [torch.device(d) for d in devices]
+    if not devices or any(d.type != "cuda" for d in devices) or len({d.index for d in devices}) != len(devices):
+        raise ValueError(f"a target is split over distinct CUDA devices, got {[str(d) for d in devices]}")
+    indices = [d.index if d.index is not None else 0 for d in devices]
+    if max_memory is None:
+        max_memory = {i: int(torch.cuda.mem_get_info(i)[0] * (1 - headroom)) for i in indices}
+    if sorted(max_memory) != sorted(indices):
+        raise ValueError(f"max_memory names devices {sorted(max_memory)}, the split is over {indices}")
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    no_split = list(getattr(empty, "_no_split_modules", None) or [type(empty.model.layers[0]).__name__])
+    balanced = get_balanced_memory(empty, max_memory=dict(max_memory), no_split_module_classes=no_split,
+                                   dtype=dtype, low_zero=False)
+    device_map = dict(infer_auto_device_map(empty, max_memory=balanced, no_split_module_classes=no_split,
+                                            dtype=dtype))
+    tied = getattr(getattr(empty, "config", None), "tie_word_embeddings", False)
+    if tied and "lm_head" in device_map and "model.embed_tokens" in device_map:
+        device_map["lm_head"] = device_map["model.embed_tokens"]  # one weight, one home
+    off = sorted(name for name, where in device_map.items() if where not in indices)
+    if off:
+        need = compute_module_sizes(empty, dtype=dtype)[""]
+        raise ValueError(
+            f"the target needs {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} but "
+            f"{len(indices)} device(s) offer {sum(max_memory.values()) / 2**30:.1f} GiB for weights "
+            f"({', '.join(f'cuda:{i} {m / 2**30:.1f} GiB' for i, m in sorted(max_memory.items()))}, after "
+            f"{headroom:.0%} headroom for the KV cache): {off[:3]} would not fit; give each worker more GPUs "
+            "(resources.num_gpus_per_worker) or use a smaller dtype")
+    return device_map
+
+
+def describe_placement(model: PreTrainedModel) -> str:
+    """"cuda:0 (embedding, layers 0-13), cuda:1 (layers 14-27, norm, lm_head)": where a spread
+    target's modules are, from transformers' `hf_device_map`, for the log and the dry run."""
+    device_map = getattr(model, "hf_device_map", None) or {"": str(model.get_input_embeddings().weight.device)}
+    groups: dict[str, list[str]] = {}
+    for name, where in device_map.items():
+        label = f"cuda:{where}" if isinstance(where, int) else str(where)
+        groups.setdefault(label, []).append(name)
+    parts = []
+    for label, names in groups.items():
+        items: list[str] = []  # in model order, a run of decoder layers shown as one span
+        layers: list[int] = []
+        for name in [*names, None]:
+            if name is not None and name.startswith("model.layers."):
+                layers.append(int(name.split(".")[2]))
+                continue
+            if layers:
+                items.append(f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}")
+                layers = []
+            if name is not None:
+                items.append(name.rsplit(".", 1)[-1] if name else "all")
+        parts.append(f"{label} ({', '.join(items)})")
+    return ", ".join(parts)
 
 
 def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "auto", trust_remote_code: bool = False,
+                devices=None, device_map: dict | None = None, max_memory: dict | None = None,
+                offload_folder: str | os.PathLike | None = None,
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) for a target spec (see module docstring), ready for the engine.
 
     `device`/`dtype` accept what device.resolve_device / resolve_dtype accept ("auto", "cpu",
     "cuda:1", "bf16", torch objects). `trust_remote_code` is passed to transformers for
     models that ship their own modelling code; keep it off unless you trust the source.
+
+    A target larger than one device: `devices` (several CUDA devices, e.g. the GPUs Ray gave a
+    worker) spreads it over them by whole layers (`split_device_map`, with `max_memory` per device
+    index), or `device_map` places modules explicitly ({module name: device}, transformers'
+    format). The model then stays where each module was placed; `device` is where the embedding
+    is. `offload_folder` is where accelerate keeps modules an explicit map sends to "disk": the one
+    placement over several "devices" a machine without GPUs has, used to test the split path on a
+    CPU, never by a job. Note that the engine (TargetAdapter, KV cache, draft head) still keeps its
+    own tensors on one device: docs/your_model.md says what runs split today.
     """
     started = time.monotonic()
+    if devices is not None and len(devices) > 1 and device_map is None:
+        device = torch.device(devices[0])
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source = resolve_source(spec)
+    split = device_map is not None or (devices is not None and len(devices) > 1)
 
     if source.kind == "gguf":
+        if split:
+            raise ValueError(f"target {source.spec!r}: a GGUF file is loaded on one device; convert it to a "
+                             "model directory (save_pretrained) to spread it over several")
         model, tokenizer = load_gguf(source.location, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return _finish(model, tokenizer, device, dtype, source, started)
 
@@ -209,17 +306,27 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
     except (OSError, ValueError) as err:
         raise ValueError(f"target {source.spec!r}: cannot load its tokenizer from {source.location}: {err}") from err
-    # Weights go straight to an accelerator instead of through host memory first (transformers
-    # needs `accelerate` for that; without it they are loaded on CPU and moved).
-    device_map = {"": device} if device.type != "cpu" and importlib.util.find_spec("accelerate") else None
+    if device_map is None and split:
+        device_map = split_device_map(config, devices, dtype, max_memory=max_memory,
+                                      trust_remote_code=trust_remote_code)
+    elif device_map is None and device.type != "cpu" and importlib.util.find_spec("accelerate"):
+        # Weights go straight to an accelerator instead of through host memory first (transformers
+        # needs `accelerate` for that; without it they are loaded on CPU and moved).
+        device_map = {"": device}
     try:
+        extra = {"offload_folder": str(offload_folder)} if offload_folder is not None else {}
         model = AutoModelForCausalLM.from_pretrained(
             source.location, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-            device_map=device_map, **common)
+            device_map=device_map, **common, **extra)
     except (OSError, ValueError, SafetensorError) as err:
         raise ValueError(f"target {source.spec!r}: cannot load its weights from {source.location} "
                          f"({type(err).__name__}: {err}); is a weights file truncated or corrupt?") from err
-    return _finish(model, tokenizer, device, dtype, source, started)
+    if split:
+        embedding_device = model.get_input_embeddings().weight.device
+        if embedding_device != device:
+            raise ValueError(f"target {source.spec!r}: the device map puts the token embedding on "
+                             f"{embedding_device}, the engine's device is {device}; map model.embed_tokens there")
+    return _finish(model, tokenizer, device, dtype, source, started, split=split)
 
 
 # --- tokenizer alone and fingerprint -------------------------------------------------------
