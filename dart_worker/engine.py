@@ -29,6 +29,8 @@ from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from dart_worker.kernels import logits_for
 from dart_worker.sampling import (
     SamplingParams,
+    TokenHistory,
+    apply_penalties,
     inverse_cdf_sample,
     position_uniforms,
     request_key,
@@ -37,7 +39,13 @@ from dart_worker.sampling import (
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_batch import TreeBatch
-from dart_worker.verification import verify_batch, verify_greedy_by_rows
+from dart_worker.verification import (
+    Acceptance,
+    TokenLogprobs,
+    committed_logprobs,
+    verify_batch,
+    verify_greedy_by_rows,
+)
 from ngram_native.trees import SOURCE_NAMES, DraftTree
 
 
@@ -51,6 +59,11 @@ class GenerationResult:
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     finished_unix: float | None = None  # wall clock (time.time()) when its last token was decided
+    # With SamplingParams.logprobs = k > 0: per generated token its log-probability, and the ids and
+    # log-probabilities of the k most likely tokens at its position (dart_worker.verification.committed_logprobs).
+    logprobs: list[float] | None = None
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -67,6 +80,7 @@ class _Sequence:
     finish_reason: str = ""
     text_end: int | None = None  # where a stop string starts in the generated text
     started: float = 0.0  # perf_counter when it joined the batch (its wall time starts there)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when params.logprobs > 0
 
     @property
     def generated(self) -> list[int]:
@@ -144,8 +158,14 @@ class DecodingEngine:
     def _result(self, seq: _Sequence) -> GenerationResult:
         seq.stats.wall_seconds = time.perf_counter() - seq.started
         seq.stats.num_generated_tokens = len(seq.generated)
-        return GenerationResult(token_ids=seq.generated, text=self._detokenize(seq.generated)[: seq.text_end],
-                                finish_reason=seq.finish_reason, stats=seq.stats, finished_unix=time.time())
+        result = GenerationResult(token_ids=seq.generated, text=self._detokenize(seq.generated)[: seq.text_end],
+                                  finish_reason=seq.finish_reason, stats=seq.stats, finished_unix=time.time())
+        if seq.params.logprobs:  # the rounds' tokens, cut where the stop rules cut the text
+            n = len(result.token_ids)
+            result.logprobs = np.concatenate([r.chosen for r in seq.logprobs])[:n].tolist()
+            result.top_logprob_ids = np.concatenate([r.top_ids for r in seq.logprobs])[:n].tolist()
+            result.top_logprobs = np.concatenate([r.top_logprobs for r in seq.logprobs])[:n].tolist()
+        return result
 
     # ---------------------------------------------------------------- set-up
 
@@ -222,7 +242,8 @@ class DecodingEngine:
 
             t0 = self._now()
             block_start = state.cache_len()
-            deferred = self.defer_logits and all(s.params.is_greedy for s in live)
+            deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
+                                                 and not s.params.logprobs for s in live)
             out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred)
             if deferred:  # the walk's vocabulary projections are part of verifying
                 acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
@@ -231,10 +252,15 @@ class DecodingEngine:
             t0 = self._now()
             if not deferred:
                 acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.key for s in live],
-                                           [len(s.tokens) - s.num_prompt for s in live])
+                                           [len(s.tokens) - s.num_prompt for s in live], _histories(live))
             # The forward until its verdict is on the host: what the sizer learns the cost of (on a
             # GPU without sync_timing, `verify_seconds` alone would be the launch time only).
             verified_seconds = verify_seconds + (self._now() - t0 if not deferred else 0.0)
+            if any(s.params.logprobs for s in live):
+                for seq, lp in zip(live, committed_logprobs(trees, out.logits, acceptances, [s.params for s in live],
+                                                            _histories(live))):
+                    if lp is not None:
+                        seq.logprobs.append(lp)
             for seq, tree, acc in zip(live, trees, acceptances):
                 seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
                                        accepted_sources(tree, acc.accepted), live=len(live), model_ran=model_ran)
@@ -259,6 +285,14 @@ class DecodingEngine:
             seq.started = time.perf_counter()
         out = target.prefill(fresh, [s.tokens for s in joining])
         first = self._sample_rows(out.logits[:, 0], joining)
+        if any(s.params.logprobs for s in joining):  # the prefill row decided the first token
+            first_trees = [empty_tree() for _ in joining]
+            accepted = [Acceptance(np.zeros(0, np.int64), np.zeros(0, np.int64), t) for t in first]
+            logprobs = committed_logprobs(first_trees, out.logits[:, :1], accepted, [s.params for s in joining],
+                                          _histories(joining))
+            for seq, lp in zip(joining, logprobs):
+                if lp is not None:
+                    seq.logprobs.append(lp)
         self._charge(joining, "prefill", t0)
         for seq, token in zip(joining, first):
             self._append(seq, [token])
@@ -330,11 +364,15 @@ class DecodingEngine:
         """One token per sequence from [B, V] logits: the argmax, or the coupled draw of the
         sequence's next position (the draw verification makes at a root row)."""
         tokens = []
+        histories = _histories(live)
         for b, seq in enumerate(live):
+            row = logits[b : b + 1]
+            if seq.params.has_penalties:
+                row = apply_penalties(row, [seq.params], [histories[b]], [[]])
             if seq.params.is_greedy:
-                tokens.append(int(logits[b].argmax()))
+                tokens.append(int(row[0].argmax()))
             else:
-                probs = warp_logits_to_probs(logits[b : b + 1], seq.params)
+                probs = warp_logits_to_probs(row, seq.params)
                 total = float(probs.sum())
                 if not abs(total - 1.0) <= 1e-3:
                     raise ValueError(f"request {seq.index}: warped probabilities sum to {total} (non-finite logits?)")
@@ -397,6 +435,11 @@ class DecodingEngine:
         for seq in live:
             seq.stats.stage_seconds[stage] += elapsed
         return elapsed
+
+
+def _histories(live: list[_Sequence]) -> list[TokenHistory | None]:
+    """What each sequence's penalties count (None for sequences without penalties)."""
+    return [TokenHistory(s.tokens, s.num_prompt) if s.params.has_penalties else None for s in live]
 
 
 def _row_logits(target: TargetAdapter, hidden: torch.Tensor):

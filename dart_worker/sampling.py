@@ -49,6 +49,16 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's meanings (see `apply_penalties` and `warp_logits_to_probs`): min_p keeps the tokens
+    # whose probability is at least min_p times the most likely one's (0 = off); the penalties
+    # change the logits of tokens already seen (1.0 / 0.0 = off).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Report log-probabilities of the generated tokens and this many top alternatives per token
+    # (0 = off; dart_worker.verification.sampling_log_probs says under which distribution).
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -60,6 +70,19 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=0)
+        _check_int("logprobs", self.logprobs, minimum=0)
+        for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
             if self.seed > _MAX_SEED:
@@ -85,9 +108,88 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def warp_key(self) -> tuple[float, int, float]:
-        """The fields that define the sampling distribution (requests with equal keys share it)."""
-        return (self.temperature, self.top_k, self.top_p)
+    def warp_key(self) -> tuple[float, int, float, float]:
+        """The fields that turn (penalised) logits into the sampling distribution (requests with
+        equal keys share `warp_logits_to_probs`)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Do this request's logits depend on the tokens before them (`apply_penalties`)?"""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a request's penalties count before its next token: the prompt (`tokens[:num_prompt]`)
+    and the tokens generated so far (the rest)."""
+
+    tokens: Sequence[int]
+    num_prompt: int
+
+    def counted(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids seen in the prompt or the output, sorted; how often each is in the output)."""
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        seen, inverse = np.unique(tokens, return_inverse=True)
+        output = np.bincount(inverse[self.num_prompt :], minlength=seen.shape[0])
+        return seen, output.astype(np.int64)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+                    paths: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Penalised float32 copy of logits [R, V]: row r belongs to a request with `params[r]` whose
+    committed tokens are `histories[r]`, and predicts the token after `paths[r]` (the tree nodes
+    from the root down to the row's node: generated tokens not yet committed).
+
+    vLLM's meanings (`vllm.model_executor.layers.utils.apply_penalties`), in its order: a token seen
+    in the prompt or the output has its logit divided by repetition_penalty when positive,
+    multiplied by it otherwise; then frequency_penalty x (times in the output) and presence_penalty
+    x (in the output at all) are subtracted. The output of a tree row is the committed output plus
+    its own path, so every node is penalised as plain decoding would penalise that position, which
+    keeps verification lossless (greedy = `ar`, sampling identically distributed).
+
+    Only the (row, token) pairs that were seen are touched: one gather and one scatter of about
+    rows x distinct seen tokens, instead of vLLM's [R, V] count tensors.
+    """
+    out = logits.float().clone()
+    if not any(p.has_penalties for p in params):
+        return out
+    rows, tokens, counts, rep, freq, pres = [], [], [], [], [], []
+    bases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per history object: a request's rows share it
+    for r, (p, history, path) in enumerate(zip(params, histories, paths, strict=True)):
+        if not p.has_penalties:
+            continue
+        base = bases.get(id(history))
+        if base is None:
+            base = bases[id(history)] = history.counted()
+        seen, output = base
+        if len(path):
+            extra, extra_counts = np.unique(np.asarray(path, dtype=np.int64), return_counts=True)
+            at = np.searchsorted(seen, extra)
+            found = (at < seen.shape[0]) & (seen[np.minimum(at, seen.shape[0] - 1)] == extra) if seen.size else \
+                np.zeros(extra.shape[0], dtype=bool)
+            output = output.copy()
+            np.add.at(output, at[found], extra_counts[found])
+            seen = np.concatenate([seen, extra[~found]])
+            output = np.concatenate([output, extra_counts[~found]])
+        n = seen.shape[0]
+        rows.append(np.full(n, r, dtype=np.int64))
+        tokens.append(seen)
+        counts.append(output)
+        rep.append(np.full(n, p.repetition_penalty, dtype=np.float32))
+        freq.append(np.full(n, p.frequency_penalty, dtype=np.float32))
+        pres.append(np.full(n, p.presence_penalty, dtype=np.float32))
+    device = out.device
+    row_index = torch.from_numpy(np.concatenate(rows)).to(device)
+    token_index = torch.from_numpy(np.concatenate(tokens)).to(device)
+    count = torch.from_numpy(np.concatenate(counts).astype(np.float32)).to(device)
+    rep_t, freq_t, pres_t = (torch.from_numpy(np.concatenate(a)).to(device) for a in (rep, freq, pres))
+    values = out[row_index, token_index]
+    values = torch.where(values > 0, values / rep_t, values * rep_t)
+    values = values - freq_t * count
+    values = values - pres_t * (count > 0).float()
+    out[row_index, token_index] = values
+    return out
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
@@ -106,6 +208,10 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
     always survives); softmax over what is kept. temperature 0 gives the one-hot distribution of
     the argmax (first maximum).
 
+    min_p (vLLM's rule, applied after temperature and before top-k / top-p, as vLLM does) keeps a
+    token iff its probability is >= min_p times the largest; the filters after it see only what it
+    kept. Penalties (`apply_penalties`) belong to the logits, before this.
+
     Top-p is transformers' rule (it drops a token iff the ascending cumulative probability up
     to it is <= 1 - top_p, i.e. iff the mass above it is >= top_p). The results agree except
     within float rounding of the cut, and where tied scores straddle the cut: there
@@ -120,6 +226,9 @@ def warp_logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.
         return probs.scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
     if params.temperature != 1.0:
         scores = scores / params.temperature
+    if params.min_p > 0.0 and scores.shape[0]:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     vocab = scores.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     if (top_k == 0 and params.top_p >= 1.0) or scores.shape[0] == 0:

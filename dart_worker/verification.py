@@ -53,7 +53,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_worker.sampling import SamplingParams, inverse_cdf_sample, position_uniforms, warp_logits_to_probs
+from dart_worker.sampling import (
+    SamplingParams,
+    TokenHistory,
+    apply_penalties,
+    inverse_cdf_sample,
+    position_uniforms,
+    warp_logits_to_probs,
+)
 from dart_worker.tree_batch import TreeLike, check_tree
 from ngram_native.trees import SOURCE_COPIED, children
 
@@ -223,9 +230,12 @@ def _verify_sampled(
     params: Sequence[SamplingParams],
     keys: Sequence[int],
     positions: Sequence[int],
+    histories: Sequence[TokenHistory | None],
 ) -> list[Acceptance]:
     """Coupled verification (module doc) of the sampling requests k, whose rows are
-    logits[batch_index[k]] and whose root row predicts generated index positions[k]."""
+    logits[batch_index[k]] and whose root row predicts generated index positions[k]; a request
+    with penalties has them applied to each row by its own path (`histories[k]`: its committed
+    tokens)."""
     device = logits.device
     count = len(trees)
     vocab = int(logits.shape[-1])
@@ -249,7 +259,9 @@ def _verify_sampled(
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
         uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
         index = torch.from_numpy(np.concatenate([sequence, row])).to(device)
-        probs = warp_logits_to_probs(logits[index[:num_rows], index[num_rows:]], params[chunk[0]])
+        rows_logits = _penalised(logits[index[:num_rows], index[num_rows:]],
+                                 [(trees[k], params[k], histories[k], parent_nodes[k]) for k in chunk])
+        probs = warp_logits_to_probs(rows_logits, params[chunk[0]])
         draw_parts.append(inverse_cdf_sample(probs, torch.from_numpy(uniforms).to(device)).double())
         sum_parts.append(probs.sum(dim=-1).double())
     host = torch.cat([*draw_parts, *sum_parts]).cpu().numpy() if rows_done else np.zeros(0)  # THE transfer
@@ -279,7 +291,9 @@ def _verify_sampled(
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
             chunk_dev = torch.tensor(chunk, device=device)
-            probs = warp_logits_to_probs(picked[chunk_dev], params[leaves[chunk[0]]])
+            chunk_logits = _penalised(picked[chunk_dev], [(trees[leaves[j]], params[leaves[j]], histories[leaves[j]],
+                                                           np.asarray([leaf_node[j]])) for j in chunk])
+            probs = warp_logits_to_probs(chunk_logits, params[leaves[chunk[0]]])
             draws[chunk_dev] = inverse_cdf_sample(probs, torch.from_numpy(uniforms[chunk]).to(device)).double()
             sums[chunk_dev] = probs.sum(dim=-1).double()
         host = torch.cat([draws, sums]).cpu().numpy()  # the second transfer
@@ -290,6 +304,37 @@ def _verify_sampled(
         for j, k in enumerate(leaves):
             walks[k] = (walks[k][0], int(host[j]))
     return [_acceptance(t, path, bonus) for t, (path, bonus) in zip(trees, walks, strict=True)]
+
+
+def path_tokens(tree: TreeLike, nodes: Sequence[int] | np.ndarray) -> list[list[int]]:
+    """For each node (-1 = the root) the tokens from the root down to it, itself included: what a
+    row generates after the committed text (empty for the root's row)."""
+    parents = np.asarray(tree.parents).tolist()
+    tokens = np.asarray(tree.tokens).tolist()
+    out = []
+    for node in np.asarray(nodes).tolist():
+        path = []
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        out.append(path[::-1])
+    return out
+
+
+def _penalised(rows_logits: torch.Tensor, requests) -> torch.Tensor:
+    """`rows_logits` (the rows of `requests` = [(tree, params, history, nodes)], in order) with each
+    request's penalties applied per row by its node's path; unchanged when none has penalties."""
+    if not any(params.has_penalties for _, params, _, _ in requests):
+        return rows_logits
+    row_params, row_histories, row_paths = [], [], []
+    for tree, params, history, nodes in requests:
+        if params.has_penalties and history is None:
+            raise ValueError("a request with penalties needs its token history")
+        paths = path_tokens(tree, nodes)
+        row_params += [params] * len(paths)
+        row_histories += [history] * len(paths)
+        row_paths += paths
+    return apply_penalties(rows_logits, row_params, row_histories, row_paths)
 
 
 def _row_uniforms(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
@@ -330,6 +375,7 @@ def verify_batch(
     params: Sequence[SamplingParams],
     keys: Sequence[int | None] | None = None,
     positions: Sequence[int] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> list[Acceptance]:
     """Verify B trees against the target logits of one verify forward.
 
@@ -340,10 +386,13 @@ def verify_batch(
     params[b] / keys[b]: request b's sampling parameters and uniform key (`sampling.request_key`;
     None is allowed for greedy requests); positions[b]: the generated-token index its root row
     predicts (how many tokens it has generated so far). Both may be omitted when every request is
-    greedy. Returns one Acceptance per tree, in order.
+    greedy. histories[b]: request b's committed tokens (prompt and generated), needed only by
+    requests with penalties (`SamplingParams.has_penalties`), which are applied to every row by
+    its own path. Returns one Acceptance per tree, in order.
     """
     batch = len(trees)
     keys = [None] * batch if keys is None else keys
+    histories = [None] * batch if histories is None else histories
     if positions is None:
         if not all(p.is_greedy for p in params):
             raise ValueError("sampling requests need their keys and positions")
@@ -362,7 +411,12 @@ def verify_batch(
             raise ValueError(f"trees[{b}] has {n} nodes but logits have only {width} rows (need N + 1)")
     results: list[Acceptance | None] = [None] * batch
 
-    greedy = [b for b in range(batch) if params[b].is_greedy]
+    greedy = [b for b in range(batch) if params[b].is_greedy and not params[b].has_penalties]
+    for b in range(batch):
+        if params[b].is_greedy and params[b].has_penalties:  # the argmax of each row's penalised logits
+            rows = np.arange(-1, sizes[b])
+            penalised = _penalised(logits[b, : sizes[b] + 1], [(trees[b], params[b], histories[b], rows)])
+            results[b] = _greedy_walk(trees[b], penalised.max(dim=-1).indices.cpu().numpy())
     if greedy:
         # max().indices is argmax with the same tie rule (first maximum) and about twice as fast
         # on CPU over a 262k vocabulary, where this is the largest cost of a round after verify.
@@ -386,6 +440,7 @@ def verify_batch(
             [params[b] for b in sampled],
             [keys[b] for b in sampled],  # type: ignore[misc]
             [int(positions[b]) for b in sampled],
+            [histories[b] for b in sampled],
         )
         for b, acceptance in zip(sampled, accepted, strict=True):
             results[b] = acceptance
@@ -397,3 +452,66 @@ def verify_sampling(
 ) -> Acceptance:
     """Single-request form of `verify_batch` (logits [S, V], S >= N + 1)."""
     return verify_batch([tree], logits[None], [params], [key], [position])[0]
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of the tokens one request committed in one round, and the top-k
+    alternatives at each of those positions (ids and log-probabilities, most likely first)."""
+
+    chosen: np.ndarray  # float64 [n]
+    top_ids: np.ndarray  # int64 [n, k]
+    top_logprobs: np.ndarray  # float64 [n, k]
+
+
+def sampling_log_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [R, V] that a request reports for its tokens: those of the distribution
+    it samples from (penalties, temperature, min-p, top-k and top-p applied; -inf where a filter
+    removed a token); for a greedy request, whose sampling distribution is a point mass, those of
+    the penalised logits at temperature 1 (what a greedy token's confidence is usually read as)."""
+    if params.is_greedy:
+        return row_logits.float().log_softmax(dim=-1)
+    return warp_logits_to_probs(row_logits, params).log()
+
+
+def committed_logprobs(
+    trees: Sequence[TreeLike],
+    logits: torch.Tensor,
+    acceptances: Sequence[Acceptance],
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+) -> list[TokenLogprobs | None]:
+    """Per request with `params.logprobs` > 0, the logprobs of the tokens it committed this round
+    (`Acceptance.tokens`), read from the rows of the verify forward that decided them (the root's
+    and the accepted nodes': `Acceptance.committed_rows`) - no extra forward. Each row is
+    penalised by its own path, as verification saw it. One transfer for the batch."""
+    device = logits.device
+    parts, shapes = [], []
+    for b, (tree, acc, p) in enumerate(zip(trees, acceptances, params, strict=True)):
+        if not p.logprobs:
+            shapes.append(None)
+            continue
+        rows = torch.from_numpy(acc.committed_rows).to(device)
+        nodes = np.concatenate([[-1], acc.accepted]).astype(np.int64)
+        row_logits = _penalised(logits[b, rows], [(tree, p, histories[b], nodes)])
+        logp = sampling_log_probs(row_logits, p)
+        chosen = logp.gather(-1, torch.from_numpy(acc.tokens).to(device)[:, None])
+        k = min(p.logprobs, logp.shape[-1])
+        top = logp.topk(k, dim=-1)
+        parts.append(torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=-1).reshape(-1))
+        shapes.append((logp.shape[0], k))
+    host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0)
+    out: list[TokenLogprobs | None] = []
+    offset = 0
+    for shape in shapes:
+        if shape is None:
+            out.append(None)
+            continue
+        n, k = shape
+        block = host[offset : offset + n * (2 * k + 1)].reshape(n, 2 * k + 1)
+        offset += n * (2 * k + 1)
+        out.append(TokenLogprobs(block[:, 0], block[:, 1 : k + 1].astype(np.int64), block[:, k + 1 :]))
+    return out

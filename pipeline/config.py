@@ -75,6 +75,18 @@ class DecodingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    # vLLM's meanings, applied to every draft-tree node by its own path, so verification stays
+    # lossless (dart_worker.sampling.apply_penalties): min_p keeps tokens at least min_p times as
+    # likely as the most likely one (0 = off); repetition_penalty divides (positive) or multiplies
+    # (negative) the logits of tokens seen in the prompt or output (1 = off); presence_penalty and
+    # frequency_penalty subtract from tokens in the output, once / per occurrence (0 = off).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # > 0: write each generated token's log-probability and the top-k alternatives (output columns
+    # logprobs, top_logprob_ids, top_logprobs; docs/output_schema.md), from the verify forward.
+    logprobs: int = 0
     seed: int = 0  # per-row seeds derive from (seed, row key): reproducible whatever the batching
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
@@ -217,6 +229,11 @@ def validate(cfg: PipelineConfig) -> None:
     check(d.temperature >= 0, "decoding.temperature", "must be >= 0 (0 = greedy)")
     check(0 < d.top_p <= 1, "decoding.top_p", "must be in (0, 1]")
     check(d.top_k >= 0, "decoding.top_k", "must be >= 0 (0 = off)")
+    check(0 <= d.min_p <= 1, "decoding.min_p", "must be in [0, 1] (0 = off)")
+    check(d.repetition_penalty > 0, "decoding.repetition_penalty", "must be > 0 (1 = off)")
+    check(-2 <= d.presence_penalty <= 2, "decoding.presence_penalty", "must be in [-2, 2] (0 = off)")
+    check(-2 <= d.frequency_penalty <= 2, "decoding.frequency_penalty", "must be in [-2, 2] (0 = off)")
+    check(d.logprobs >= 0, "decoding.logprobs", "must be >= 0 (0 = off)")
     check(d.seed >= 0, "decoding.seed", "must be >= 0")
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")

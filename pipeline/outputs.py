@@ -53,17 +53,22 @@ logger = logging.getLogger(__name__)
 # Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
 _STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
                "list[float]": pa.list_(pa.float64())}
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
 ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3", "mean_batch_live": "4",
-                 "model_rounds": "4", "accepted_job_cache": "4"}
+                 "model_rounds": "4", "accepted_job_cache": "4", "min_p": "5", "repetition_penalty": "5",
+                 "presence_penalty": "5", "frequency_penalty": "5", "logprobs": "5", "top_logprob_ids": "5",
+                 "top_logprobs": "5"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
         pa.field("id", pa.string()),
         pa.field("text", pa.string()),
         pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("logprobs", pa.list_(pa.float64())),
+        pa.field("top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
+        pa.field("top_logprobs", pa.list_(pa.list_(pa.float64()))),
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
         *(pa.field(name, _STAT_TYPES[kind]) for name, kind in STAT_COLUMNS.items()),
@@ -72,6 +77,10 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
         pa.field("top_k", pa.int64()),
+        pa.field("min_p", pa.float64()),
+        pa.field("repetition_penalty", pa.float64()),
+        pa.field("presence_penalty", pa.float64()),
+        pa.field("frequency_penalty", pa.float64()),
         pa.field("seed", pa.int64()),
         pa.field("max_new_tokens", pa.int64()),
         pa.field("target_fingerprint", pa.string()),

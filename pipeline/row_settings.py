@@ -33,6 +33,11 @@ SETTING_KINDS: dict[str, str] = {
     "temperature": "float",
     "top_p": "float",
     "top_k": "int",
+    "min_p": "float",
+    "repetition_penalty": "float",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "logprobs": "int",
     "seed": "int",
     "stop": "strings",
 }
@@ -121,10 +126,8 @@ def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], s
     base_seed = values.pop("seed", defaults.seed)
     if base_seed is not None and not 0 <= base_seed < 2**63:
         raise SettingError(f"setting 'seed' must be in [0, 2**63), got {base_seed}")
-    fields = {
-        "temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
-        "max_new_tokens": defaults.max_new_tokens, "stop_token_ids": defaults.stop_token_ids, "stop": defaults.stop,
-    }
+    fields = {name: getattr(defaults, name) for name in SETTING_KINDS if name != "seed"}
+    fields["stop_token_ids"] = defaults.stop_token_ids
     fields.update(values)
     try:
         return SamplingParams(seed=seed_of(base_seed), **fields)

@@ -9,6 +9,7 @@ cannot take its neighbours down with it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -149,12 +150,17 @@ class GenerationWorker:
     def _params(self, row: dict) -> SamplingParams:
         """The config's sampling settings with the row's own (its `settings` column) applied; a bad
         row setting raises SettingError (a ValueError: the row becomes an error row)."""
-        d = self.cfg.decoding
-        defaults = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed,
-                                  max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
-                                  stop=tuple(d.stop))
-        return row_sampling_params(defaults, decode_settings(row.get("settings")),
+        return row_sampling_params(self._config_params(), decode_settings(row.get("settings")),
                                    lambda base: row_seed(base, row["row_key"]))
+
+    def _config_params(self) -> SamplingParams:
+        """The config's sampling settings (seed = decoding.seed, the base of per-row seeds)."""
+        d = self.cfg.decoding
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
+                              repetition_penalty=d.repetition_penalty, presence_penalty=d.presence_penalty,
+                              frequency_penalty=d.frequency_penalty, logprobs=d.logprobs, seed=d.seed,
+                              max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
+                              stop=tuple(d.stop))
 
     def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None) -> dict:
         """The output row; its settings columns are the ones the row decoded with (the config's for
@@ -162,8 +168,7 @@ class GenerationWorker:
         d = self.cfg.decoding
         ok = result.error is None
         if params is None and not row.get("settings"):
-            params = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                                    seed=row_seed(d.seed, row["row_key"]), max_new_tokens=d.max_new_tokens)
+            params = dataclasses.replace(self._config_params(), seed=row_seed(d.seed, row["row_key"]))
         return {
             "row_key": row["row_key"],
             "id": row.get("id"),
@@ -177,6 +182,13 @@ class GenerationWorker:
             "temperature": params.temperature if params else None,
             "top_p": params.top_p if params else None,
             "top_k": params.top_k if params else None,
+            "min_p": params.min_p if params else None,
+            "repetition_penalty": params.repetition_penalty if params else None,
+            "presence_penalty": params.presence_penalty if params else None,
+            "frequency_penalty": params.frequency_penalty if params else None,
+            "logprobs": result.logprobs if ok else None,
+            "top_logprob_ids": result.top_logprob_ids if ok else None,
+            "top_logprobs": result.top_logprobs if ok else None,
             "seed": params.seed if params else None,
             "max_new_tokens": params.max_new_tokens if params else None,
             "target_fingerprint": self.resolved.get("target_fingerprint"),
