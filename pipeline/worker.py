@@ -49,6 +49,11 @@ def row_seed(base_seed: int, row_key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+# SamplingParams fields written on every output row: the settings the row decoded with.
+_SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "seed", "max_new_tokens")
+
+
 class GenerationWorker:
     """Callable class for `Dataset.map_batches`: one engine per actor."""
 
@@ -179,18 +184,8 @@ class GenerationWorker:
             "error": result.error,
             **result.stats.to_row(),
             "mode": d.mode,
-            "temperature": params.temperature if params else None,
-            "top_p": params.top_p if params else None,
-            "top_k": params.top_k if params else None,
-            "min_p": params.min_p if params else None,
-            "repetition_penalty": params.repetition_penalty if params else None,
-            "presence_penalty": params.presence_penalty if params else None,
-            "frequency_penalty": params.frequency_penalty if params else None,
-            "logprobs": result.logprobs if ok else None,
-            "top_logprob_ids": result.top_logprob_ids if ok else None,
-            "top_logprobs": result.top_logprobs if ok else None,
-            "seed": params.seed if params else None,
-            "max_new_tokens": params.max_new_tokens if params else None,
+            **{name: getattr(params, name) if params else None for name in _SETTING_COLUMNS},
+            **{name: getattr(result, name) if ok else None for name in ("logprobs", "top_logprob_ids", "top_logprobs")},
             "target_fingerprint": self.resolved.get("target_fingerprint"),
             "head_fingerprint": self.resolved.get("head_fingerprint"),
             "trie_fingerprint": self.resolved.get("trie_fingerprint"),

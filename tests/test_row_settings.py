@@ -143,7 +143,8 @@ def test_worker_decodes_each_row_with_its_own_settings_and_bad_ones_are_error_ro
             input_row("b", "w8 w9", top_p=3.0),
             input_row("c", "w10 w11", max_new_tokens=2),
             input_row("d", "w12", temperature=0.8, top_k=4, seed=9),
-            input_row("e", "w13", temperature="warm")]
+            input_row("e", "w13", temperature="warm"),
+            input_row("f", "w14 w15 w14", temperature=1.0, min_p=0.1, repetition_penalty=1.3, logprobs=2, seed=1)]
     out = worker(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)).to_pylist()
     assert [r["row_key"] for r in out] == [r["row_key"] for r in rows]
     assert out[1]["finish_reason"] == "error" and "top_p must be in (0, 1]" in out[1]["error"]
@@ -152,13 +153,20 @@ def test_worker_decodes_each_row_with_its_own_settings_and_bad_ones_are_error_ro
     assert (out[0]["temperature"], out[0]["max_new_tokens"], out[0]["seed"]) == (1.0, 5, row_seed(3, "id:a"))
     assert (out[2]["temperature"], out[2]["max_new_tokens"], out[2]["seed"]) == (0.0, 2, row_seed(0, "id:c"))
     assert out[3]["top_k"] == 4 and len(out[2]["token_ids"]) == 2
+    assert (out[5]["min_p"], out[5]["repetition_penalty"], out[5]["frequency_penalty"]) == (0.1, 1.3, 0.0)
+    assert out[0]["logprobs"] is None and len(out[5]["logprobs"]) == len(out[5]["token_ids"])
+    assert all(len(ids) == 2 for ids in out[5]["top_logprob_ids"])
     # each row alone, with `ar` and the settings written on its output row
     ar = make_engine(worker.engine.target.model, "ar")
-    for k in (0, 2, 3):
+    for k in (0, 2, 3, 5):
         params = SamplingParams(temperature=out[k]["temperature"], top_p=out[k]["top_p"], top_k=out[k]["top_k"],
-                                seed=out[k]["seed"], max_new_tokens=out[k]["max_new_tokens"])
+                                min_p=out[k]["min_p"], repetition_penalty=out[k]["repetition_penalty"],
+                                seed=out[k]["seed"], max_new_tokens=out[k]["max_new_tokens"],
+                                logprobs=2 if k == 5 else 0)
         alone = ar.generate([worker._encode(rows[k])], [params])[0]
         assert out[k]["token_ids"] == alone.token_ids, k
+        if k == 5:
+            assert out[k]["logprobs"] == pytest.approx(alone.logprobs, abs=1e-5)
 
 
 # ------------------------------------------------------------------ the engine, mixed settings

@@ -30,6 +30,8 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.random_models import random_model, tiny_config
 from dart_worker.sampling import (
     SamplingParams,
+    TokenHistory,
+    apply_penalties,
     position_uniforms,
     request_key,
     warp_logits_to_probs,
@@ -87,7 +89,9 @@ def diagnose_sampled(model, prompt, params: SamplingParams, ours: list[int], ref
         return {"status": "identical"}
     if k == min(len(ours), len(reference)):
         return {"status": "differs", "position": k, "why": f"lengths {len(ours)} vs {len(reference)}"}
-    probs = warp_logits_to_probs(_last_logits(model, list(prompt) + reference[:k])[None], params)[0].double()
+    logits = _last_logits(model, list(prompt) + reference[:k])[None]
+    logits = apply_penalties(logits, [params], [TokenHistory(list(prompt) + reference[:k], len(prompt))], [[]])
+    probs = warp_logits_to_probs(logits, params)[0].double()
     cdf = probs.cumsum(0).cpu().numpy()
     u = float(position_uniforms(request_key(params), [k])[0])
     margin = float(np.min(np.abs(cdf - u)))
@@ -157,12 +161,16 @@ def _case(family: str, mode: str, what: str, verdicts: list[dict], results) -> d
 
 @torch.no_grad()
 def exact_two_token_distribution(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """P(y1, y2 | prompt) under the warped target, by enumerating y1 (toy vocabulary)."""
+    """P(y1, y2 | prompt) under the warped target (penalties included), by enumerating y1 (toy vocabulary)."""
     device = model.device
-    first = warp_logits_to_probs(model(torch.tensor([prompt], device=device)).logits[:, -1], params)[0]
+    first_logits = model(torch.tensor([prompt], device=device)).logits[:, -1]
+    first = warp_logits_to_probs(apply_penalties(first_logits, [params], [TokenHistory(prompt, len(prompt))], [[]]),
+                                 params)[0]
     vocab = first.shape[0]
     batch = torch.tensor([[*prompt, y] for y in range(vocab)], device=device)
-    second = warp_logits_to_probs(model(batch).logits[:, -1], params)
+    histories = [TokenHistory([*prompt, y], len(prompt)) for y in range(vocab)]
+    second = warp_logits_to_probs(apply_penalties(model(batch).logits[:, -1], [params] * vocab, histories,
+                                                  [[]] * vocab), params)
     return (first[:, None] * second).double().cpu().numpy()
 
 
