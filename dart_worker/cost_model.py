@@ -25,11 +25,9 @@ Expected accepted tokens of a tree = the sum over its nodes of P(node on the acc
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from dart_worker.drafters.registry import SIZING_MODES
 from ngram_native.trees import SOURCE_HEAD, DraftTree
@@ -76,45 +74,6 @@ class LatencyModel:
         self.seconds = np.maximum.accumulate(self.seconds)
         per_row = np.minimum.accumulate(self.seconds / self.rows)
         self.seconds = np.minimum(self.seconds, per_row * self.rows)
-
-    @classmethod
-    def measure(cls, target, *, defer_logits: bool, max_rows: int = 128, context: int = 128,
-                passes: int = 3) -> LatencyModel:
-        """Time real verify forwards of one sequence (a `context`-token prefix, then chain trees of
-        R - 1 nodes) for R = 1, 2, 4, ... max_rows: the median of `passes` passes over the grid
-        after a warm-up (passes, not back-to-back repeats, so a burst of load elsewhere on the
-        machine lands on one sample of many sizes instead of every sample of one size).
-
-        On a CPU the cost of a forward grows with its rows whatever batch they belong to, on a
-        GPU it barely does; rows of a larger batch are charged through the same curve and the
-        online refinement corrects what that misses.
-        """
-        grid = [1]
-        while grid[-1] < max_rows:
-            grid.append(min(grid[-1] * 2, max_rows))
-        device = target.device
-        generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, target.vocab_size, (context,), generator=generator).tolist()
-        state = target.new_state(1)
-        target.prefill(state, [prompt])
-
-        def seconds_of(rows: int) -> float:
-            tokens = torch.randint(0, target.vocab_size, (1, rows), generator=generator).to(device)
-            depth = torch.arange(rows, device=device)[None]
-            ancestor = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()[None]
-            start = _now(device)
-            out = target.verify(state, tokens, depth, ancestor, defer_logits=defer_logits)
-            if defer_logits:
-                target.logits_at(out.hidden[:, :1])
-            elapsed = _now(device) - start
-            target.commit(state, context, [[]])  # drop the block again
-            return elapsed
-
-        seconds_of(grid[-1])  # warm-up: first calls pay one-time costs
-        samples = np.array([[seconds_of(rows) for rows in grid] for _ in range(passes)])
-        # The fastest pass per size: load elsewhere on the machine only ever adds time, and a
-        # size measured too dear is never tried again, so never corrected online.
-        return cls(grid, samples.min(axis=0).tolist())
 
     def predict(self, rows: float | np.ndarray) -> np.ndarray:
         """Seconds for `rows` (array-friendly); linear beyond the grid along its last segment."""
@@ -226,21 +185,28 @@ class SizedRound:
 class TreeSizer:
     """Chooses each round's tree size from `LatencyModel` x `AcceptanceModel` (see module doc)."""
 
-    latency: LatencyModel  # the start-up calibration (one sequence): the template of every batch's curve
+    latency: LatencyModel  # the calibration at batch 1 (dart_worker.calibration)
     max_budget: int
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     model_seconds: float = 0.0  # EMA of the drafter's model work per round (catch-up + propose)
     overhead_seconds: float = 0.0  # EMA of a round's time outside verify and model drafting
     _pause_left: int = 0
     _pause_length: int = 1
+    # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
+    # worker runs (calibrated), learnt online from its rounds for the others.
     _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
 
     def latency_for(self, batch: int) -> LatencyModel:
-        """The verify cost curve of forwards over `batch` sequences (the calibration until that batch
-        size has run a round). Batch shapes differ in more than their row count: attention reads
-        one cache per sequence and a tree row costs its sequence's context, so a curve learnt at
-        batch 1 misprices rows at batch 16 and the other way round; each batch size keeps its own."""
-        return self._latency_by_batch.get(batch, self.latency)
+        """The verify cost curve of forwards over `batch` sequences. Batch shapes differ in more than
+        their row count: attention reads one cache per sequence and a tree row costs its sequence's
+        context, so a curve of batch 1 misprices rows at batch 16 and the other way round. Until a
+        batch size has its own curve, the nearest one (in log batch size) stands in."""
+        curve = self._latency_by_batch.get(batch)
+        if curve is not None:
+            return curve
+        known = [*self._latency_by_batch, 1]
+        nearest = min(known, key=lambda b: (abs(np.log(b / batch)), b))
+        return self._latency_by_batch.get(nearest, self.latency)
 
     # ------------------------------------------------------------- the model
 
@@ -306,14 +272,14 @@ class TreeSizer:
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float) -> None:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
-        curve of this batch size; its first round sets the level of a copy of the calibration,
-        whose shape it keeps until rounds of other sizes correct it point by point)."""
+        curve of this batch size; a batch size without one gets a copy of the nearest curve, its
+        level set by this first round and its shape kept until rounds of other sizes correct it)."""
         for tree, nodes in zip(trees, accepted):
             self.acceptance.update(tree, nodes)
         batch = len(trees)
         curve = self._latency_by_batch.get(batch)
         if curve is None:
-            curve = self._latency_by_batch[batch] = copy.deepcopy(self.latency)
+            curve = self._latency_by_batch[batch] = copy.deepcopy(self.latency_for(batch))
             curve.rescale(rows, verify_seconds)
         else:
             curve.update(rows, verify_seconds)
@@ -346,25 +312,15 @@ def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.
     return subtree(tree, keep), p[keep]
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def measured_latency(target, defer_logits: bool) -> LatencyModel:
-    """A copy of the target's latency curve, measured once per target adapter and logits mode
-    (the benchmarks build many engines over one target; each refines its own copy online)."""
-    cache = target.__dict__.setdefault("_latency_models", {})
-    if defer_logits not in cache:
-        cache[defer_logits] = LatencyModel.measure(target, defer_logits=defer_logits)
-    return copy.deepcopy(cache[defer_logits])
-
-
-def make_sizer(target, sizing: str, budget: int, defer_logits: bool) -> TreeSizer | None:
-    """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built)."""
+def make_sizer(target, sizing: str, budget: int, defer_logits: bool, batches=(1,)) -> TreeSizer | None:
+    """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built),
+    with a verify cost curve for each live batch size in `batches` (measured once per machine and
+    model shape, then read from the cache: `dart_worker.calibration`)."""
     if sizing not in SIZING_MODES:
         raise ValueError(f"sizing must be one of {SIZING_MODES}, got {sizing!r}")
     if sizing == "fixed" or budget == 0:
         return None
-    return TreeSizer(measured_latency(target, defer_logits), max_budget=budget)
+    from dart_worker.calibration import latency_curves
+
+    curves = latency_curves(target, defer_logits, batches)
+    return TreeSizer(curves[1], max_budget=budget, _latency_by_batch=curves)

@@ -67,19 +67,20 @@ def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto",
 
 
 def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
-                 defer_logits: bool | None = None, sizing: str = "fixed") -> DecodingEngine:
+                 defer_logits: bool | None = None, sizing: str = "fixed", batches=(1,)) -> DecodingEngine:
     """An engine decoding with the drafter registered as `mode`; ValueError if it needs a head and
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
     one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
     see `DecodingEngine` (None = where it pays, on a CPU). `sizing`: "auto" sizes every round's
-    trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; it
-    times the target once at build), "fixed" verifies the trees as the drafter builds them."""
+    trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; its
+    verify costs are measured at build for each live batch size in `batches`, once per machine and
+    model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them."""
     tree = (tree or TreeParams()).check()
     drafter = build_drafter(parts, mode, tree)
     engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
                             defer_logits=defer_logits)
     if drafter_spec(mode).uses_tree:
-        engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits)
+        engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits, batches)
     return engine
 
 

@@ -265,10 +265,12 @@ def main(argv: list[str] | None = None) -> dict:
     parts = load_parts(cfg, cfg.modes)
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
     tree = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
-    engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing)
+    live = (1, *(cfg.batch_sizes or [cfg.batch_size]))  # the batch sizes the sizer calibrates at
+    engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing, batches=live)
                for mode in cfg.modes if mode in drafter_names()}
     for mode in cfg.full_logits_modes:
-        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing)
+        engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing,
+                                                       batches=live)
     fixed = [(f"{mode}{FIXED}@{b}" if cfg.fixed_budgets else f"{mode}{FIXED}", mode, b)
              for mode in cfg.fixed_modes for b in (cfg.fixed_budgets or [cfg.budget])]
     for label, mode, budget in fixed:
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
         documents = job_output_documents(cfg.warm_outputs, cfg.warm_rows, tokenizer) if cfg.warm_outputs else []
         for mode in cfg.job_ngram_modes:
             on = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
-            engine = build_engine(parts, mode, on, sizing=cfg.sizing)
+            engine = build_engine(parts, mode, on, sizing=cfg.sizing, batches=live)
             job = engine.drafter.job_ngram
             if job is None:
                 raise ValueError(f"job_ngram_modes: {mode!r} has no job n-gram (dart and dart_lookup with a trie do)")

@@ -75,7 +75,8 @@ class GenerationWorker:
             trie = acquire_trie(resolved["trie_url"], tokenizer_fingerprint(self.tokenizer))
         parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
-        self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing)
+        live = self.cfg.resources.max_live or self.cfg.resources.batch_size
+        self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing, batches=(1, live))
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         warm = resolved.get("warm_documents")
         if warm:  # an earlier run's outputs, as if this worker had finished those rows itself

@@ -1,0 +1,172 @@
+"""Measured verify-forward costs per live batch size, cached on disk per machine and model shape.
+
+The tree sizer (`dart_worker.cost_model`) needs what a verify forward of R rows costs at the batch
+the worker actually runs: rows of 16 sequences do not cost what rows of one sequence do (attention
+reads one cache per sequence; on a GPU a batch-1 curve is flat and would make 64 x 60 rows look
+free). So each live batch size gets its own measured curve. Measuring them costs seconds at every
+start-up on a CPU, for a result that depends only on the machine, the model's shape and the kernel
+choices, not on the job: curves are cached under `$DART_CACHE_DIR/calibration/`, keyed by
+everything they depend on (`calibration_key`), and a worker on a machine that has run the same
+target before starts without measuring. The sizer still refines every curve online.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from dart_worker.cache_dir import cache_dir, write_text_atomically
+from dart_worker.cost_model import LatencyModel
+from dart_worker.kernels import describe
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FORMAT = 1
+MAX_ROWS = 128  # rows of the largest calibrated forward at batch 1 (and per batch: see `grid`)
+CONTEXT = 128  # committed tokens of every calibrated sequence
+DISABLE_ENV = "DART_NO_CALIBRATION_CACHE"  # set to 1: measure every time, read and write nothing
+
+_SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "sliding_window", "layer_types",
+                 "tie_word_embeddings", "final_logit_softcapping")
+
+
+def grid(batch: int, max_rows: int = MAX_ROWS) -> list[int]:
+    """Total rows of the calibrated forwards at `batch`: batch x (1, 2, 4, ...) rows per sequence,
+    up to max(max_rows, 2 x batch) rows in all (larger trees at a large batch never pay on a CPU,
+    and on a GPU the curve is extended linearly along its last segment)."""
+    top = max(max_rows, 2 * batch)
+    per_sequence = [1]
+    while batch * per_sequence[-1] * 2 <= top:
+        per_sequence.append(per_sequence[-1] * 2)
+    return [batch * n for n in per_sequence]
+
+
+def _machine() -> str:
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        gpus = f"; gpus {', '.join(names)}"
+    else:
+        gpus = ""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} x{torch.get_num_threads()} threads{gpus}"
+
+
+def calibration_key(target, defer_logits: bool) -> dict:
+    """Everything a measured curve depends on: machine, device, dtype, model shape, kernels, versions."""
+    config = target.config
+    shape = {name: getattr(config, name, None) for name in _SHAPE_FIELDS}
+    return {"format": CALIBRATION_FORMAT, "machine": _machine(), "device": str(target.device),
+            "dtype": str(target.dtype).removeprefix("torch."), "shape": shape,
+            "attention": getattr(target.model.config, "_attn_implementation", None),
+            "kernels": describe(target.device, target.dtype) | {"logits": "deferred" if defer_logits else "batched"},
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "context": CONTEXT, "max_rows": MAX_ROWS}
+
+
+def _path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_dir("calibration") / f"{digest}.json"
+
+
+def measure(target, *, defer_logits: bool, batch: int, passes: int = 3) -> LatencyModel:
+    """Time real verify forwards of `batch` sequences (a CONTEXT-token prefix each, then chain
+    trees) over `grid(batch)` total rows: the fastest of `passes` passes over the grid after a
+    warm-up (passes, not back-to-back repeats, so a burst of load elsewhere lands on one sample of
+    many sizes; the fastest, because load only ever adds time and a size measured too dear would
+    never be tried, so never corrected online)."""
+    rows_grid = grid(batch)
+    device = target.device
+    generator = torch.Generator().manual_seed(batch)
+    state = target.new_state(batch)
+    target.prefill(state, [torch.randint(0, target.vocab_size, (CONTEXT,), generator=generator).tolist()
+                           for _ in range(batch)])
+
+    def seconds_of(rows: int) -> float:
+        n = rows // batch
+        tokens = torch.randint(0, target.vocab_size, (batch, n), generator=generator).to(device)
+        depth = torch.arange(n, device=device)[None].expand(batch, -1)
+        ancestor = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(batch, -1, -1)
+        start = _now(device)
+        out = target.verify(state, tokens, depth, ancestor, defer_logits=defer_logits)
+        if defer_logits:
+            target.logits_at(out.hidden[:, :1])
+        elapsed = _now(device) - start
+        target.commit(state, CONTEXT, [[] for _ in range(batch)])  # drop the block again
+        return elapsed
+
+    seconds_of(rows_grid[-1])  # warm-up: first calls pay one-time costs
+    samples = np.array([[seconds_of(rows) for rows in rows_grid] for _ in range(passes)])
+    return LatencyModel(rows_grid, samples.min(axis=0).tolist())
+
+
+def latency_curves(target, defer_logits: bool, batches: Iterable[int]) -> dict[int, LatencyModel]:
+    """Measured curves for every batch size in `batches` (copies: each sizer refines its own).
+
+    Kept per target adapter (the benchmarks build many engines over one target) and on disk per
+    `calibration_key`; only batch sizes found in neither are measured.
+    """
+    wanted = sorted({int(b) for b in batches} | {1})
+    memo = target.__dict__.setdefault("_latency_curves", {}).setdefault(defer_logits, {})
+    missing = [b for b in wanted if b not in memo]
+    if missing:
+        use_disk = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
+        key = calibration_key(target, defer_logits)
+        path = _path(key)
+        stored = _load(path, key) if use_disk else {}
+        measured = {}
+        for batch in missing:
+            if batch in stored:
+                memo[batch] = stored[batch]
+                continue
+            started = time.perf_counter()
+            memo[batch] = measured[batch] = measure(target, defer_logits=defer_logits, batch=batch)
+            log.info("calibrated verify forwards at batch %d in %.1f s: %s", batch, time.perf_counter() - started,
+                     memo[batch].describe())
+        if measured and use_disk:
+            _save(path, key, _load(path, key) | measured)
+    return {b: copy.deepcopy(memo[b]) for b in wanted}
+
+
+def _load(path: Path, key: dict) -> dict[int, LatencyModel]:
+    """The curves stored for `key` (none if absent, unreadable or stored for another key)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != json.loads(json.dumps(key, default=str)):
+            return {}
+        return {int(b): LatencyModel(c["rows"], c["seconds"]) for b, c in data["curves"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _save(path: Path, key: dict, curves: dict[int, LatencyModel]) -> None:
+    data = {"key": key, "curves": {str(b): {"rows": c.rows.astype(int).tolist(), "seconds": c.seconds.tolist()}
+                                   for b, c in sorted(curves.items())}}
+    try:
+        write_text_atomically(path, json.dumps(data, indent=1, default=str))
+    except OSError as err:  # a read-only cache costs a measurement next time, nothing else
+        log.warning("could not cache the calibration at %s: %s", path, err)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
