@@ -17,9 +17,13 @@ tensors (`forced`), so no result can depend on a branch that only one kind of de
   CPU where a measurement says it pays; `batched` on an accelerator, where a walk would add a
   host round trip per tree level.
 
-Attention has no strategy of its own yet: the target runs its own attention implementation
-(`sdpa` or `eager`, both of which take the ready-made tree masks; `TargetAdapter` refuses the
-others) and the tests run both.
+- `gqa` (masked tree attention over grouped K/V heads, `dart_worker.tree_attention`): `repeat`
+  (transformers' own: K/V copied per query head), `pack` (each group's query heads folded into
+  its K/V head's rows, the mask repeated instead) or `enable_gqa` (SDPA's own). Preferred:
+  `repeat` on a CPU, `pack` on CUDA (see `gqa_for`).
+
+The target's attention implementation must take the ready-made tree masks: `dart_tree` (the
+adapter installs it in place of `sdpa`), `sdpa` or `eager`; `TargetAdapter` refuses the others.
 
 What is deliberately *not* a strategy: how the target's logits are produced. `TargetAdapter`
 always runs the decoder and projects the rows it needs itself, on every device, instead of
@@ -38,7 +42,8 @@ import torch
 PROJECTIONS = ("weight_first", "linear")
 WARPS = ("candidates", "dense")
 LOGITS = ("deferred", "batched")
-STRATEGIES: dict[str, tuple[str, ...]] = {"projection": PROJECTIONS, "warp": WARPS, "logits": LOGITS}
+GQAS = ("pack", "enable_gqa", "repeat")
+STRATEGIES: dict[str, tuple[str, ...]] = {"projection": PROJECTIONS, "warp": WARPS, "logits": LOGITS, "gqa": GQAS}
 
 _FORCED: ContextVar[dict[str, str]] = ContextVar("dart_forced_kernels", default={})  # noqa: B039 (never mutated)
 
@@ -85,8 +90,19 @@ def logits_for(device: torch.device, deferral_pays: Callable[[], bool]) -> str:
     return "deferred" if device.type == "cpu" and deferral_pays() else "batched"
 
 
+def gqa_for(device: torch.device) -> str:
+    """Strategy for masked tree attention over grouped K/V heads (`dart_worker.tree_attention`).
+
+    On a CPU, `repeat` (transformers' own numerics; `python -m jobs.bench_verify_shapes` prints
+    all three side by side, docs/benchmarks.md has the figures). On CUDA, `pack`:
+    its memory-efficient SDPA kernel takes a mask and the unexpanded K/V, where `enable_gqa` with
+    a mask falls back to the math kernel; `jobs.gpu_acceptance` times all three on the GPU."""
+    return _forced("gqa") or ("repeat" if device.type == "cpu" else "pack")
+
+
 def describe(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """The strategies a worker on `device` with `dtype` uses, for reports and `--dry-run` (on a
     CPU, `logits` is decided by a measurement when the engine is built)."""
     logits = _forced("logits") or ("deferred if measured to pay" if device.type == "cpu" else "batched")
-    return {"projection": projection_for(device, dtype), "warp": warp_for(device), "logits": logits}
+    return {"projection": projection_for(device, dtype), "warp": warp_for(device), "logits": logits,
+            "gqa": gqa_for(device)}

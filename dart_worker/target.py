@@ -31,12 +31,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dart_worker import tree_attention
 from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
 
-# Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa
-# boolean ones, eager additive ones (`TargetAdapter._mask_format`).
-TREE_MASK_ATTENTION = ("sdpa", "eager")
+# Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa and
+# dart_tree (`dart_worker.tree_attention`, which the adapter puts in sdpa's place) boolean ones,
+# eager additive ones (`TargetAdapter._mask_format`).
+TREE_MASK_ATTENTION = ("dart_tree", "sdpa", "eager")
 # Relative difference allowed between the model's own logits and the adapter's (the same product,
 # in another orientation or row grouping: float rounding only; a missing logit scale is far more).
 HEAD_CHECK_TOLERANCE = 1e-2
@@ -148,6 +150,9 @@ class TargetAdapter:
         self.sliding_window = getattr(self.config, "sliding_window", None)
         self.uses_mask_dict = SLIDING_ATTENTION in self.layer_types
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attention == "sdpa":  # the same attention, with grouped K/V heads kept unexpanded
+            tree_attention.install(model)
+            attention = tree_attention.NAME
         if attention not in TREE_MASK_ATTENTION:
             raise ValueError(f"{type(model).__name__} runs attention {attention!r}, which does not take the "
                              f"ready-made tree masks this engine passes; load it with attn_implementation "

@@ -13,7 +13,8 @@ sequence). Last, the KV cache: transformers' `DynamicCache` against `kv_cache.Gr
 states side by side, `cache_steps` one-row decoding steps (verify + commit) alternating between
 them, median ms per step, and whether their logits were identical. Keys: target, dtype, device,
 threads, context, passes, batch_sizes, rows_per_sequence, max_rows (skip shapes above it),
-projection_rows, draft_vocab, cache_batch_sizes, cache_steps, output.
+projection_rows, draft_vocab, cache_batch_sizes, cache_steps, gqa_batch_sizes, gqa_rows_per_sequence,
+output. `target=random:<shape>` times a random-weight model of a shape in dart_worker.random_models.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from dart_worker.device import configure_cpu_threads
-from dart_worker.engine_factory import load_engine_parts
+from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.engine_factory import EngineParts, load_engine_parts
+from dart_worker.kernels import GQAS, forced
 from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
+from dart_worker.random_models import random_model
 from dart_worker.target import TargetAdapter, TargetState
 from jobs.bench_engine import write_report
 
@@ -49,6 +52,10 @@ class ShapesConfig:
     draft_vocab: int = 16384
     cache_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     cache_steps: int = 30
+    # The `gqa` strategies of masked tree attention side by side (dart_worker.tree_attention):
+    # verify ms per strategy, batch size and rows per sequence, strategies interleaved per pass.
+    gqa_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    gqa_rows_per_sequence: list[int] = field(default_factory=lambda: [1, 5, 17])
     output: str | None = None
 
 
@@ -141,6 +148,24 @@ def cache_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[int, dict[str,
     return table
 
 
+def gqa_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[str, dict[int, dict[int, float]]]:
+    """Per `gqa` strategy, batch size and rows per sequence: the fastest verify ms over `passes`
+    rounds in which every strategy runs once, in rotating order (load hits all alike)."""
+    table: dict[str, dict[int, dict[int, float]]] = {g: {} for g in GQAS}
+    for batch in cfg.gqa_batch_sizes:
+        for rows in cfg.gqa_rows_per_sequence:
+            if batch * rows > cfg.max_rows:
+                continue
+            best = dict.fromkeys(GQAS, float("inf"))
+            for k in range(cfg.passes):
+                for gqa in GQAS[k % len(GQAS):] + GQAS[: k % len(GQAS)]:
+                    with forced(gqa=gqa):
+                        best[gqa] = min(best[gqa], verify_ms(target, batch, rows, cfg.context, 1, seed=k))
+            for gqa, ms in best.items():
+                table[gqa].setdefault(batch, {})[rows] = round(ms, 2)
+    return table
+
+
 def shape_table(target: TargetAdapter, cfg: ShapesConfig) -> dict[int, dict[int, float]]:
     return {b: {n: round(verify_ms(target, b, n, cfg.context, cfg.passes), 1)
                 for n in cfg.rows_per_sequence if b * n <= cfg.max_rows}
@@ -152,7 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                             OmegaConf.from_cli(argv)))
     if cfg.threads:
         configure_cpu_threads(cfg.threads)
-    parts = load_engine_parts(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    if cfg.target.startswith("random:"):  # a random-weight model of a named shape (dart_worker.random_models)
+        device = resolve_device(cfg.device)
+        model = random_model(cfg.target.removeprefix("random:"), device=device, dtype=resolve_dtype(cfg.dtype, device))
+        parts = EngineParts(target=TargetAdapter(model))
+    else:
+        parts = load_engine_parts(cfg.target, dtype=cfg.dtype, device=cfg.device)
     table = shape_table(parts.target, cfg)
     print(f"verify ms by rows per sequence, {cfg.context}-token context, {parts.target.dtype} on {parts.target.device}")
     for batch, row in table.items():
@@ -161,13 +191,18 @@ def main(argv: list[str] | None = None) -> dict:
     for name, rows in projection.items():
         print(f"{name} vocabulary projection ms by rows: " + "  ".join(
             f"{n} rows module {t['module']:.1f} / project {t['project']:.1f}" for n, t in rows.items()))
+    gqa = gqa_table(parts.target, cfg)
+    for strategy, rows in gqa.items():
+        print(f"gqa {strategy:<10} verify ms: " + "  ".join(
+            f"B{b}x{n} {ms:.1f}" for b, by_rows in rows.items() for n, ms in by_rows.items()))
     caches = cache_table(parts.target, cfg)
     print(f"one-row step ms (verify + commit), steps alternating, median of {cfg.cache_steps}: " + "  ".join(
         f"batch {b} DynamicCache {t['dynamic']} / GrowingCache {t['growing']} (logits identical: {t['identical']})"
         for b, t in caches.items()))
     report = {"config": asdict(cfg), "ms_by_batch_and_rows_per_sequence": {str(b): r for b, r in table.items()},
               "projection_ms_by_head_and_rows": {h: {str(n): t for n, t in r.items()} for h, r in projection.items()},
-              "cache_step_ms_by_batch": {str(b): t for b, t in caches.items()}}
+              "cache_step_ms_by_batch": {str(b): t for b, t in caches.items()},
+              "verify_ms_by_gqa_batch_and_rows": {g: {str(b): r for b, r in t.items()} for g, t in gqa.items()}}
     write_report(cfg.output, report)
     return report
 

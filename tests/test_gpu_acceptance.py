@@ -41,6 +41,7 @@ def test_the_acceptance_run_passes_on_a_cpu_and_reports_every_section(tmp_path, 
     assert {(c["batch"], c["rows"]) for c in shape["verify"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert shape["per_token"]["ar_ms_per_token"] > 0 and shape["per_token"]["transformers_ms_per_token"] > 0
     assert {c["mode"] for c in shape["drafting"]} == {"dart", "dart_lookup"}
+    assert {c["gqa"] for c in shape["gqa"]} == {"pack", "enable_gqa", "repeat"}
     assert all(c["syncs_per_round"] >= 1 for c in shape["syncs"])  # counted, not assumed to be zero
     assert {c["mode"] for c in shape["throughput"]} == {"ar", "dart_lookup"}
     assert "# GPU acceptance run: PASSED" in markdown and "| llama | dart_lookup |" in markdown

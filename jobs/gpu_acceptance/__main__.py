@@ -46,6 +46,8 @@ class AcceptanceConfig:
     repeats: int = 5
     verify_batches: list[int] | None = None  # null: [1, 8, 32, 64] on CUDA, [1, 4] on a CPU
     verify_rows: list[int] | None = None  # null: [1, 2, 4, 8, 16, 32, 64] on CUDA, [1, 4, 16] on a CPU
+    gqa_batches: list[int] | None = None  # null: [1, 8, 32] on CUDA, [1, 2] on a CPU
+    gqa_rows: list[int] | None = None  # null: [1, 16] on CUDA, [1, 4] on a CPU
     drafting_batches: list[int] | None = None  # null: [1, 8] on CUDA, [1] on a CPU
     drafting_tokens: int = 32
     budget: int = 32  # draft tree budget of the timed drafting modes
@@ -73,6 +75,8 @@ def fill_device_defaults(cfg: AcceptanceConfig, device: torch.device) -> None:
         "shapes": ["gemma3-270m", "llama3-8b"] if on_gpu else ["small-llama"],
         "verify_batches": [1, 8, 32, 64] if on_gpu else [1, 4],
         "verify_rows": [1, 2, 4, 8, 16, 32, 64] if on_gpu else [1, 4, 16],
+        "gqa_batches": [1, 8, 32] if on_gpu else [1, 2],
+        "gqa_rows": [1, 16] if on_gpu else [1, 4],
         "drafting_batches": [1, 8] if on_gpu else [1],
         "throughput_batch": 64 if on_gpu else 4,
     }

@@ -64,6 +64,16 @@ def _speed(shape: dict[str, Any]) -> list[str]:
             lines.append(f"| {batch} | " + " | ".join(
                 f"{cells[r]['ms']:.2f} ({cells[r]['vs_one_row']:.2f}x)" if r in cells else "-" for r in rows) + " |")
         lines.append("")
+    if "gqa" in shape:
+        cells = shape["gqa"]
+        shapes = sorted({(c["batch"], c["rows"]) for c in cells})
+        lines += ["Verify forward ms by `gqa` strategy (masked attention over grouped K/V heads):", "",
+                  "| strategy | " + " | ".join(f"B={b} x {r}" for b, r in shapes) + " |",
+                  "|---|" + "---|" * len(shapes)]
+        for gqa in dict.fromkeys(c["gqa"] for c in cells):
+            ms = {(c["batch"], c["rows"]): c["ms"] for c in cells if c["gqa"] == gqa}
+            lines.append(f"| {gqa} | " + " | ".join(f"{ms[s]:.2f}" for s in shapes) + " |")
+        lines.append("")
     if "drafting" in shape:
         lines += ["| mode | batch | draft head ms/round | tree build ms/round | verify ms/round | mean tree |",
                   "|---|---|---|---|---|---|"]

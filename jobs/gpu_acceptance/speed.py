@@ -7,6 +7,7 @@ show, so nothing here reports them as figures of merit). Per model shape:
 - `ar` per-token time of this engine against transformers' `generate`, batch 1;
 - the verify forward over 1..64 tree rows per sequence at several batch sizes, logits computed the
   way the engine computes them on this device (`dart_worker.kernels`);
+- the same for each way of running masked attention over grouped K/V heads (`gqa` strategies);
 - the draft head and the tree build per round (`dart`, `dart_lookup`), timed with a synchronise at
   every stage boundary;
 - device-to-host synchronisations per round, counted (`dart_worker.sync_counter`) as the difference
@@ -29,7 +30,7 @@ import torch
 
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.kernels import describe, logits_for
+from dart_worker.kernels import GQAS, describe, forced, logits_for
 from dart_worker.random_models import random_model
 from dart_worker.sampling import SamplingParams
 from dart_worker.sync_counter import SyncCounter
@@ -120,6 +121,17 @@ def verify_grid(target: TargetAdapter, device: torch.device, batches: Sequence[i
             seconds = median_seconds(verify, device, repeats, after=drop_block)
             base = base or seconds
             cells.append({"batch": batch, "rows": n, "ms": 1e3 * seconds, "vs_one_row": seconds / base})
+    return cells
+
+
+def gqa_grid(target: TargetAdapter, device: torch.device, batches: Sequence[int], rows: Sequence[int],
+             context: int, repeats: int) -> list[dict[str, Any]]:
+    """The verify grid once per `gqa` strategy of masked tree attention (`dart_worker.tree_attention`):
+    which one this device should use (`dart_worker.kernels.gqa_for`)."""
+    cells = []
+    for gqa in GQAS:
+        with forced(gqa=gqa):
+            cells += [{"gqa": gqa, **cell} for cell in verify_grid(target, device, batches, rows, context, repeats)]
     return cells
 
 
@@ -215,6 +227,7 @@ def run_shape(shape: str, device: torch.device, dtype: torch.dtype, cfg, deadlin
                                               cfg.generate_tokens, cfg.repeats),
             "verify": lambda: verify_grid(target, device, cfg.verify_batches, cfg.verify_rows, cfg.context,
                                           cfg.repeats),
+            "gqa": lambda: gqa_grid(target, device, cfg.gqa_batches, cfg.gqa_rows, cfg.context, cfg.repeats),
             "drafting": lambda: drafting_ms(parts, device, ("dart", "dart_lookup"), cfg.drafting_batches,
                                             cfg.context, cfg.drafting_tokens, cfg.budget),
             "syncs": lambda: syncs_per_round(parts, device, ("ar", "dart", "dart_lookup"), cfg.drafting_batches,
