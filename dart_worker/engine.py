@@ -27,6 +27,7 @@ import torch
 from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from dart_worker.kernels import logits_for
+from dart_worker.kv_cache import retire_order
 from dart_worker.sampling import (
     SamplingParams,
     TokenHistory,
@@ -219,11 +220,10 @@ class DecodingEngine:
                 for seq in live:
                     if seq.finish_reason:
                         results[seq.index] = self._result(seq)
-                keep = [b for b, s in enumerate(live) if not s.finish_reason]
+                keep = retire_order([bool(s.finish_reason) for s in live])  # survivors fill the holes
                 if keep:
-                    index = torch.tensor(keep, device=self.device)
-                    state.select(index)
-                    drafter.select(index)
+                    state.select(keep)
+                    drafter.select(torch.tensor(keep, device=self.device))
                 live = [live[b] for b in keep]
             if waiting and len(live) < max_live:
                 joining = [waiting.popleft() for _ in range(min(max_live - len(live), len(waiting)))]

@@ -8,8 +8,11 @@ after the prefix. Everything `TargetState` does to a layer keeps working unchang
 
 - cropping (`keys[:, :, :keep]`) and compaction (indexed assignment into `keys`) act on the
   views, that is, on the buffers;
-- selecting sequences or joining caches assigns fresh tensors; the next append sees that `keys`
-  no longer views its buffer and adopts it into a new one (one copy, as `cat` did every step).
+- finished sequences leave and prefilled ones join in place (`keep_sequences`,
+  `append_sequences`): the buffers have rows for as many sequences as were ever live together,
+  only sequences moved into a finished one's rows are copied, and joiners are written after the
+  live ones, so continuous batching never copies the whole cache (it did twice per finished row);
+- anything else that assigns fresh tensors makes the next append adopt them into a new buffer.
 
 Stale buffer slots past the view are never read: attention only ever gets the views.
 """
@@ -34,19 +37,21 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         used = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         total = used + key_states.shape[-2]
+        batch = key_states.shape[0]
         if not self._views_buffer() or total > self._key_buffer.shape[-2]:
             self._adopt(key_states, value_states, used, total)
-        self._key_buffer[:, :, used:total] = key_states
-        self._value_buffer[:, :, used:total] = value_states
-        self.keys = self._key_buffer[:, :, :total]
-        self.values = self._value_buffer[:, :, :total]
+        self._key_buffer[:batch, :, used:total] = key_states
+        self._value_buffer[:batch, :, used:total] = value_states
+        self.keys = self._key_buffer[:batch, :, :total]
+        self.values = self._value_buffer[:batch, :, :total]
         return self.keys, self.values
 
     def _views_buffer(self) -> bool:
         """Are keys/values still the prefix views handed out last (not replaced by a select/join)?"""
         buffer = self._key_buffer
         return (buffer is not None and self.keys.dim() == 4 and self.keys.data_ptr() == buffer.data_ptr()
-                and self.keys.shape[:2] == buffer.shape[:2] and self.keys.stride() == buffer.stride()
+                and self.keys.shape[0] <= buffer.shape[0] and self.keys.shape[1] == buffer.shape[1]
+                and self.keys.stride() == buffer.stride()
                 and self.values.data_ptr() == self._value_buffer.data_ptr()
                 and self.values.stride() == self._value_buffer.stride())
 
@@ -54,12 +59,87 @@ class GrowingLayer(DynamicLayer):
         """New buffers for `total` slots and spare ones, holding the current `used` slots."""
         capacity = total + SPARE_SLOTS + total // 4
         batch, heads, _, dim = key_states.shape
+        if self._key_buffer is not None and self._key_buffer.shape[1] == heads:  # keep the rows once had
+            batch = max(batch, self._key_buffer.shape[0])
         keys = key_states.new_empty(batch, heads, capacity, dim)
         values = value_states.new_empty(batch, value_states.shape[1], capacity, value_states.shape[-1])
         if used:
-            keys[:, :, :used] = self.keys
-            values[:, :, :used] = self.values
+            keys[: self.keys.shape[0], :, :used] = self.keys
+            values[: self.values.shape[0], :, :used] = self.values
         self._key_buffer, self._value_buffer = keys, values
+
+
+    @torch.no_grad()
+    def keep_sequences(self, order: list[int]) -> None:
+        """Keep sequences `order` (source indices, new order) in place: only the sequences whose
+        index changes are copied, into the buffer rows of the ones that left. With the engine's
+        retirement order (`retire_order`: the last live sequences fill the holes) a finished row
+        costs one sequence's copy, not the whole cache's."""
+        if not self._views_buffer():  # replaced by someone else: plain indexing, adopted later
+            index = torch.tensor(order, device=self.keys.device)
+            self.keys, self.values = self.keys[index], self.values[index]
+            return
+        used = self.keys.shape[-2]
+        moved = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        if moved:
+            dst = torch.tensor([m[0] for m in moved], device=self.keys.device)
+            src = torch.tensor([m[1] for m in moved], device=self.keys.device)
+            # Advanced indexing reads the moved sources into a temporary before writing.
+            self._key_buffer[dst, :, :used] = self._key_buffer[src, :, :used]
+            self._value_buffer[dst, :, :used] = self._value_buffer[src, :, :used]
+        self.keys = self._key_buffer[: len(order), :, :used]
+        self.values = self._value_buffer[: len(order), :, :used]
+
+    @torch.no_grad()
+    def append_sequences(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add sequences after the current ones (continuous batching: prefilled requests join):
+        their K/V [k, H, T', D] go into the buffer rows after the live ones, the live sequences'
+        cache stays where it is unless the buffer must grow. Slots past a sequence's own length
+        are stale for every sequence alike, so the shorter side is left unwritten there."""
+        if not self.is_initialized or self.keys.dim() != 4 or not self._views_buffer():
+            self.keys = keys if not self.is_initialized or self.keys.dim() != 4 else _join(self.keys, keys)
+            self.values = values if not self.is_initialized or self.values.dim() != 4 else _join(self.values, values)
+            self.is_initialized = True
+            self.dtype, self.device = keys.dtype, keys.device
+            return
+        batch, used = self.keys.shape[0], self.keys.shape[-2]
+        total_batch, total = batch + keys.shape[0], max(used, keys.shape[-2])
+        if total_batch > self._key_buffer.shape[0] or total > self._key_buffer.shape[-2]:
+            self._grow(total_batch, total, used)
+        self._key_buffer[batch:total_batch, :, : keys.shape[-2]] = keys
+        self._value_buffer[batch:total_batch, :, : values.shape[-2]] = values
+        self.keys = self._key_buffer[:total_batch, :, :total]
+        self.values = self._value_buffer[:total_batch, :, :total]
+
+    def _grow(self, batch: int, slots: int, used: int) -> None:
+        """Buffers for at least `batch` sequences and `slots` slots (with spares), holding the current ones."""
+        old_keys, old_values = self.keys, self.values
+        capacity = max(slots + SPARE_SLOTS + slots // 4, self._key_buffer.shape[-2])
+        rows = max(batch, self._key_buffer.shape[0])
+        _, heads, _, dim = old_keys.shape
+        self._key_buffer = old_keys.new_empty(rows, heads, capacity, dim)
+        self._value_buffer = old_values.new_empty(rows, old_values.shape[1], capacity, old_values.shape[-1])
+        self._key_buffer[: old_keys.shape[0], :, :used] = old_keys
+        self._value_buffer[: old_values.shape[0], :, :used] = old_values
+
+
+def _join(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] + [k, H, T', D] -> [B + k, H, max(T, T'), D], zero-padded slots past each side's own."""
+    slots = max(mine.shape[-2], theirs.shape[-2])
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(mine, (0, 0, 0, slots - mine.shape[-2])), pad(theirs, (0, 0, 0, slots - theirs.shape[-2]))])
+
+
+def retire_order(finished: list[bool]) -> list[int]:
+    """The order in which the unfinished of `finished` sequences stay: each hole left below the
+    new batch size is filled by the last unfinished sequence beyond it, the others keep their
+    place, so a cache keeps its rows in place except for the few moved into holes."""
+    keep = len(finished) - sum(finished)
+    order = list(range(keep))
+    movers = [i for i in range(keep, len(finished)) if not finished[i]]
+    for hole in (i for i in range(keep) if finished[i]):
+        order[hole] = movers.pop()
+    return order
 
 
 class GrowingCache(DynamicCache):
@@ -67,3 +147,13 @@ class GrowingCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+    def keep_sequences(self, order: list[int]) -> None:
+        for layer in self.layers:
+            layer.keep_sequences(order)
+
+    def append_sequences(self, other: DynamicCache) -> None:
+        if len(self.layers) != len(other.layers):
+            raise ValueError(f"cannot join caches of {len(self.layers)} and {len(other.layers)} layers")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.append_sequences(theirs.keys, theirs.values)

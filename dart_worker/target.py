@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -73,23 +74,20 @@ class TargetState:
         """Number of slots in the cache tensors (>= every sequence's length)."""
         return self.cache.get_seq_length() if len(self.cache.layers) else 0
 
-    def select(self, batch_indices: torch.Tensor) -> None:
-        """Keep only the given sequences (finished ones leave the batch)."""
+    def select(self, order: Sequence[int]) -> None:
+        """Keep sequences `order` (indices, in their new order; finished ones leave the batch). In
+        place: only sequences that change index are copied (`GrowingCache.keep_sequences`)."""
+        order = [int(i) for i in order]
         if len(self.cache.layers):
-            self.cache.batch_select_indices(batch_indices)
-        self.lengths = self.lengths[batch_indices]
+            self.cache.keep_sequences(order)
+        self.lengths = self.lengths[torch.tensor(order, device=self.lengths.device)]
 
     @torch.no_grad()
     def extend(self, other: TargetState) -> None:
         """Append `other`'s sequences after these (continuous batching: newly prefilled requests
-        join a running batch). Both caches are padded to the longer slot count; padded slots lie
-        past every sequence's length, so they are stale like any other and always masked out."""
-        if len(self.cache.layers) != len(other.cache.layers):
-            raise ValueError(f"cannot join caches of {len(self.cache.layers)} and {len(other.cache.layers)} layers")
-        slots = max(self.cache_len(), other.cache_len())
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_pad_slots(mine.keys, slots), _pad_slots(theirs.keys, slots)])
-            mine.values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)])
+        join a running batch), written after the live ones' rows of the cache buffers. Slots past
+        a sequence's length are stale and always masked out, whoever's longer."""
+        self.cache.append_sequences(other.cache)
         self.lengths = torch.cat([self.lengths, other.lengths])
 
 
@@ -336,15 +334,15 @@ class TargetAdapter:
                 joined = part
             else:
                 joined.extend(part)
-        order = torch.tensor([i for group in groups for i in group])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
-        inverse = inverse.to(self.device)
-        joined.select(inverse)
+        order = np.array([i for group in groups for i in group])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        joined.select(inverse.tolist())
         state.cache, state.lengths = joined.cache, joined.lengths
         width = max(out.taps.shape[1] for out in outs)
         taps = torch.cat([_pad_slots(out.taps, width) for out in outs])
-        return ForwardOutput(logits=torch.cat([out.logits for out in outs])[inverse], taps=taps[inverse])
+        index = torch.from_numpy(inverse).to(self.device)
+        return ForwardOutput(logits=torch.cat([out.logits for out in outs])[index], taps=taps[index])
 
     def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
         """`prefill` in one forward: prompts right-padded into one block."""

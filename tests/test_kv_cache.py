@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from dart_worker.kv_cache import GrowingCache, GrowingLayer
+from dart_worker.kv_cache import GrowingCache, GrowingLayer, retire_order
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("append"), st.integers(1, 300)),  # a forward's new rows (past SPARE_SLOTS too)
@@ -58,15 +58,16 @@ def test_growing_cache_holds_what_a_dynamic_cache_holds(ops, batch, seed):
             every_layer(compact)
         elif op == "select" and batch > 1:
             keep = torch.randperm(batch, generator=torch.Generator().manual_seed(arg))[: batch - 1]
-            for cache in caches:
-                cache.batch_select_indices(keep)
+            caches[0].batch_select_indices(keep)
+            caches[1].keep_sequences(keep.tolist())
             batch -= 1
         elif op == "join":
             extra_keys = [torch.randn(arg, heads, slots, dim, generator=gen) for _ in range(layers)]
-            for cache in caches:
-                for layer, extra in zip(cache.layers, extra_keys, strict=True):
-                    layer.keys = torch.cat([layer.keys, extra])
-                    layer.values = torch.cat([layer.values, -extra])
+            for layer, extra in zip(caches[0].layers, extra_keys, strict=True):
+                layer.keys = torch.cat([layer.keys, extra])
+                layer.values = torch.cat([layer.values, -extra])
+            for layer, extra in zip(caches[1].layers, extra_keys, strict=True):
+                layer.append_sequences(extra, -extra)
             batch += arg
         for ours, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
             assert isinstance(ours, GrowingLayer)
@@ -88,3 +89,33 @@ def test_appends_write_in_place_until_the_spare_slots_run_out():
     cache.batch_select_indices(torch.tensor([1]))  # a fresh tensor: adopted into a new buffer
     cache.update(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), 0)
     assert layer._key_buffer is not buffer and layer.keys.shape == (1, 1, 22, 4)
+
+
+@given(finished=st.lists(st.booleans(), min_size=1, max_size=12))
+def test_retire_order_keeps_survivors_in_place_and_fills_holes_from_the_end(finished):
+    order = retire_order(finished)
+    survivors = [i for i, done in enumerate(finished) if not done]
+    assert sorted(order) == survivors
+    keep = len(survivors)
+    assert all(order[i] == i for i in range(keep) if not finished[i])  # nobody below the cut moves
+    assert sum(order[i] != i for i in range(keep)) == sum(finished[:keep])  # one copy per hole filled
+
+
+def test_finishing_and_joining_copy_only_the_moved_and_the_new_sequences():
+    cache = GrowingCache()
+    keys = torch.arange(4 * 2 * 5 * 3, dtype=torch.float32).reshape(4, 2, 5, 3)
+    cache.update(keys, -keys, 0)
+    layer = cache.layers[0]
+    buffer = layer._key_buffer
+    cache.keep_sequences(retire_order([False, True, False, False]))  # row 1 leaves, row 3 moves into it
+    assert layer._key_buffer is buffer and layer.keys.shape == (3, 2, 5, 3)
+    assert torch.equal(layer.keys, keys[[0, 3, 2]]) and torch.equal(layer.values, -keys[[0, 3, 2]])
+    joiner = torch.full((2, 2, 7, 3), 9.0)  # longer than the live ones: their extra slots are stale
+    layer.append_sequences(joiner, -joiner)
+    assert layer._key_buffer is not buffer  # 5 rows > the 4 the buffer had: it grows once ...
+    grown = layer._key_buffer
+    assert layer.keys.shape == (5, 2, 7, 3) and torch.equal(layer.keys[:3, :, :5], keys[[0, 3, 2]])
+    assert torch.equal(layer.keys[3:], joiner)
+    cache.keep_sequences([0, 4, 2, 3])
+    layer.append_sequences(joiner[:1], -joiner[:1])
+    assert layer._key_buffer is grown and layer.keys.shape == (5, 2, 7, 3)  # ... and is reused after
