@@ -162,7 +162,7 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
             keep = [i for i, d in enumerate(done) if not d]
             if not keep:
                 break
-            drafter.select(torch.tensor(keep))
+            drafter.select(list(keep))
             live = [live[i] for i in keep]
         caps = []
         for b in live:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +44,7 @@ from transformers.models.llama.modeling_llama import (
 
 from dart_worker.projection import project
 from dart_worker.target import default_tap_layers
+from dart_worker.transfer import to_device, to_device_packed
 
 
 class DraftHeadConfigError(ValueError):
@@ -289,11 +291,15 @@ class DraftKVCache:
     Sequence b owns slots 0..lengths[b]-1 of `keys[b]`/`values[b]` ([B, kv_heads, T, hd] with
     T = max(lengths)); slots past its length are stale and always masked out. `keys`/`values` are
     views of buffers with spare capacity, so appending is amortised O(new rows); an append
-    invalidates views taken before it.
+    invalidates views taken before it. `lengths` is host data (numpy int64): where rows go is
+    decided on the host, so appending and selecting never wait for the device.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
-        if keys.shape != values.shape or keys.dim() != 4 or tuple(lengths.shape) != (keys.shape[0],):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths) -> None:
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.detach().cpu().numpy()
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if keys.shape != values.shape or keys.dim() != 4 or lengths.shape != (keys.shape[0],):
             raise ValueError(f"inconsistent cache shapes: keys {tuple(keys.shape)}, values "
                              f"{tuple(values.shape)}, lengths {tuple(lengths.shape)}")
         self._key_buffer, self._value_buffer = keys, values
@@ -312,12 +318,15 @@ class DraftKVCache:
         return self.lengths.shape[0]
 
     @torch.inference_mode()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, num_new: torch.Tensor,
-               new_max_length: int) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, num_new: np.ndarray,
+               index: torch.Tensor | None = None) -> None:
         """Write row i < num_new[b] of keys/values [B, kv_heads, n, hd] to slot lengths[b] + i.
 
-        `new_max_length` = max(lengths + num_new), passed in to avoid a second device sync.
+        `index`: `self.append_index(num_new)` already on the device (the head uploads it with its
+        other inputs); made here when not given.
         """
+        num_new = np.asarray(num_new, dtype=np.int64)
+        new_max_length = int((self.lengths + num_new).max(initial=0))
         capacity = self._key_buffer.shape[2]
         if new_max_length > capacity:
             capacity = max(new_max_length, 2 * capacity, 16)
@@ -326,13 +335,20 @@ class DraftKVCache:
             grown_keys[:, :, : self._used] = self.keys
             grown_values[:, :, : self._used] = self.values
             self._key_buffer, self._value_buffer = grown_keys, grown_values
-        rows = torch.arange(keys.shape[2], device=keys.device)
-        batch_idx, row_idx = (rows[None, :] < num_new[:, None]).nonzero(as_tuple=True)
-        slots = self.lengths[batch_idx] + row_idx
+        if index is None:
+            index = to_device(self.append_index(num_new), keys.device)
+        batch_idx, row_idx, slots = index.unbind(0)
         self._key_buffer[batch_idx, :, slots] = keys[batch_idx, :, row_idx]
         self._value_buffer[batch_idx, :, slots] = values[batch_idx, :, row_idx]
         self._used = max(self._used, new_max_length)
         self.lengths = self.lengths + num_new
+
+    def append_index(self, num_new: np.ndarray) -> np.ndarray:
+        """[3, sum(num_new)] int64: (sequence, row of the new block, destination slot) per new row."""
+        num_new = np.asarray(num_new, dtype=np.int64)
+        batch_idx = np.repeat(np.arange(len(num_new)), num_new)
+        row_idx = np.arange(batch_idx.shape[0]) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+        return np.stack([batch_idx, row_idx, self.lengths[batch_idx] + row_idx])
 
     @torch.inference_mode()
     def select(self, index: torch.Tensor | Sequence[int]) -> None:
@@ -340,11 +356,14 @@ class DraftKVCache:
 
         For batch bookkeeping alongside the target's state: drop finished sequences, reorder.
         """
-        index = torch.as_tensor(index, dtype=torch.long, device=self.lengths.device)
-        lengths = self.lengths[index]
-        length = int(lengths.max()) if lengths.numel() else 0
-        self._key_buffer = self.keys[index, :, :length].contiguous()
-        self._value_buffer = self.values[index, :, :length].contiguous()
+        if isinstance(index, torch.Tensor):
+            index = index.tolist()
+        order = np.asarray(index, dtype=np.int64).reshape(-1)
+        lengths = self.lengths[order]
+        length = int(lengths.max(initial=0))
+        device_index = to_device(order, self._key_buffer.device)
+        self._key_buffer = self.keys[device_index, :, :length].contiguous()
+        self._value_buffer = self.values[device_index, :, :length].contiguous()
         self._used = length
         self.lengths = lengths
 
@@ -361,7 +380,7 @@ class DraftKVCache:
 
         return DraftKVCache(torch.cat([padded(c.keys) for c in caches]),
                             torch.cat([padded(c.values) for c in caches]),
-                            torch.cat([c.lengths for c in caches]))
+                            np.concatenate([c.lengths for c in caches]))
 
 
 def make_d2t(kept_target_ids: Sequence[int] | torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
@@ -535,58 +554,65 @@ class DartDraftHead(nn.Module):
         attn = self.midlayer.self_attn
         keys = torch.zeros(batch_size, attn.num_kv_heads, 0, attn.head_dim, device=self.device,
                            dtype=self.dtype)
-        return DraftKVCache(keys, keys.clone(),
-                            torch.zeros(batch_size, dtype=torch.long, device=self.device))
+        return DraftKVCache(keys, keys.clone(), np.zeros(batch_size, dtype=np.int64))
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor,
-                cache: DraftKVCache) -> torch.Tensor:
+    def propose(self, features: torch.Tensor, next_tokens, num_new, cache: DraftKVCache) -> torch.Tensor:
         """Commit new rows to the cache and return float32 draft logits [B, D, draft_vocab_size].
 
         features [B, n, 3*H_t] and next_tokens [B, n] hold, for sequence b, num_new[b] real rows
         (absolute positions cache.lengths[b] + i) followed by padding that is ignored. Row 0 of
         the result comes from b's last real row, rows 1..m from m MASK rows at the following
         positions. Works for prefill (n = prompt length) and decoding rounds alike.
+
+        next_tokens and num_new are host data (numpy arrays or lists: the engine's drafters pass
+        them so, and they are checked and turned into positions on the host, then uploaded in
+        one non-blocking copy); tensors are accepted too and read back first.
         """
+        next_tokens, num_new = _host_ints(next_tokens), _host_ints(num_new)
         batch, n = self._check_inputs(features, next_tokens, num_new, cache)
         cfg, attn, device, dtype = self.config, self.midlayer.self_attn, self.device, self.dtype
         m = cfg.draft_length
-        num_new = num_new.to(device=device, dtype=torch.long)
-        rows = torch.arange(n, device=device)
-        real = rows[None, :] < num_new[:, None]  # [B, n]
+        real = np.arange(n)[None, :] < num_new[:, None]  # [B, n]
+        self._check_tokens(next_tokens, real)
         new_lengths = cache.lengths + num_new
-        self._check_positions(new_lengths, next_tokens, real)
-
         # Padding rows are projected too (one batched matmul) but never cached nor read out, so
         # whatever they hold cannot leak; pad token ids are replaced only to keep the lookup valid.
-        tokens = torch.where(real, next_tokens.to(device), 0)
-        hidden = self.fc(features.to(device=device, dtype=dtype))
+        tokens, positions, out_positions, last, lengths, append_index = to_device_packed([
+            np.where(real, next_tokens, 0),
+            cache.lengths[:, None] + np.arange(n)[None, :],
+            new_lengths[:, None] - 1 + np.arange(m + 1)[None, :],
+            num_new - 1,
+            new_lengths,
+            cache.append_index(num_new),
+        ], device)
+
+        hidden = self.fc(features.to(device=device, dtype=dtype, non_blocking=True))
         x_real = self.midlayer.attention_input(self.embed_tokens(tokens).to(dtype), hidden)
-        cos, sin = self.rope(cache.lengths[:, None] + rows[None, :], dtype)
+        cos, sin = self.rope(positions, dtype)
         keys, values = attn.keys_values(x_real, cos, sin)
-        cache.append(keys, values, num_new, int(new_lengths.max()))
+        cache.append(keys, values, num_new, append_index)
 
         # Read-out rows: the last real row, then m MASK rows at the next positions.
         batch_idx = torch.arange(batch, device=device)
         x_mask, residual_mask = self.midlayer.mask_rows(batch, m)
-        x_out = torch.cat((x_real[batch_idx, num_new - 1][:, None], x_mask), dim=1)
-        residual = torch.cat((hidden[batch_idx, num_new - 1][:, None], residual_mask), dim=1)
-        positions = new_lengths[:, None] - 1 + torch.arange(m + 1, device=device)[None, :]
-        cos, sin = self.rope(positions, dtype)
+        x_out = torch.cat((x_real[batch_idx, last][:, None], x_mask), dim=1)
+        residual = torch.cat((hidden[batch_idx, last][:, None], residual_mask), dim=1)
+        cos, sin = self.rope(out_positions, dtype)
         queries = attn.queries(x_out, cos, sin)
         mask_keys, mask_values = attn.keys_values(x_mask, cos[:, 1:], sin[:, 1:])
 
         # Every read-out row sees all committed slots of its sequence; MASK row i also sees MASK
         # rows 1..i (causal inside the block); nothing sees stale slots or later rows.
         slots = torch.arange(cache.keys.shape[2], device=device)
-        committed = (slots[None, :] < new_lengths[:, None])[:, None, :].expand(batch, m + 1, -1)
+        committed = (slots[None, :] < lengths[:, None])[:, None, :].expand(batch, m + 1, -1)
         in_block = torch.ones(m + 1, m, dtype=torch.bool, device=device).tril(-1)
         allowed = torch.cat((committed, in_block[None].expand(batch, -1, -1)), dim=-1)[:, None]
         out = attn.attend(queries, torch.cat((cache.keys, mask_keys), dim=2),
                           torch.cat((cache.values, mask_values), dim=2), allowed)
         return self.logits(self.midlayer.feed_forward(out, residual))
 
-    def _check_inputs(self, features: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor,
+    def _check_inputs(self, features: torch.Tensor, next_tokens: np.ndarray, num_new: np.ndarray,
                       cache: DraftKVCache) -> tuple[int, int]:
         batch = len(cache)
         width = 3 * self.config.target_hidden_size
@@ -596,28 +622,38 @@ class DartDraftHead(nn.Module):
         n = features.shape[1]
         if n < 1:
             raise ValueError("features has no rows (n = 0); every sequence needs num_new >= 1")
-        if tuple(next_tokens.shape) != (batch, n) or next_tokens.dtype.is_floating_point:
-            raise ValueError(f"next_tokens must be an integer tensor of shape {(batch, n)}, "
+        if next_tokens.shape != (batch, n):
+            raise ValueError(f"next_tokens must be an integer array of shape {(batch, n)}, "
                              f"found {next_tokens.dtype} {tuple(next_tokens.shape)}")
-        if tuple(num_new.shape) != (batch,) or num_new.dtype.is_floating_point:
-            raise ValueError(f"num_new must be an integer tensor of shape ({batch},), "
+        if num_new.shape != (batch,):
+            raise ValueError(f"num_new must be an integer array of shape ({batch},), "
                              f"found {num_new.dtype} {tuple(num_new.shape)}")
         low, high = int(num_new.min()), int(num_new.max())
         if low < 1 or high > n:
             raise ValueError(f"num_new must lie in [1, n={n}], found values {low}..{high}")
         return batch, n
 
-    def _check_positions(self, new_lengths: torch.Tensor, next_tokens: torch.Tensor,
-                         real: torch.Tensor) -> None:
+    def _check_tokens(self, next_tokens: np.ndarray, real: np.ndarray) -> None:
         """Out-of-vocabulary tokens are caller errors.
 
         Positions past max_position_embeddings are not: RoPE extends to any position, and MASK
         rows near the target's context limit are never verified anyway. A draft that runs past
         the length it was trained on only loses accuracy; verification keeps the output exact.
         """
-        real_tokens = next_tokens.to(real.device)[real]
-        token_low, token_high = torch.stack((real_tokens.min(), real_tokens.max())).tolist()
+        real_tokens = next_tokens[real]
+        token_low, token_high = int(real_tokens.min()), int(real_tokens.max())
         if token_low < 0 or token_high >= self.config.vocab_size:
             raise ValueError(f"next_tokens of real rows must lie in [0, {self.config.vocab_size}), "
                              f"found {token_low}..{token_high}")
 
+
+def _host_ints(values) -> np.ndarray:
+    """Integer host data as a numpy int64 array (a tensor is read back: callers outside the engine)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise ValueError(f"expected an integer tensor, found {values.dtype}")
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"expected integers, found {array.dtype}")
+    return array.astype(np.int64, copy=False)

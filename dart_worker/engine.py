@@ -39,6 +39,7 @@ from dart_worker.sampling import (
 )
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
+from dart_worker.transfer import to_device, to_host
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import (
     Acceptance,
@@ -223,7 +224,7 @@ class DecodingEngine:
                 keep = retire_order([bool(s.finish_reason) for s in live])  # survivors fill the holes
                 if keep:
                     state.select(keep)
-                    drafter.select(torch.tensor(keep, device=self.device))
+                    drafter.select(keep)
                 live = [live[b] for b in keep]
             if waiting and len(live) < max_live:
                 joining = [waiting.popleft() for _ in range(min(max_live - len(live), len(waiting)))]
@@ -362,22 +363,32 @@ class DecodingEngine:
 
     def _sample_rows(self, logits: torch.Tensor, live: list[_Sequence]) -> list[int]:
         """One token per sequence from [B, V] logits: the argmax, or the coupled draw of the
-        sequence's next position (the draw verification makes at a root row)."""
-        tokens = []
+        sequence's next position (the draw verification makes at a root row). Every token and
+        every sampled row's probability sum (a finiteness check) come back in one transfer."""
         histories = _histories(live)
+        parts = []
         for b, seq in enumerate(live):
             row = logits[b : b + 1]
             if seq.params.has_penalties:
                 row = apply_penalties(row, [seq.params], [histories[b]], [[]])
             if seq.params.is_greedy:
-                tokens.append(int(row[0].argmax()))
+                parts.append(row.max(dim=-1).indices.double())
             else:
                 probs = warp_logits_to_probs(row, seq.params)
-                total = float(probs.sum())
-                if not abs(total - 1.0) <= 1e-3:
-                    raise ValueError(f"request {seq.index}: warped probabilities sum to {total} (non-finite logits?)")
-                u = torch.from_numpy(position_uniforms(seq.key, [len(seq.tokens) - seq.num_prompt])).to(probs.device)
-                tokens.append(int(inverse_cdf_sample(probs, u)[0]))
+                u = to_device(position_uniforms(seq.key, [len(seq.tokens) - seq.num_prompt]), probs.device)
+                parts += [inverse_cdf_sample(probs, u).double(), probs.sum(dim=-1).double()]
+        (host,) = to_host(torch.cat(parts))
+        tokens, k = [], 0
+        for seq in live:
+            if seq.params.is_greedy:
+                tokens.append(int(host[k]))
+                k += 1
+                continue
+            token, total = host[k], host[k + 1]
+            k += 2
+            if not abs(total - 1.0) <= 1e-3:
+                raise ValueError(f"request {seq.index}: warped probabilities sum to {total} (non-finite logits?)")
+            tokens.append(int(token))
         return tokens
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> None:
@@ -446,8 +457,8 @@ def _row_logits(target: TargetAdapter, hidden: torch.Tensor):
     """`row_logits` for `verify_greedy_by_rows`: logits of chosen (sequence, row) pairs."""
 
     def row_logits(index: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-        device = hidden.device
-        return target.logits_at(hidden[torch.from_numpy(index).to(device), torch.from_numpy(rows).to(device)])
+        where = to_device(np.stack([index, rows]), hidden.device)
+        return target.logits_at(hidden[where[0], where[1]])
 
     return row_logits
 

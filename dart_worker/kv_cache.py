@@ -19,9 +19,12 @@ Stale buffer slots past the view are never read: attention only ever gets the vi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+from dart_worker.transfer import to_device
 
 SPARE_SLOTS = 256  # slots added beyond need when a buffer grows (plus a quarter of the need)
 
@@ -31,6 +34,14 @@ class GrowingLayer(DynamicLayer):
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty keys/values made on the device (transformers' own builds them from a host list,
+        a host-to-device copy per layer per new cache)."""
+        self.device = key_states.device
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -61,8 +72,8 @@ class GrowingLayer(DynamicLayer):
         batch, heads, _, dim = key_states.shape
         if self._key_buffer is not None and self._key_buffer.shape[1] == heads:  # keep the rows once had
             batch = max(batch, self._key_buffer.shape[0])
-        keys = key_states.new_empty(batch, heads, capacity, dim)
-        values = value_states.new_empty(batch, value_states.shape[1], capacity, value_states.shape[-1])
+        keys = key_states.new_zeros(batch, heads, capacity, dim)
+        values = value_states.new_zeros(batch, value_states.shape[1], capacity, value_states.shape[-1])
         if used:
             keys[: self.keys.shape[0], :, :used] = self.keys
             values[: self.values.shape[0], :, :used] = self.values
@@ -70,20 +81,22 @@ class GrowingLayer(DynamicLayer):
 
 
     @torch.no_grad()
-    def keep_sequences(self, order: list[int]) -> None:
+    def keep_sequences(self, order: list[int], index: torch.Tensor | None = None) -> None:
         """Keep sequences `order` (source indices, new order) in place: only the sequences whose
         index changes are copied, into the buffer rows of the ones that left. With the engine's
         retirement order (`retire_order`: the last live sequences fill the holes) a finished row
-        costs one sequence's copy, not the whole cache's."""
+        costs one sequence's copy, not the whole cache's. `index`: `moved_index(order)` on the
+        cache's device (uploaded once for every layer)."""
+        if index is None:
+            index = to_device(moved_index(order), self.keys.device)
         if not self._views_buffer():  # replaced by someone else: plain indexing, adopted later
-            index = torch.tensor(order, device=self.keys.device)
-            self.keys, self.values = self.keys[index], self.values[index]
+            whole = index[2, : len(order)]
+            self.keys, self.values = self.keys[whole], self.values[whole]
             return
         used = self.keys.shape[-2]
-        moved = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        moved = int(np.count_nonzero(np.asarray(order) != np.arange(len(order))))
         if moved:
-            dst = torch.tensor([m[0] for m in moved], device=self.keys.device)
-            src = torch.tensor([m[1] for m in moved], device=self.keys.device)
+            dst, src = index[0, :moved], index[1, :moved]
             # Advanced indexing reads the moved sources into a temporary before writing.
             self._key_buffer[dst, :, :used] = self._key_buffer[src, :, :used]
             self._value_buffer[dst, :, :used] = self._value_buffer[src, :, :used]
@@ -117,8 +130,8 @@ class GrowingLayer(DynamicLayer):
         capacity = max(slots + SPARE_SLOTS + slots // 4, self._key_buffer.shape[-2])
         rows = max(batch, self._key_buffer.shape[0])
         _, heads, _, dim = old_keys.shape
-        self._key_buffer = old_keys.new_empty(rows, heads, capacity, dim)
-        self._value_buffer = old_values.new_empty(rows, old_values.shape[1], capacity, old_values.shape[-1])
+        self._key_buffer = old_keys.new_zeros(rows, heads, capacity, dim)
+        self._value_buffer = old_values.new_zeros(rows, old_values.shape[1], capacity, old_values.shape[-1])
         self._key_buffer[: old_keys.shape[0], :, :used] = old_keys
         self._value_buffer[: old_values.shape[0], :, :used] = old_values
 
@@ -128,6 +141,18 @@ def _join(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
     slots = max(mine.shape[-2], theirs.shape[-2])
     pad = torch.nn.functional.pad
     return torch.cat([pad(mine, (0, 0, 0, slots - mine.shape[-2])), pad(theirs, (0, 0, 0, slots - theirs.shape[-2]))])
+
+
+def moved_index(order: list[int]) -> np.ndarray:
+    """[3, len(order)] int64 for `GrowingLayer.keep_sequences`: destinations and sources of the
+    sequences that change index (first columns; the rest unused), then `order` itself."""
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    moved = np.flatnonzero(order != np.arange(len(order)))
+    index = np.zeros((3, len(order)), dtype=np.int64)
+    index[0, : len(moved)] = moved
+    index[1, : len(moved)] = order[moved]
+    index[2] = order
+    return index
 
 
 def retire_order(finished: list[bool]) -> list[int]:
@@ -149,8 +174,11 @@ class GrowingCache(DynamicCache):
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
 
     def keep_sequences(self, order: list[int]) -> None:
+        if not self.layers:
+            return
+        index = to_device(moved_index(order), self.layers[0].keys.device)  # one upload for every layer
         for layer in self.layers:
-            layer.keep_sequences(order)
+            layer.keep_sequences(order, index)
 
     def append_sequences(self, other: DynamicCache) -> None:
         if len(self.layers) != len(other.layers):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dart_worker.kernels import warp_for
+from dart_worker.transfer import to_device_packed
 
 _MAX_SEED = 2**63 - 1
 
@@ -180,10 +181,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
         freq.append(np.full(n, p.frequency_penalty, dtype=np.float32))
         pres.append(np.full(n, p.presence_penalty, dtype=np.float32))
     device = out.device
-    row_index = torch.from_numpy(np.concatenate(rows)).to(device)
-    token_index = torch.from_numpy(np.concatenate(tokens)).to(device)
-    count = torch.from_numpy(np.concatenate(counts).astype(np.float32)).to(device)
-    rep_t, freq_t, pres_t = (torch.from_numpy(np.concatenate(a)).to(device) for a in (rep, freq, pres))
+    row_index, token_index, count, rep_t, freq_t, pres_t = to_device_packed(  # one non-blocking upload
+        [np.concatenate(rows), np.concatenate(tokens), np.concatenate(counts).astype(np.float32),
+         *(np.concatenate(a) for a in (rep, freq, pres))], device)
     values = out[row_index, token_index]
     values = torch.where(values > 0, values / rep_t, values * rep_t)
     values = values - freq_t * count

@@ -35,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 from dart_worker import tree_attention
 from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
+from dart_worker.transfer import to_device
 
 # Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa and
 # dart_tree (`dart_worker.tree_attention`, which the adapter puts in sdpa's place) boolean ones,
@@ -59,16 +60,39 @@ def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, last), min(num_layers // 2, last), max(0, min(num_layers - 3, last)))
 
 
-@dataclass
 class TargetState:
-    """KV cache plus per-sequence committed lengths for a batch of sequences."""
+    """KV cache plus per-sequence committed lengths for a batch of sequences.
 
-    cache: DynamicCache
-    lengths: torch.Tensor  # [B] int64 on the device: committed tokens held in the cache
+    The lengths live on the host (`lengths`, numpy int64): the engine's bookkeeping (depth caps,
+    context limits, where compaction writes) reads them every round, and on a GPU each read of a
+    device value would stall the host. The device copy the masks and positions need
+    (`device_lengths`) is uploaded, non-blocking, once after each change.
+    """
+
+    def __init__(self, cache: DynamicCache, lengths) -> None:
+        self.cache = cache
+        self.lengths = lengths
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[B] int64 on the host: committed tokens held in the cache."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        self._lengths = np.array(value, dtype=np.int64).reshape(-1)
+        self._device_lengths: torch.Tensor | None = None
+
+    def device_lengths(self, device: torch.device) -> torch.Tensor:
+        if self._device_lengths is None or self._device_lengths.device != device:
+            self._device_lengths = to_device(self._lengths, device)
+        return self._device_lengths
 
     @property
     def batch_size(self) -> int:
-        return int(self.lengths.shape[0])
+        return int(self._lengths.shape[0])
 
     def cache_len(self) -> int:
         """Number of slots in the cache tensors (>= every sequence's length)."""
@@ -80,7 +104,7 @@ class TargetState:
         order = [int(i) for i in order]
         if len(self.cache.layers):
             self.cache.keep_sequences(order)
-        self.lengths = self.lengths[torch.tensor(order, device=self.lengths.device)]
+        self.lengths = self._lengths[order]
 
     @torch.no_grad()
     def extend(self, other: TargetState) -> None:
@@ -88,7 +112,7 @@ class TargetState:
         join a running batch), written after the live ones' rows of the cache buffers. Slots past
         a sequence's length are stale and always masked out, whoever's longer."""
         self.cache.append_sequences(other.cache)
-        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.lengths = np.concatenate([self._lengths, other.lengths])
 
 
 def _pad_slots(tensor: torch.Tensor, slots: int) -> torch.Tensor:
@@ -207,7 +231,7 @@ class TargetAdapter:
         return self.model.get_input_embeddings()(token_ids)
 
     def new_state(self, batch_size: int) -> TargetState:
-        return TargetState(GrowingCache(), torch.zeros(batch_size, dtype=torch.long, device=self.device))
+        return TargetState(GrowingCache(), np.zeros(batch_size, dtype=np.int64))
 
     # ------------------------------------------------------------------ masks
 
@@ -219,7 +243,7 @@ class TargetAdapter:
         batch, rows = positions.shape
         cached = state.cache_len()
         slot = torch.arange(cached, device=positions.device)
-        prefix = slot[None, None, :] < state.lengths[:, None, None]  # [B, 1, T]
+        prefix = slot[None, None, :] < state.device_lengths(positions.device)[:, None, None]  # [B, 1, T]
         prefix = prefix.expand(batch, rows, cached)
         full = torch.cat([prefix, block], dim=-1)  # [B, S, T + S]
         if not self.uses_mask_dict:
@@ -341,24 +365,26 @@ class TargetAdapter:
         state.cache, state.lengths = joined.cache, joined.lengths
         width = max(out.taps.shape[1] for out in outs)
         taps = torch.cat([_pad_slots(out.taps, width) for out in outs])
-        index = torch.from_numpy(inverse).to(self.device)
+        index = to_device(inverse, self.device)
         return ForwardOutput(logits=torch.cat([out.logits for out in outs])[index], taps=taps[index])
 
     def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
         """`prefill` in one forward: prompts right-padded into one block."""
         device = self.device
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(lengths.max())
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        packed = np.zeros((3, len(prompts), width), dtype=np.int64)  # ids, positions, last row
         for b, prompt in enumerate(prompts):
-            input_ids[b, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+            packed[0, b, : len(prompt)] = prompt
+        packed[1] = state.lengths[:, None] + np.arange(width)[None, :]
+        packed[2, :, 0] = lengths - 1
+        input_ids, positions, last = to_device(packed, device).unbind(0)  # one upload
         col = torch.arange(width, device=device)
-        valid = col[None, :] < lengths[:, None]
+        valid = col[None, :] <= last[:, :1]
         causal = col[None, :, None] >= col[None, None, :]
         # Padding rows attend to themselves only, so no softmax runs over an empty row.
         block = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-        positions = state.lengths[:, None] + col[None, :]
-        out = self.forward(state, input_ids, positions, block, logit_rows=(lengths - 1)[:, None])
+        out = self.forward(state, input_ids, positions, block, logit_rows=last[:, :1])
         state.lengths = state.lengths + lengths
         self._crop(state, int(state.lengths.max()))
         return out
@@ -371,7 +397,7 @@ class TargetAdapter:
         Returns logits at every row (row i predicts the token after row i's path), or with
         `defer_logits` the final hidden states of every row (see `forward`).
         """
-        positions = state.lengths[:, None] + depths
+        positions = state.device_lengths(depths.device)[:, None] + depths
         return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits)
 
     # ------------------------------------------------------------- compaction
@@ -383,24 +409,22 @@ class TargetAdapter:
         They move to slots lengths[b], lengths[b] + 1, ...; the rest of the block is dropped.
         Destination slots never exceed source slots, and the gather reads before it writes.
         """
-        device = state.lengths.device
-        batch_idx, src, dst = [], [], []
-        for b, rows in enumerate(accepted_rows):
-            base = int(state.lengths[b])
-            for k, row in enumerate(rows):
-                batch_idx.append(b)
-                src.append(block_start + int(row))
-                dst.append(base + k)
-        new_lengths = state.lengths + torch.tensor([len(r) for r in accepted_rows], device=device)
-        if src:
-            b_t = torch.tensor(batch_idx, device=device)
-            src_t = torch.tensor(src, device=device)
-            dst_t = torch.tensor(dst, device=device)
+        counts = np.array([len(rows) for rows in accepted_rows], dtype=np.int64)
+        total = int(counts.sum())
+        if total:
+            # (sequence, source slot, destination slot) of every kept row, built on the host from
+            # the host lengths and uploaded in one non-blocking copy.
+            index = np.empty((3, total), dtype=np.int64)
+            index[0] = np.repeat(np.arange(len(counts)), counts)
+            index[1] = block_start + np.concatenate([np.asarray(rows, dtype=np.int64) for rows in accepted_rows])
+            index[2] = np.repeat(state.lengths, counts) + (np.arange(total) - np.repeat(np.cumsum(counts) - counts,
+                                                                                          counts))
+            b_t, src_t, dst_t = to_device(index, self.device).unbind(0)
             for layer in state.cache.layers:
                 layer.keys[b_t, :, dst_t] = layer.keys[b_t, :, src_t]
                 layer.values[b_t, :, dst_t] = layer.values[b_t, :, src_t]
-        state.lengths = new_lengths
-        self._crop(state, int(new_lengths.max()) if len(new_lengths) else 0)
+        state.lengths = state.lengths + counts
+        self._crop(state, int(state.lengths.max()) if len(counts) else 0)
 
     @staticmethod
     def _crop(state: TargetState, keep: int) -> None:

@@ -13,9 +13,9 @@ softmax row has at least one unmasked key and padding never leaks into real rows
 row has a padding row as an ancestor).
 
 Everything is built on the host with numpy (trees are small: N <= ~64, called every round)
-and moved to the device in one copy per tensor. This is where trees enter the engine, so it is
-also the one place they are checked (`check_tree`): a broken drafter fails loudly here, and
-nothing downstream (verification, KV compaction) checks them again.
+and moved to the device in one non-blocking copy (`transfer.to_device_packed`). This is where
+trees enter the engine, so it is also the one place they are checked (`check_tree`): a broken
+drafter fails loudly here, and nothing downstream (verification, KV compaction) checks them again.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dart_worker.transfer import to_device_packed
 from ngram_native.trees import ancestor_masks
 
 
@@ -139,11 +140,5 @@ class TreeBatch:
             parent_row[b, 1 : n + 1] = np.asarray(tree.parents, dtype=np.int64) + 1
         ancestor = ancestor_masks(parent_row)
 
-        device = torch.device(device)
-        return cls(
-            tokens=torch.from_numpy(tokens).to(device),
-            depth=torch.from_numpy(depth).to(device),
-            valid=torch.from_numpy(valid).to(device),
-            ancestor=torch.from_numpy(ancestor).to(device),
-            num_nodes=num_nodes,
-        )
+        tokens_t, depth_t, valid_t, ancestor_t = to_device_packed([tokens, depth, valid, ancestor], device)
+        return cls(tokens=tokens_t, depth=depth_t, valid=valid_t, ancestor=ancestor_t, num_nodes=num_nodes)

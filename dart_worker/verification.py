@@ -61,6 +61,7 @@ from dart_worker.sampling import (
     position_uniforms,
     warp_logits_to_probs,
 )
+from dart_worker.transfer import to_device, to_host
 from dart_worker.tree_batch import TreeLike, check_tree
 from ngram_native.trees import SOURCE_COPIED, children
 
@@ -153,7 +154,7 @@ def verify_greedy_by_rows(
         chains = [_predicted_chain(tables[b], trees[b], node[b]) for b in walking]
         index = np.repeat(np.asarray(walking, dtype=np.int64), [len(c) for c in chains])
         rows = np.concatenate([np.asarray(c, dtype=np.int64) + 1 for c in chains])
-        argmax = row_logits(index, rows).max(dim=-1).indices.cpu().numpy().tolist()
+        argmax = to_host(row_logits(index, rows).max(dim=-1).indices)[0].tolist()
         still, offset = [], 0
         for b, chain in zip(walking, chains):
             tree, table = trees[b], tables[b]
@@ -258,13 +259,13 @@ def _verify_sampled(
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
         uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
-        index = torch.from_numpy(np.concatenate([sequence, row])).to(device)
+        index = to_device(np.concatenate([sequence, row]), device)
         rows_logits = _penalised(logits[index[:num_rows], index[num_rows:]],
                                  [(trees[k], params[k], histories[k], parent_nodes[k]) for k in chunk])
         probs = warp_logits_to_probs(rows_logits, params[chunk[0]])
-        draw_parts.append(inverse_cdf_sample(probs, torch.from_numpy(uniforms).to(device)).double())
+        draw_parts.append(inverse_cdf_sample(probs, to_device(uniforms, device)).double())
         sum_parts.append(probs.sum(dim=-1).double())
-    host = torch.cat([*draw_parts, *sum_parts]).cpu().numpy() if rows_done else np.zeros(0)  # THE transfer
+    (host,) = to_host(torch.cat([*draw_parts, *sum_parts])) if rows_done else (np.zeros(0),)  # THE transfer
     host_draws, host_sums = host[:rows_done].astype(np.int64), host[rows_done:]
 
     # 2. The walks, on the host, after one vectorised check that every row is a distribution.
@@ -283,20 +284,20 @@ def _verify_sampled(
     leaves = [k for k, (_, bonus) in enumerate(walks) if bonus is None]
     if leaves:
         leaf_node = [walks[k][0][-1] if walks[k][0] else -1 for k in leaves]
-        picked = logits[torch.tensor([batch_index[k] for k in leaves], device=device),
-                        torch.tensor([n + 1 for n in leaf_node], device=device)]
+        leaf_index = to_device([[batch_index[k] for k in leaves], [n + 1 for n in leaf_node]], device)
+        picked = logits[leaf_index[0], leaf_index[1]]
         uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], np.asarray([n]))
                                    for k, n in zip(leaves, leaf_node, strict=True)])
         draws = torch.empty(len(leaves), dtype=torch.float64, device=device)
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
-            chunk_dev = torch.tensor(chunk, device=device)
+            chunk_dev = to_device(chunk, device, torch.long)
             chunk_logits = _penalised(picked[chunk_dev], [(trees[leaves[j]], params[leaves[j]], histories[leaves[j]],
                                                            np.asarray([leaf_node[j]])) for j in chunk])
             probs = warp_logits_to_probs(chunk_logits, params[leaves[chunk[0]]])
-            draws[chunk_dev] = inverse_cdf_sample(probs, torch.from_numpy(uniforms[chunk]).to(device)).double()
+            draws[chunk_dev] = inverse_cdf_sample(probs, to_device(uniforms[chunk], device)).double()
             sums[chunk_dev] = probs.sum(dim=-1).double()
-        host = torch.cat([draws, sums]).cpu().numpy()  # the second transfer
+        (host,) = to_host(torch.cat([draws, sums]))  # the second transfer
         bad = np.flatnonzero(~(np.abs(host[len(leaves):] - 1.0) <= _ROW_SUM_TOLERANCE))
         if bad.size:  # a leaf row: not checked in step 2
             j = int(bad[0])
@@ -411,16 +412,18 @@ def verify_batch(
             raise ValueError(f"trees[{b}] has {n} nodes but logits have only {width} rows (need N + 1)")
     results: list[Acceptance | None] = [None] * batch
 
-    greedy = [b for b in range(batch) if params[b].is_greedy and not params[b].has_penalties]
-    for b in range(batch):
-        if params[b].is_greedy and params[b].has_penalties:  # the argmax of each row's penalised logits
-            rows = np.arange(-1, sizes[b])
-            penalised = _penalised(logits[b, : sizes[b] + 1], [(trees[b], params[b], histories[b], rows)])
-            results[b] = _greedy_walk(trees[b], penalised.max(dim=-1).indices.cpu().numpy())
+    greedy = [b for b in range(batch) if params[b].is_greedy]
     if greedy:
         # max().indices is argmax with the same tie rule (first maximum) and about twice as fast
         # on CPU over a 262k vocabulary, where this is the largest cost of a round after verify.
-        argmax = torch.cat([logits[b, : sizes[b] + 1].max(dim=-1).indices for b in greedy]).cpu().numpy()
+        # A request with penalties takes the argmax of each row's penalised logits.
+        argmaxes = []
+        for b in greedy:
+            rows = logits[b, : sizes[b] + 1]
+            if params[b].has_penalties:
+                rows = _penalised(rows, [(trees[b], params[b], histories[b], np.arange(-1, sizes[b]))])
+            argmaxes.append(rows.max(dim=-1).indices)
+        (argmax,) = to_host(torch.cat(argmaxes))
         offset = 0
         for b in greedy:
             results[b] = _greedy_walk(trees[b], argmax[offset : offset + sizes[b] + 1])
@@ -494,16 +497,16 @@ def committed_logprobs(
         if not p.logprobs:
             shapes.append(None)
             continue
-        rows = torch.from_numpy(acc.committed_rows).to(device)
+        rows = to_device(acc.committed_rows, device)
         nodes = np.concatenate([[-1], acc.accepted]).astype(np.int64)
         row_logits = _penalised(logits[b, rows], [(tree, p, histories[b], nodes)])
         logp = sampling_log_probs(row_logits, p)
-        chosen = logp.gather(-1, torch.from_numpy(acc.tokens).to(device)[:, None])
+        chosen = logp.gather(-1, to_device(acc.tokens, device)[:, None])
         k = min(p.logprobs, logp.shape[-1])
         top = logp.topk(k, dim=-1)
         parts.append(torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=-1).reshape(-1))
         shapes.append((logp.shape[0], k))
-    host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0)
+    (host,) = to_host(torch.cat(parts)) if parts else (np.zeros(0),)
     out: list[TokenLogprobs | None] = []
     offset = 0
     for shape in shapes:

@@ -112,7 +112,7 @@ class OracleContext(Drafter):
         self.inner.finish(tokens, num_prompt)
 
     def select(self, keep) -> None:
-        self.live = [self.live[i] for i in keep.tolist()]
+        self.live = [self.live[i] for i in keep]
         self.inner.select(keep)
 
     def catch_up(self) -> None:

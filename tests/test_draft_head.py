@@ -318,7 +318,7 @@ def test_propose_rejects_bad_inputs():
         head.propose(features[None, :4], tokens[None, :4], torch.tensor([5]), head.new_cache(1))
     with pytest.raises(ValueError, match=r"features must have shape \[B=1, n, 3\*H_t=192\]"):
         head.propose(features[None, :4, :64], tokens[None, :4], torch.tensor([4]), head.new_cache(1))
-    with pytest.raises(ValueError, match=r"next_tokens must be an integer tensor of shape \(1, 4\)"):
+    with pytest.raises(ValueError, match=r"next_tokens must be an integer array of shape \(1, 4\)"):
         head.propose(features[None, :4], tokens[None, :3], torch.tensor([4]), head.new_cache(1))
     bad_tokens = tokens[None, :4].clone()
     bad_tokens[0, 1] = TINY_VOCAB

@@ -50,8 +50,8 @@ class RepeatDrafter(Drafter):
             assert 1 <= len(rows) <= len(tokens) and all(r < block.taps.shape[1] for r in rows)
         self.calls.append(("observe", [len(r) for r in block.rows]))
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.calls.append(("select", keep.tolist()))
+    def select(self, keep: Sequence[int]) -> None:
+        self.calls.append(("select", list(keep)))
         self.live = len(keep)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:

@@ -119,3 +119,23 @@ def test_finishing_and_joining_copy_only_the_moved_and_the_new_sequences():
     cache.keep_sequences([0, 4, 2, 3])
     layer.append_sequences(joiner[:1], -joiner[:1])
     assert layer._key_buffer is grown and layer.keys.shape == (5, 2, 7, 3)  # ... and is reused after
+
+
+def test_stale_slots_are_finite_whatever_memory_held(monkeypatch):
+    """Slots past a sequence's length are masked out, but a masked NaN still poisons attention
+    (its weight is 0, and 0 * NaN = NaN): every slot in the views must hold a finite value even
+    where fresh buffers came from memory full of garbage (here: NaN from every allocation)."""
+    real_new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *size, **kw: real_new_empty(self, *size, **kw)
+                        .fill_(float("nan")))
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *size, **kw: real_empty(*size, **kw).fill_(float("nan")))
+    cache = GrowingCache()
+    keys = torch.randn(2, 2, 5, 3)
+    cache.update(keys, keys, 0)
+    layer = cache.layers[0]
+    layer.append_sequences(torch.randn(3, 2, 9, 3), torch.randn(3, 2, 9, 3))  # ragged: the live rows' 5..8 stale
+    cache.keep_sequences([4, 1, 2])
+    layer.append_sequences(torch.randn(2, 2, 400, 3), torch.randn(2, 2, 400, 3))  # grows past the spare slots
+    cache.update(torch.randn(5, 2, 1, 3), torch.randn(5, 2, 1, 3), 0)
+    assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()

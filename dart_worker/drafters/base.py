@@ -87,8 +87,8 @@ class Drafter(ABC):
         that learns from finished outputs (the lookup drafters' job cache) reads them here. Errors
         never reach it: only rows that decoded."""
 
-    def select(self, keep: torch.Tensor) -> None:  # noqa: B027
-        """Keep only the sequences at indices `keep` (the others finished), in that order."""
+    def select(self, keep: Sequence[int]) -> None:  # noqa: B027
+        """Keep only the sequences at indices `keep` (host ints; the others finished), in that order."""
 
     def catch_up(self) -> None:  # noqa: B027
         """Run model work deferred since the last proposal (the engine times it as drafting)."""

@@ -19,6 +19,7 @@ import torch
 
 from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from dart_worker.transfer import to_device, to_host
 from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import (
     SOURCE_HEAD,
@@ -68,14 +69,23 @@ class HeadDrafter(Drafter):
         self._gather(block, offset=0)
 
     def _gather(self, block: CommittedBlock, offset: int) -> None:
-        """Queue the committed rows of `block` for sequences offset, offset + 1, ..."""
-        device = self.head.device
-        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True), start=offset):
-            index = torch.as_tensor(rows, dtype=torch.long, device=block.taps.device)
-            self._pending_features[b].append(block.taps[b - offset].index_select(0, index).to(device))
+        """Queue the committed rows of `block` for sequences offset, offset + 1, ...: one gather of
+        every sequence's rows (one upload of their indices), then a view per sequence."""
+        counts = [len(rows) for rows in block.rows]
+        total = sum(counts)
+        if total:
+            index = np.empty((2, total), dtype=np.int64)
+            index[0] = np.repeat(np.arange(len(counts)), counts)
+            index[1] = np.concatenate([np.asarray(rows, dtype=np.int64) for rows in block.rows if len(rows)])
+            where = to_device(index, block.taps.device)
+            features = block.taps[where[0], where[1]].to(self.head.device, non_blocking=True).split(counts)
+        for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True)):
+            if not len(rows):
+                continue
+            self._pending_features[offset + b].append(features[b])
             # Row k of the block carries the features of its token and the embedding of the token
             # after it (shifted pairing): the last committed row pairs with the newest token.
-            self._pending_tokens[b].extend(tokens[len(tokens) - len(rows):])
+            self._pending_tokens[offset + b].extend(tokens[len(tokens) - len(rows):])
 
     def join(self, block: CommittedBlock) -> None:
         """Newcomers get empty head caches after the live ones; their prompt rows wait for the
@@ -98,26 +108,28 @@ class HeadDrafter(Drafter):
             raise RuntimeError(f"{self.name}: some sequences have no unread rows ({counts}): a block was missed")
         device = self.head.device
         batch, width = len(counts), max(counts)
-        features = self._pending_features
-        dim = features[0][0].shape[-1]
-        padded = torch.zeros(batch, width, dim, dtype=features[0][0].dtype, device=device)
-        next_tokens = torch.zeros(batch, width, dtype=torch.long)
-        for b in range(batch):
-            padded[b, : counts[b]] = torch.cat(features[b]) if len(features[b]) > 1 else features[b][0]
-            next_tokens[b, : counts[b]] = torch.as_tensor(self._pending_tokens[b])
-        num_new = torch.tensor(counts, device=device)
-        self.logits = self.head.propose(padded, next_tokens.to(device), num_new, self.cache)
+        # Every sequence's unread rows scattered into one padded [B, width] block, on the device;
+        # the next tokens and counts are host data (checked there by the head) uploaded once.
+        rows = np.concatenate([np.arange(c) for c in counts])
+        index = np.stack([np.repeat(np.arange(batch), counts), rows])
+        next_tokens = np.zeros((batch, width), dtype=np.int64)
+        next_tokens[index[0], index[1]] = np.concatenate([np.asarray(t, dtype=np.int64) for t in self._pending_tokens])
+        where = to_device(index, device)
+        flat = torch.cat([f for per_sequence in self._pending_features for f in per_sequence])
+        padded = flat.new_zeros(batch, width, flat.shape[-1])
+        padded[where[0], where[1]] = flat
+        self.logits = self.head.propose(padded, next_tokens, np.asarray(counts), self.cache)
         self._pending_features = [[] for _ in range(batch)]
         self._pending_tokens = [[] for _ in range(batch)]
 
     def pause_model(self, paused: bool) -> None:
         self.paused = paused
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.cache.select(keep)
+    def select(self, keep: Sequence[int]) -> None:
+        order = [int(b) for b in keep]
+        self.cache.select(order)
         if self.logits is not None:
-            self.logits = self.logits[keep.to(self.logits.device)]
-        order = keep.tolist()
+            self.logits = self.logits.index_select(0, to_device(order, self.logits.device, torch.long))
         self._pending_features = [self._pending_features[b] for b in order]
         self._pending_tokens = [self._pending_tokens[b] for b in order]
 
@@ -136,16 +148,19 @@ class HeadDrafter(Drafter):
         """Trees from draft logits [B, D', draft vocab] (D' = the deepest cap)."""
         raise NotImplementedError
 
-    def target_ids(self, draft_ids: torch.Tensor) -> np.ndarray:
-        return self.head.to_target_ids(draft_ids).to(torch.int32).cpu().numpy()
+    def candidates(self, values: torch.Tensor, draft_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The tree builders' inputs on the host: target ids (int32) and float32 scores of the
+        head's top-k, [B, D', k] each, in the round's one draft transfer."""
+        ids, scores = to_host(self.head.to_target_ids(draft_ids).to(torch.int32), values.float())
+        return ids, scores
 
 
 class ChainDrafter(HeadDrafter):
     name = "chain"
 
     def build(self, logits, tokens, caps):
-        values, ids = logits.topk(1, dim=-1)
-        return build_chain_trees(self.target_ids(ids), values.float().cpu().numpy(), budget=self.tree.budget,
+        ids, values = self.candidates(*logits.topk(1, dim=-1))
+        return build_chain_trees(ids, values, budget=self.tree.budget,
                                  eos_ids=self.eos_ids, max_depths=caps)
 
 
@@ -154,8 +169,8 @@ class DDTreeDrafter(HeadDrafter):
 
     def build(self, logits, tokens, caps):
         top_k = min(self.tree.top_k, logits.shape[-1])
-        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-        return build_ddtree_trees(self.target_ids(ids), values.cpu().numpy(), budget=self.tree.budget,
+        ids, values = self.candidates(*torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1))
+        return build_ddtree_trees(ids, values, budget=self.tree.budget,
                                   eos_ids=self.eos_ids, max_depths=caps)
 
 
@@ -180,8 +195,8 @@ class DartDrafter(HeadDrafter):
 
     def build(self, logits, tokens, caps):
         top_k = min(self.tree.top_k, logits.shape[-1])
-        values, ids = logits.float().topk(top_k, dim=-1)
+        ids, values = self.candidates(*logits.float().topk(top_k, dim=-1))
         contexts = [t[-NGRAM_CONTEXT_TOKENS:] for t in tokens]
         scorer = self.job_ngram if self.job_ngram is not None else self.trie
-        return build_dart_trees(self.target_ids(ids), values.cpu().numpy(), contexts, scorer,
+        return build_dart_trees(ids, values, contexts, scorer,
                                 params=self.tree, top_k=top_k, eos_ids=self.eos_ids, max_depths=caps)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from dart_worker.drafters.base import CommittedBlock, Drafter
 from dart_worker.drafters.lookup import ContextIndexes, graft
 from ngram_native.trees import DraftTree, TreeParams
@@ -65,7 +63,7 @@ class HybridDrafter(Drafter):
         self.inner.finish(tokens, num_prompt)
         self.context.finish(tokens, num_prompt)
 
-    def select(self, keep: torch.Tensor) -> None:
+    def select(self, keep: Sequence[int]) -> None:
         self.inner.select(keep)
         self.context.select(keep)
 

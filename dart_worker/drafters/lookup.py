@@ -21,8 +21,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch
-
 from dart_worker.drafters.base import CommittedBlock, Drafter
 from ngram_native.context import (
     DEFAULT_JOB_MAX_MATCH,
@@ -96,8 +94,8 @@ class ContextIndexes:
         if self.profile is not None:
             self.profile.append({"finished": len(tokens), "add_s": time.perf_counter() - start})
 
-    def select(self, keep: torch.Tensor) -> None:
-        self.indexes = [self.indexes[b] for b in keep.tolist()]
+    def select(self, keep: Sequence[int]) -> None:
+        self.indexes = [self.indexes[b] for b in keep]
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         for b, (index, seq) in enumerate(zip(self.indexes, tokens, strict=True)):
@@ -153,7 +151,7 @@ class LookupDrafter(Drafter):
     def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
         self.context.finish(tokens, num_prompt)
 
-    def select(self, keep: torch.Tensor) -> None:
+    def select(self, keep: Sequence[int]) -> None:
         self.context.select(keep)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
