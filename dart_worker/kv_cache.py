@@ -29,6 +29,12 @@ from dart_worker.transfer import to_device
 SPARE_SLOTS = 256  # slots added beyond need when a buffer grows (plus a quarter of the need)
 
 
+def buffer_slots(needed: int) -> int:
+    """Slots a buffer gets when it must hold `needed`: room to grow without a copy every round
+    (`dart_worker.kv_budget` bounds a job's cache memory with the same rule)."""
+    return needed + SPARE_SLOTS + needed // 4
+
+
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys/values are prefix views of buffers with spare slots."""
 
@@ -68,7 +74,7 @@ class GrowingLayer(DynamicLayer):
 
     def _adopt(self, key_states: torch.Tensor, value_states: torch.Tensor, used: int, total: int) -> None:
         """New buffers for `total` slots and spare ones, holding the current `used` slots."""
-        capacity = total + SPARE_SLOTS + total // 4
+        capacity = buffer_slots(total)
         batch, heads, _, dim = key_states.shape
         if self._key_buffer is not None and self._key_buffer.shape[1] == heads:  # keep the rows once had
             batch = max(batch, self._key_buffer.shape[0])
@@ -127,7 +133,7 @@ class GrowingLayer(DynamicLayer):
     def _grow(self, batch: int, slots: int, used: int) -> None:
         """Buffers for at least `batch` sequences and `slots` slots (with spares), holding the current ones."""
         old_keys, old_values = self.keys, self.values
-        capacity = max(slots + SPARE_SLOTS + slots // 4, self._key_buffer.shape[-2])
+        capacity = max(buffer_slots(slots), self._key_buffer.shape[-2])
         rows = max(batch, self._key_buffer.shape[0])
         _, heads, _, dim = old_keys.shape
         self._key_buffer = old_keys.new_zeros(rows, heads, capacity, dim)

@@ -12,12 +12,16 @@ the first real run start fast.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+from transformers import AutoConfig
 
-from dart_worker.device import DeviceUnavailable, resolve_worker_device
+from dart_worker.device import DeviceUnavailable, resolve_dtype, resolve_worker_device
+from dart_worker.kv_budget import kv_budget
 from pipeline.config import PipelineConfig
 from pipeline.device_check import planned_device
 from pipeline.inputs import InputError, jsonl_codec
@@ -53,6 +57,29 @@ def estimate_rows(url: str, fmt: str) -> tuple[int | None, bool]:
         sample = f.read(SAMPLE_BYTES)
     lines = sample.split(b"\n")[:-1] or [sample]
     return max(1, round(size / (len(sample) / len(lines)))), False
+
+
+def kv_cache_plan(cfg: PipelineConfig, location: str) -> dict[str, Any]:
+    """The worst-case KV cache of one worker (`dart_worker.kv_budget`) for the configured target,
+    dtype and max_live, read from the target's config alone (no weights)."""
+    r, d = cfg.resources, cfg.decoding
+    path = Path(location)
+    try:
+        if path.suffix == ".gguf":
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            config = AutoConfig.from_pretrained(location)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        return {"error": f"cannot read the target's config: {exc}"}
+    on_gpu = r.num_gpus_per_worker > 0
+    dtype = (torch.bfloat16 if on_gpu else resolve_dtype("auto", "cpu")) if cfg.model.dtype == "auto" \
+        else resolve_dtype(cfg.model.dtype, "cpu")
+    budget = kv_budget(config, dtype, max_live=r.max_live or r.batch_size, max_prompt_tokens=cfg.input.max_prompt_chars,
+                       max_new_tokens=d.max_new_tokens, tree_rows=d.tree.budget)
+    typical = min(budget.context_tokens, 2048 + d.max_new_tokens)
+    return {"dtype": str(dtype).removeprefix("torch."), "bytes_per_token": budget.bytes_per_token,
+            "max_live": budget.max_live, "context_tokens": budget.context_tokens, "bound_bytes": budget.bound_bytes,
+            "typical_tokens": typical, "typical_bytes": budget.at(typical)}
 
 
 def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
@@ -100,6 +127,7 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
         "inputs": {"files": inputs, "rows": sum(known) if known else None,
                    "exact": all(i["exact"] for i in inputs), "format": cfg.input.format},
         "output": output,
+        "kv_cache": kv_cache_plan(cfg, resolved["target_location"]),
         "workers": {"workers": workers, "cpus_per_worker": r.num_cpus_per_worker,
                     "torch_threads": r.torch_threads or max(1, int(r.num_cpus_per_worker)),
                     "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size,
@@ -145,6 +173,15 @@ def format_report(plan: dict[str, Any]) -> str:
     lines.append(f"output      {o['url']} ({state}; {resume})")
     if o["resume"] and o.get("plan", "").startswith("holds"):
         lines.append(f"            {o['plan']}")
+    kv = plan["kv_cache"]
+    if "error" in kv:
+        lines.append(f"kv cache    unknown: {kv['error']}")
+    else:
+        lines.append(f"kv cache    {kv['bytes_per_token'] / 2**10:.1f} KiB per token ({kv['dtype']}); "
+                     f"per worker at most "
+                     f"{kv['bound_bytes'] / 2**30:.2f} GiB ({kv['max_live']} sequences x {kv['context_tokens']} "
+                     f"tokens: the target's context or input.max_prompt_chars + max_new_tokens), "
+                     f"{kv['typical_bytes'] / 2**30:.2f} GiB at {kv['typical_tokens']} tokens each")
     gpus = f", {w['gpus_per_worker']:g} GPU" if w["gpus_per_worker"] else ""
     lines.append(f"workers     {w['workers']} x ({w['cpus_per_worker']:g} CPU{gpus}, {w['torch_threads']} torch "
                  f"threads), batch {w['batch_size']} ({w['max_live']} decoding at a time), mode {w['mode']} "

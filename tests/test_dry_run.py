@@ -69,6 +69,7 @@ def test_dry_run_checks_everything_and_generates_nothing(tmp_path, artifacts, ca
     assert "2 jsonl file(s), 7 rows" in out and "a.jsonl  (5 rows)" in out and "b.jsonl  (2 rows)" in out
     assert "will be created" in out and "fresh output" in out
     assert "workers     1 x (0.5 CPU, 1 torch threads), batch 3 (3 decoding at a time), mode dart" in out
+    assert "kv cache" in out and "KiB per token" in out and "3 sequences x" in out
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
     assert not ray.is_initialized(), "a dry run starts no Ray"
 

@@ -1,0 +1,45 @@
+"""The KV-cache bound `--dry-run` prints holds for what a decoding engine allocates."""
+
+from __future__ import annotations
+
+import torch
+
+from dart_worker.engine_factory import EngineParts, build_engine
+from dart_worker.kv_budget import kv_budget, kv_bytes_per_token
+from dart_worker.random_models import SHAPES
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
+from tests.tiny_models import tiny_model
+
+
+def test_bytes_per_token_of_known_shapes():
+    # Llama-3-8B: 32 layers x 8 KV heads x 128 dims x K and V x 2 bytes = 128 KiB per token in bf16.
+    assert kv_bytes_per_token(SHAPES["llama3-8b"](), torch.bfloat16) == 128 * 2**10
+    # Gemma-3-270M: 18 layers x 1 KV head x 256 dims x 2 x 4 bytes in fp32.
+    assert kv_bytes_per_token(SHAPES["gemma3-270m"](), torch.float32) == 18 * 256 * 2 * 4
+
+
+def test_an_engine_never_holds_more_cache_than_the_bound():
+    """Ragged prompts up to the bound's prompt length, continuous batching with more requests
+    than slots: the buffers the target's cache allocated stay within the bound."""
+    model = tiny_model("llama")
+    target = TargetAdapter(model)
+    engine = build_engine(EngineParts(target=target), "ar")
+    allocated = []
+    original = target.verify
+
+    def verify(state, *args, **kwargs):
+        out = original(state, *args, **kwargs)
+        allocated.append(sum(layer._key_buffer.numel() * layer._key_buffer.element_size() * 2
+                             for layer in state.cache.layers))
+        return out
+
+    target.verify = verify
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (40, 3, 17, 40, 9, 33, 1)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    results = engine.generate(prompts, params, max_live=3)
+    assert all(r.error is None for r in results)
+    budget = kv_budget(model.config, torch.float32, max_live=3, max_prompt_tokens=40, max_new_tokens=12, tree_rows=0)
+    assert 0 < max(allocated) <= budget.bound_bytes
+    assert budget.bytes_per_token == kv_bytes_per_token(model.config, torch.float32)
