@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,6 +27,7 @@ import transformers
 
 from dart_worker.cache_dir import cache_dir, write_text_atomically
 from dart_worker.cost_model import LatencyModel
+from dart_worker.device import cpu_model_name
 from dart_worker.kernels import describe
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,7 @@ def _machine() -> str:
         gpus = f"; gpus {', '.join(names)}"
     else:
         gpus = ""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} x{torch.get_num_threads()} threads{gpus}"
+    return f"{cpu_model_name()} x{torch.get_num_threads()} threads{gpus}"
 
 
 def calibration_key(target, defer_logits: bool) -> dict:

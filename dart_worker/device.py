@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -118,6 +120,17 @@ def resolve_worker_device(spec: str, assigned_gpus: list[str]) -> torch.device:
     except (RuntimeError, ValueError) as err:  # e.g. cuda:1 with one GPU assigned (Ray renumbers them from 0)
         raise DeviceUnavailable(f"model.device={spec!r} on a worker assigned GPU(s) {', '.join(assigned_gpus)} "
                                 f"(CUDA_VISIBLE_DEVICES={visible}): {err}") from None
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for figures and caches that depend on the machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dart_worker.device import cpu_model_name
 from dart_worker.drafters import drafter_names, drafter_spec
 from jobs.bench_modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
 
@@ -206,14 +207,7 @@ def machine_conditions(threads: int) -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
