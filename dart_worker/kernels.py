@@ -94,7 +94,7 @@ def gqa_for(device: torch.device) -> str:
     """Strategy for masked tree attention over grouped K/V heads (`dart_worker.tree_attention`).
 
     On a CPU, `repeat` (transformers' own numerics; `python -m jobs.bench_verify_shapes` prints
-    all three side by side, docs/benchmarks.md has the figures). On CUDA, `pack`:
+    all three side by side). On CUDA, `pack`:
     its memory-efficient SDPA kernel takes a mask and the unexpanded K/V, where `enable_gqa` with
     a mask falls back to the math kernel; `jobs.gpu_acceptance` times all three on the GPU."""
     return _forced("gqa") or ("repeat" if device.type == "cpu" else "pack")

@@ -24,11 +24,13 @@ from dart_worker.cache_dir import cache_dir, file_lock
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORED = ("torch", "transformers", "ray")
+# What depends on the floored versions' APIs: the adapter's logits, masks and cache argument
+# (transformers), the tree attention registered with its attention interfaces (transformers),
+# Ray's remote errors read by the device check, and one whole job (Ray Data, Ray actors).
 FLOOR_TESTS = (
-    "tests/test_kernels.py",
     "tests/test_target.py",
-    "tests/test_gpu_acceptance.py",
-    "tests/test_device_check.py",
+    "tests/test_tree_attention.py",
+    "tests/test_device_check.py::test_worker_failure_reads_the_line_from_remote_errors",
     "tests/test_pipeline_run.py::test_every_row_once_with_errors_and_lossless_results",
 )
 
