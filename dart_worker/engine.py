@@ -72,7 +72,7 @@ class GenerationResult:
 class _Sequence:
     """Decoding state of one live request inside a batch."""
 
-    index: int  # position in the caller's request list
+    index: int  # position in the caller's prompt list
     tokens: list[int]  # prompt + generated
     num_prompt: int
     params: SamplingParams
@@ -83,6 +83,7 @@ class _Sequence:
     text_end: int | None = None  # where a stop string starts in the generated text
     started: float = 0.0  # perf_counter when it joined the batch (its wall time starts there)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when params.logprobs > 0
+    sample: int = 0  # which of its prompt's completions (generate_samples)
 
     @property
     def generated(self) -> list[int]:
@@ -144,17 +145,45 @@ class DecodingEngine:
         per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_request) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_request)} sampling params")
+        return [samples[0] for samples in self.generate_samples(prompts, [[p] for p in per_request], max_live)]
+
+    def generate_samples(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        samples: Sequence[Sequence[SamplingParams]],
+        max_live: int | None = None,
+    ) -> list[list[GenerationResult]]:
+        """Several completions per prompt: `samples[i]` holds one SamplingParams per completion of
+        prompt i (usually `for_sample(params, j)` for j < n: each its own seed); returns
+        results[i][j] in that order.
+
+        A prompt's completions share one prefill: the prompt is forwarded once and its KV cache
+        rows are copied on the device, one per completion, before they join the batch (each then
+        samples its own first token from the shared prefill row). The completions of one prompt
+        join together, so with `max_live` >= n the prompt is forwarded exactly once; a prompt with
+        more completions than `max_live` is prefilled once per chunk of `max_live`. Each
+        completion is otherwise an ordinary sequence: it decodes exactly as the prompt alone with
+        its own params would (a seeded completion commits the same tokens).
+        """
+        if len(samples) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(samples)} lists of sampling params")
         if max_live is not None and max_live < 1:
             raise ValueError(f"max_live must be >= 1, got {max_live}")
-        results = [GenerationResult() for _ in prompts]
-        waiting: deque[_Sequence] = deque()
-        for i, (prompt, p) in enumerate(zip(prompts, per_request)):
-            try:
-                waiting.append(self._admit(i, prompt, p))
-            except ValueError as exc:
-                results[i] = GenerationResult(finish_reason="error", error=str(exc))
+        results = [[GenerationResult() for _ in s] for s in samples]
+        waiting: deque[list[_Sequence]] = deque()  # groups that share a prefill, in order
+        limit = max_live or sum(len(s) for s in samples) or 1
+        for i, (prompt, per_sample) in enumerate(zip(prompts, samples)):
+            if not per_sample:
+                raise ValueError(f"prompt {i} asks for no completions")
+            group = []
+            for j, p in enumerate(per_sample):
+                try:
+                    group.append(self._admit(i, prompt, p, sample=j))
+                except ValueError as exc:
+                    results[i][j] = GenerationResult(finish_reason="error", error=str(exc))
+            waiting.extend(group[k : k + limit] for k in range(0, len(group), limit))
         if waiting:
-            self._decode(waiting, max_live or len(waiting), results)
+            self._decode(waiting, limit, results)
         return results
 
     def _result(self, seq: _Sequence) -> GenerationResult:
@@ -171,7 +200,7 @@ class DecodingEngine:
 
     # ---------------------------------------------------------------- set-up
 
-    def _admit(self, index: int, prompt: str | Sequence[int], params: SamplingParams) -> _Sequence:
+    def _admit(self, index: int, prompt: str | Sequence[int], params: SamplingParams, sample: int = 0) -> _Sequence:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer")
@@ -200,6 +229,7 @@ class DecodingEngine:
             stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
             key=request_key(params),
             stats=stats,
+            sample=sample,
         )
 
     def _detokenize(self, token_ids: list[int]) -> str:
@@ -209,8 +239,9 @@ class DecodingEngine:
 
     # ------------------------------------------------------------- main loop
 
-    def _decode(self, waiting: deque[_Sequence], max_live: int, results: list[GenerationResult]) -> None:
-        """Rounds until every sequence has finished, admitting waiting ones as slots free up."""
+    def _decode(self, waiting: deque[list[_Sequence]], max_live: int, results: list[list[GenerationResult]]) -> None:
+        """Rounds until every sequence has finished, admitting waiting groups (a prompt's
+        completions, which share a prefill) in order as soon as the slots free up for all of one."""
         target, drafter = self.target, self.drafter
         live: list[_Sequence] = []
         state = None
@@ -220,16 +251,20 @@ class DecodingEngine:
                 drafter.finish([s.tokens for s in done], [s.num_prompt for s in done])
                 for seq in live:
                     if seq.finish_reason:
-                        results[seq.index] = self._result(seq)
+                        results[seq.index][seq.sample] = self._result(seq)
                 keep = retire_order([bool(s.finish_reason) for s in live])  # survivors fill the holes
                 if keep:
                     state.select(keep)
                     drafter.select(keep)
                 live = [live[b] for b in keep]
-            if waiting and len(live) < max_live:
-                joining = [waiting.popleft() for _ in range(min(max_live - len(live), len(waiting)))]
+            joining: list[list[_Sequence]] = []
+            free = max_live - len(live)
+            while waiting and len(waiting[0]) <= free:  # groups are at most max_live long
+                free -= len(waiting[0])
+                joining.append(waiting.popleft())
+            if joining:
                 state = self._join(joining, live, state)
-                live = live + joining
+                live = live + [seq for group in joining for seq in group]
                 continue  # a joiner may be done already (one-token requests): retire it first
             if not live:
                 continue
@@ -276,20 +311,34 @@ class DecodingEngine:
                                    verified_seconds)
                 self.sizer.record_overhead(self._now() - round_start - verified_seconds - model_seconds)
 
-    def _join(self, joining: list[_Sequence], live: list[_Sequence], state):
-        """Prefill `joining`, sample their first tokens and add them after `live` (a new batch
-        when nothing is live): the target's cache and the drafter's state grow by their rows."""
+    def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
+        """Prefill the groups' prompts (once per group: its sequences are completions of one
+        prompt), sample the joiners' first tokens and add them after `live` (a new batch when
+        nothing is live): the target's cache and the drafter's state grow by their rows.
+
+        A group's prefilled cache rows are copied on the device, one per completion
+        (`TargetState.repeat`), never recomputed. The drafter gets one
+        sequence per completion, each with its own tokens (siblings differ from their first token
+        on): the prefill block's taps are repeated the same way, so each completion's drafter state
+        is exactly what prefilling it alone would have given."""
         target, drafter = self.target, self.drafter
-        fresh = target.new_state(len(joining))
+        joining = [seq for group in groups for seq in group]
+        fresh = target.new_state(len(groups))
         t0 = self._now()
         for seq in joining:
             seq.started = time.perf_counter()
-        out = target.prefill(fresh, [s.tokens for s in joining])
-        first = self._sample_rows(out.logits[:, 0], joining)
+        out = target.prefill(fresh, [group[0].tokens for group in groups])
+        logits, taps = out.logits, out.taps
+        if len(joining) > len(groups):
+            order = [g for g, group in enumerate(groups) for _ in group]
+            index = to_device(np.asarray(order, dtype=np.int64), logits.device)  # one upload, non-blocking
+            fresh.repeat(order, index)  # one device: cache, logits and taps all live there
+            logits, taps = logits.index_select(0, index), taps.index_select(0, index)
+        first = self._sample_rows(logits[:, 0], joining)
         if any(s.params.logprobs for s in joining):  # the prefill row decided the first token
             first_trees = [empty_tree() for _ in joining]
             accepted = [Acceptance(np.zeros(0, np.int64), np.zeros(0, np.int64), t) for t in first]
-            logprobs = committed_logprobs(first_trees, out.logits[:, :1], accepted, [s.params for s in joining],
+            logprobs = committed_logprobs(first_trees, logits[:, :1], accepted, [s.params for s in joining],
                                           _histories(joining))
             for seq, lp in zip(joining, logprobs):
                 if lp is not None:
@@ -298,7 +347,7 @@ class DecodingEngine:
         for seq, token in zip(joining, first):
             self._append(seq, [token])
         self._finish_at_context_limit(joining, fresh)
-        block = CommittedBlock(taps=out.taps, rows=[range(s.num_prompt) for s in joining],
+        block = CommittedBlock(taps=taps, rows=[range(s.num_prompt) for s in joining],
                                tokens=[s.tokens for s in joining])
         t0 = self._now()
         if live:

@@ -186,6 +186,14 @@ class GrowingCache(DynamicCache):
         for layer in self.layers:
             layer.keep_sequences(order, index)
 
+    @torch.no_grad()
+    def repeat_sequences(self, index: torch.Tensor) -> None:
+        """Sequences `index` (a device int64 tensor; repeats allowed: n completions of one prompt
+        copy its prefilled rows), as new tensors. A copy of what is held, never a recomputation;
+        the layers no longer view their buffers, so their next append adopts the copies."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+
     def append_sequences(self, other: DynamicCache) -> None:
         if len(self.layers) != len(other.layers):
             raise ValueError(f"cannot join caches of {len(self.layers)} and {len(other.layers)} layers")

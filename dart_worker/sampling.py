@@ -19,10 +19,11 @@ Python's `random` or torch's global RNG.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -315,6 +316,25 @@ def _warp_dense(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 _U64 = np.uint64
 _GOLDEN = _U64(0x9E3779B97F4A7C15)
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` (0, 1, ...) of a request seeded `seed`, for n completions of one
+    prompt: sample 0 keeps `seed` (so n = 1 decodes exactly as before, and sample 0 of n equals the
+    request alone), sample i > 0 a hash of (seed, i) in [0, 2**63). Any sample is therefore
+    reproducible alone: decode the prompt with `for_sample(params, i)`. None stays None (every
+    sample then draws its own fresh entropy in `request_key`)."""
+    if sample < 0:
+        raise ValueError(f"sample index must be >= 0, got {sample}")
+    if seed is None or sample == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:sample:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def for_sample(params: SamplingParams, sample: int) -> SamplingParams:
+    """`params` for sample `sample` of n completions of one prompt (its own seed, `sample_seed`)."""
+    return params if sample == 0 else replace(params, seed=sample_seed(params.seed, sample))
 
 
 def request_key(params: SamplingParams) -> int:

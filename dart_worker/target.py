@@ -106,6 +106,17 @@ class TargetState:
             self.cache.keep_sequences(order)
         self.lengths = self._lengths[order]
 
+    def repeat(self, order: Sequence[int], index: torch.Tensor | None = None) -> None:
+        """Sequences `order` (indices, repeats allowed), copied: n completions of one prompt share
+        its prefill, whose cache rows are copied on the device rather than recomputed
+        (`GrowingCache.repeat_sequences`). `index`: `order` already on the cache's device."""
+        order = [int(i) for i in order]
+        if len(self.cache.layers):
+            if index is None:
+                index = to_device(np.asarray(order, dtype=np.int64), self.cache.layers[0].keys.device)
+            self.cache.repeat_sequences(index)
+        self.lengths = self._lengths[order]
+
     @torch.no_grad()
     def extend(self, other: TargetState) -> None:
         """Append `other`'s sequences after these (continuous batching: newly prefilled requests

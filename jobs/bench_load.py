@@ -268,7 +268,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         captured["dataset"] = ds
         return ds, duplicates
 
-    stages = ["resolve_artifacts", "open_output", "remove_temp_files", "existing_row_keys", "build_dataset",
+    stages = ["resolve_artifacts", "open_output", "remove_temp_files", "resume_progress", "build_dataset",
               "output_totals", "build_summary", "commit_output", "shutdown_ngram_stores"]
     started = time.time()
     run_module.build_dataset = build_and_keep
@@ -314,7 +314,7 @@ def stage_rates(result: dict[str, Any], rows: int) -> dict[str, float | None]:
     resume = result["phase"] == "resume"  # only then does the output hold the rows to check and scan
     rates = {"duplicate pass (driver)": per(stages.get("build_dataset")),
              "output check (driver)": per(stages.get("open_output")) if resume else None,
-             "resume scan (driver)": per(stages.get("existing_row_keys")) if resume else None,
+             "resume scan (driver)": per(stages.get("resume_progress")) if resume else None,
              "summary totals (driver)": per(stages.get("output_totals"))}
     for label, marker in (("read", "Read"), ("generation", "GenerationWorker"), ("write", "write_rows")):
         op = next((o for o in result["operators"] if marker in o["operator"]), None)
@@ -357,7 +357,7 @@ GROWTH_FIGURES = {  # (phase, path in the result): how each grows with the rows
     "ray_workers_peak_total_pss_mib": ("fresh", ("memory", "ray_workers_peak_total_pss_mib")),
     "ray_infrastructure_peak_total_pss_mib": ("fresh", ("memory", "ray_infrastructure_peak_total_pss_mib")),
     "resume wall_s": ("resume", ("wall_s",)),
-    "resume scan_s (existing_row_keys)": ("resume", ("driver_stages_s", "existing_row_keys")),
+    "resume scan_s (resume_progress)": ("resume", ("driver_stages_s", "resume_progress")),
     "resume driver_peak_rss_mib": ("resume", ("memory", "driver_peak_rss_mib")),
 }
 
@@ -465,7 +465,7 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("Ray's own processes peak total PSS, MiB", "fresh", ("memory", "ray_infrastructure_peak_total_pss_mib"),
         ".0f")
     add("resume: job wall time, s", "resume", ("wall_s",), ".0f")
-    add("resume: scan of written parts, s", "resume", ("driver_stages_s", "existing_row_keys"), ".2f")
+    add("resume: scan of written parts, s", "resume", ("driver_stages_s", "resume_progress"), ".2f")
     add("resume: scan, rows/s", "resume", ("stage_rows_per_s", "resume scan (driver)"), ".0f")
     add("resume: output check (every part's footer), s", "resume", ("driver_stages_s", "open_output"), ".2f")
     add("resume: duplicate pass, s", "resume", ("driver_stages_s", "build_dataset"), ".1f")

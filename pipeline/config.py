@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
 from ngram_native.trees import TreeParams
-from pipeline.row_settings import SETTING_NAMES, default_settings_columns
+from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
 
 T = TypeVar("T")
 
@@ -88,6 +88,10 @@ class DecodingConfig:
     # logprobs, top_logprob_ids, top_logprobs; docs/output_schema.md), from the verify forward.
     logprobs: int = 0
     seed: int = 0  # per-row seeds derive from (seed, row key): reproducible whatever the batching
+    # Completions per prompt (the row's `n` setting overrides it). They share one prefill (the prompt's
+    # KV cache rows are copied) and each has its own seed, from (seed, row key, sample index); output
+    # rows are keyed by (row, sample_index). n > 1 needs temperature > 0 (greedy samples are copies).
+    n: int = 1
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
@@ -235,6 +239,10 @@ def validate(cfg: PipelineConfig) -> None:
     check(-2 <= d.frequency_penalty <= 2, "decoding.frequency_penalty", "must be in [-2, 2] (0 = off)")
     check(d.logprobs >= 0, "decoding.logprobs", "must be >= 0 (0 = off)")
     check(d.seed >= 0, "decoding.seed", "must be >= 0")
+    check(1 <= d.n <= MAX_SAMPLES, "decoding.n", f"must be in [1, {MAX_SAMPLES}]")
+    check(d.n == 1 or d.temperature > 0, "decoding.n",
+          f"n={d.n} completions at temperature 0 would be {d.n} identical copies of the greedy reply: "
+          "set decoding.temperature > 0 or n = 1")
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")

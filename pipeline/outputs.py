@@ -15,8 +15,10 @@ A part is never visible half-written:
 Readers (and resume) only consider names matching PART_NAME_PATTERN; the temporary names start
 with "." so Ray Data and Spark skip them as well.
 
-Resume: `existing_row_keys` reads only the row_key column of every part; `filter_done` drops
-those rows from the input. A part that cannot be read (damaged outside this code: parts are
+Resume: `existing_row_keys` reads only the row_key column of every part; `resume_progress` turns
+the keys of written samples (`sample_key`: n completions of one prompt are n rows) into the input
+rows that are complete, which `filter_done` drops from the input, and the samples already written
+of the others, which the workers skip. A part that cannot be read (damaged outside this code: parts are
 written atomically) is moved to `<output>/_corrupt/` and logged, so its rows are generated again
 and the evidence is kept; it is never silently counted as done.
 
@@ -35,6 +37,7 @@ import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -53,17 +56,18 @@ logger = logging.getLogger(__name__)
 # Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
 _STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
                "list[float]": pa.list_(pa.float64())}
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
 ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3", "mean_batch_live": "4",
                  "model_rounds": "4", "accepted_job_cache": "4", "min_p": "5", "repetition_penalty": "5",
                  "presence_penalty": "5", "frequency_penalty": "5", "logprobs": "5", "top_logprob_ids": "5",
-                 "top_logprobs": "5"}
+                 "top_logprobs": "5", "sample_index": "6", "n": "6"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
         pa.field("id", pa.string()),
+        pa.field("sample_index", pa.int64()),
         pa.field("text", pa.string()),
         pa.field("token_ids", pa.list_(pa.int32())),
         pa.field("logprobs", pa.list_(pa.float64())),
@@ -83,6 +87,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("frequency_penalty", pa.float64()),
         pa.field("seed", pa.int64()),
         pa.field("max_new_tokens", pa.int64()),
+        pa.field("n", pa.int64()),
         pa.field("target_fingerprint", pa.string()),
         pa.field("head_fingerprint", pa.string()),
         pa.field("trie_fingerprint", pa.string()),
@@ -183,8 +188,9 @@ def storable_text(text: str) -> str:
 
 
 # Columns an error row keeps when a worker's result row cannot be stored (see result_rows_to_table).
-_KEPT_ON_ERROR = ("row_key", "id", "source", "finished_at", "mode", "temperature", "top_p", "top_k", "seed",
-                  "max_new_tokens", "target_fingerprint", "head_fingerprint", "trie_fingerprint", "run_id", "worker")
+_KEPT_ON_ERROR = ("row_key", "id", "sample_index", "n", "source", "finished_at", "mode", "temperature", "top_p",
+                  "top_k", "seed", "max_new_tokens", "target_fingerprint", "head_fingerprint", "trie_fingerprint",
+                  "run_id", "worker")
 
 
 def result_rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
@@ -419,23 +425,85 @@ def existing_row_keys(output_url: str, *, storage_options: dict[str, Any] | None
     ignored; a corrupt part is moved to <output_url>/_corrupt/ and logged, so its rows count as
     not done.
     """
+    done: set[str] = set()
+    for keys, in _key_columns(output_url, ["row_key"], storage_options):
+        done.update(keys)
+    return done
+
+
+def _key_columns(output_url: str, columns: list[str], storage_options: dict[str, Any] | None):
+    """Per readable part, the Python lists of `columns` (a column added after the part was written
+    reads as nulls); parts are read in parallel threads and corrupt ones quarantined."""
     fs, directory = filesystem_for(output_url, storage_options)
     parts = list_parts(fs, directory, output_url)
 
-    def keys_of(path: str) -> list[str] | _CorruptPart:
+    def read(path: str) -> list[list] | _CorruptPart:
         try:
-            return _read_part(fs, path, ["row_key"]).column("row_key").to_pylist()
+            table = _read_part(fs, path, columns)
         except _CorruptPart as e:
             return e
+        return [table.column(c).to_pylist() if c in table.column_names else [None] * len(table) for c in columns]
 
-    done: set[str] = set()
     with ThreadPoolExecutor(_LIST_THREADS) as pool:
-        for path, keys in zip(parts, pool.map(keys_of, parts)):
-            if isinstance(keys, _CorruptPart):
-                _quarantine(fs, directory, path, str(keys))
+        for path, values in zip(parts, pool.map(read, parts)):
+            if isinstance(values, _CorruptPart):
+                _quarantine(fs, directory, path, str(values))
             else:
-                done.update(keys)
-    return done
+                yield values
+
+
+# Output row keys of a prompt's completions: sample 0 keeps the input row's key (so n = 1 writes the
+# keys it always wrote, and earlier outputs resume unchanged), sample j > 0 is "sample:<j>:<key>".
+# Input keys start with "id:", "row:" or "dup:" (pipeline.inputs), so the two kinds never collide.
+SAMPLE_KEY_PREFIX = "sample:"
+
+
+def sample_key(row_key: str, sample: int) -> str:
+    """The output row key of completion `sample` of the input row `row_key`."""
+    return row_key if sample == 0 else f"{SAMPLE_KEY_PREFIX}{sample}:{row_key}"
+
+
+def split_sample_key(key: str) -> tuple[str, int]:
+    """(input row key, sample index) of an output row key (the inverse of `sample_key`)."""
+    if key.startswith(SAMPLE_KEY_PREFIX):
+        index, _, row_key = key[len(SAMPLE_KEY_PREFIX):].partition(":")
+        if index.isdigit() and row_key:
+            return row_key, int(index)
+    return key, 0
+
+
+@dataclass(frozen=True)
+class ResumeProgress:
+    """What a resumed run finds written: the input rows whose every sample is written (`done`:
+    dropped from the input) and, for the input rows with only some written, which sample indices
+    are (`partial`: the worker generates only the others). `rows_written`: output rows found."""
+
+    done: frozenset[str]
+    partial: dict[str, tuple[int, ...]]
+    rows_written: int
+
+
+def resume_progress(output_url: str, *, storage_options: dict[str, Any] | None = None) -> ResumeProgress:
+    """Which input rows and samples are written under `output_url` (read from row_key and n).
+
+    An input row is done when samples 0..n-1 are all written, n being what its written rows record
+    (the samples its prompt asked for; 1 for a prompt that failed as a whole, and for parts written
+    before schema version 6, which had no n column). A crash can leave a prompt's samples in
+    different parts, some written: exactly those are not generated again, so every sample is
+    written once. Corrupt parts are quarantined as in `existing_row_keys`.
+    """
+    written: dict[str, set[int]] = {}
+    wanted: dict[str, int] = {}
+    rows = 0
+    for keys, counts in _key_columns(output_url, ["row_key", "n"], storage_options):
+        rows += len(keys)
+        for key, n in zip(keys, counts):
+            row_key, sample = split_sample_key(key)
+            written.setdefault(row_key, set()).add(sample)
+            wanted[row_key] = max(wanted.get(row_key, 1), int(n or 1))
+    done = frozenset(k for k, samples in written.items() if samples.issuperset(range(wanted[k])))
+    partial = {k: tuple(sorted(samples)) for k, samples in written.items() if k not in done}
+    return ResumeProgress(done=done, partial=partial, rows_written=rows)
 
 
 def remove_temp_files(output_url: str, *, storage_options: dict[str, Any] | None = None) -> int:

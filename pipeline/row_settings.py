@@ -14,7 +14,9 @@ and its neighbours in the batch decode as usual - rows with different settings s
 continuous batch (the engine warps each request with its own parameters).
 
 The row's `seed` replaces `decoding.seed` in the per-row derivation (`pipeline.worker.row_seed`),
-so the seed written to the output row reproduces it alone with the engine.
+so the seed written to the output row reproduces it alone with the engine. The row's `n` (completions
+of its prompt, `row_sample_count`) is checked here too; each completion's seed derives from the
+row's (`dart_worker.sampling.sample_seed`), so sample 0 has the row's seed.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ SETTING_KINDS: dict[str, str] = {
     "logprobs": "int",
     "seed": "int",
     "stop": "strings",
+    "n": "int",  # completions of the row's prompt (row_sample_count), not a SamplingParams field
 }
 SETTING_NAMES = tuple(SETTING_KINDS)
+# Most completions one row may ask for: a row's n is input data, and n sequences (and output rows)
+# per row are the worker's memory, so a hostile n must be an error row, not an out-of-memory worker.
+MAX_SAMPLES = 1024
 
 
 class SettingError(ValueError):
@@ -123,13 +129,29 @@ def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], s
     settings applied; `seed_of(base_seed)` derives the request seed from the base seed in force
     (the row's or the config's). A bad value raises SettingError naming the setting."""
     values = {name: checked_setting(name, value) for name, value in settings.items()}
+    values.pop("n", None)  # row_sample_count's
     base_seed = values.pop("seed", defaults.seed)
     if base_seed is not None and not 0 <= base_seed < 2**63:
         raise SettingError(f"setting 'seed' must be in [0, 2**63), got {base_seed}")
-    fields = {name: getattr(defaults, name) for name in SETTING_KINDS if name != "seed"}
+    fields = {name: getattr(defaults, name) for name in SETTING_KINDS if name not in ("seed", "n")}
     fields["stop_token_ids"] = defaults.stop_token_ids
     fields.update(values)
     try:
         return SamplingParams(seed=seed_of(base_seed), **fields)
     except (TypeError, ValueError) as exc:
         raise SettingError(f"row setting: {exc}") from None
+
+
+def row_sample_count(default_n: int, settings: Mapping[str, Any], params: SamplingParams) -> int:
+    """How many completions the row asks for: its `n` setting, else `default_n` (decoding.n).
+
+    n > 1 with a greedy row is refused (a SettingError: the row becomes one error row): greedy
+    decoding is deterministic, so its n samples would be n copies of one reply, which a user asking
+    for n samples (rejection sampling, preference pairs) never wants written as n rows."""
+    n = checked_setting("n", settings["n"]) if "n" in settings else default_n
+    if not 1 <= n <= MAX_SAMPLES:
+        raise SettingError(f"setting 'n' must be in [1, {MAX_SAMPLES}], got {n}")
+    if n > 1 and params.is_greedy:
+        raise SettingError(f"n={n} completions at temperature 0 would be {n} identical copies of the greedy "
+                           "reply: give the row a temperature > 0 or n = 1")
+    return n

@@ -39,7 +39,7 @@ from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, PromptFields, scan_prompts
 from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
-from pipeline.outputs import existing_row_keys, filter_done, remove_temp_files, write_part
+from pipeline.outputs import ResumeProgress, filter_done, remove_temp_files, resume_progress, write_part
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
 from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
@@ -160,9 +160,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     removed = remove_temp_files(cfg.output.url)  # leftovers of writers killed mid-write
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
-    done_keys = existing_row_keys(cfg.output.url) if plan.resumes else set()
-    if done_keys:
-        print(f"resume: {len(done_keys)} rows already written under {cfg.output.url}; generating the rest")
+    # Input rows whose every sample is written are skipped; a row with only some of its samples
+    # written (a crash between two parts) is generated again for the missing samples only.
+    progress = resume_progress(cfg.output.url) if plan.resumes else ResumeProgress(frozenset(), {}, 0)
+    done_keys = set(progress.done)
+    resolved["written_samples"] = progress.partial
+    if progress.rows_written:
+        partly = f" ({len(progress.partial)} of them partly)" if progress.partial else ""
+        print(f"resume: {progress.rows_written} rows already written under {cfg.output.url} for "
+              f"{len(progress.done) + len(progress.partial)} input rows{partly}; generating the rest")
     ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
     check_cpu_budget(cfg)
     try:
@@ -188,11 +194,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
             reason = storage_failure(exc)
             if reason is None:
                 raise
-            raise JobFailed(f"{reason}\n  {plan.failure_note(tally.rows, len(done_keys))}") from None
+            raise JobFailed(f"{reason}\n  {plan.failure_note(tally.rows, progress.rows_written)}") from None
     finally:
         shutdown_ngram_stores()
     print(tally.progress_line())
-    summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=len(done_keys),
+    summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=progress.rows_written,
                             duplicates=duplicates, output_totals=output_totals(cfg.output.url),
                             output_plan=plan.as_dict())
     fs, path = filesystem_for(cfg.output.url)

@@ -28,13 +28,13 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.fingerprint import tokenizer_fingerprint
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import PromptEncoder
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling import SamplingParams, for_sample
 from pipeline.config import PipelineConfig, from_dict
 from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
-from pipeline.outputs import result_rows_to_table
-from pipeline.row_settings import decode_settings, row_sampling_params
+from pipeline.outputs import result_rows_to_table, sample_key
+from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ class GenerationWorker:
         """`resolved` carries what the driver already fixed: the head dir, the trie URL and the
         artifact fingerprints stamped on every output row."""
         self.cfg: PipelineConfig = from_dict(config)
-        self.resolved = {k: v for k, v in resolved.items() if k != "warm_documents"}  # not kept: fed below
+        self.resolved = {k: v for k, v in resolved.items() if k not in ("warm_documents", "written_samples")}
+        # A resumed run's input rows with some samples written: {row_key: written sample indices}.
+        self._written_samples: dict[str, tuple[int, ...]] = resolved.get("written_samples") or {}
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
         device = resolve_worker_device(model_cfg.device, assigned_gpus())  # what Ray assigned, or an error
         if device.type == "cpu":
@@ -91,27 +93,37 @@ class GenerationWorker:
     # ------------------------------------------------------------------ batch
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """One output row per completion of each input row: n rows (keyed by `sample_key`) for a row
+        whose prompt decodes, one error row for a row that cannot (its settings, its prompt). Samples
+        a resumed run found written already (`resolved["written_samples"]`) are not generated again."""
         _maybe_crash_for_test()
         started = time.perf_counter()
         rows = batch.to_pylist()
-        outputs: list[dict | None] = [None] * len(rows)
-        requests = []  # (row index, token ids, params)
+        outputs: list[list[dict]] = [[] for _ in rows]
+        requests = []  # (row index, token ids, [(sample index, params)], n)
         params: list[SamplingParams | None] = [None] * len(rows)
         for k, row in enumerate(rows):
             if row.get("error"):
-                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=row["error"]))
+                outputs[k].append(self._row(row, GenerationResult(finish_reason="error", error=row["error"])))
                 continue
             try:
                 params[k] = self._params(row)
-                requests.append((k, self._encode(row), params[k]))
+                n = row_sample_count(self.cfg.decoding.n, decode_settings(row.get("settings")), params[k])
+                written = set(self._written_samples.get(row["row_key"], ()))
+                samples = [(j, for_sample(params[k], j)) for j in range(n) if j not in written]
+                if samples:
+                    requests.append((k, self._encode(row), samples, n))
             except (ValueError, TypeError) as exc:
-                outputs[k] = self._row(row, GenerationResult(finish_reason="error", error=str(exc)), params[k])
-        for k, result in self._generate(requests):
-            outputs[k] = self._row(rows[k], result, params[k])
-            # Each row's own finish (rows of one batch finish at different rounds, and with
-            # continuous batching start at different ones too); rows that never ran: the batch's end.
-            if result.finished_unix is not None:
-                outputs[k]["finished_at"] = datetime.fromtimestamp(result.finished_unix, UTC)
+                outputs[k].append(self._row(row, GenerationResult(finish_reason="error", error=str(exc)), params[k]))
+        for (k, _, samples, n), results in zip(requests, self._generate(requests)):
+            for (j, sample_params), result in zip(samples, results, strict=True):
+                out = self._row(rows[k], result, sample_params, sample=j, n=n)
+                # Each row's own finish (rows of one batch finish at different rounds, and with
+                # continuous batching start at different ones too); rows that never ran: the batch's end.
+                if result.finished_unix is not None:
+                    out["finished_at"] = datetime.fromtimestamp(result.finished_unix, UTC)
+                outputs[k].append(out)
+        outputs = [out for per_row in outputs for out in per_row]
         batch_end = datetime.now(UTC)
         for out in outputs:
             out.setdefault("finished_at", batch_end)
@@ -121,21 +133,22 @@ class GenerationWorker:
                      job_state=self.engine.drafter.job_state())
         return result_rows_to_table(outputs)
 
-    def _generate(self, requests: list) -> list[tuple[int, GenerationResult]]:
+    def _generate(self, requests: list) -> list[list[GenerationResult]]:
+        """Per request, the results of its samples, in order (a prompt's samples share its prefill)."""
         if not requests:
             return []
         try:
-            results = self.engine.generate([r[1] for r in requests], [r[2] for r in requests],
-                                           max_live=self.cfg.resources.max_live)
-            return [(r[0], res) for r, res in zip(requests, results)]
+            return self.engine.generate_samples([r[1] for r in requests], [[p for _, p in r[2]] for r in requests],
+                                                max_live=self.cfg.resources.max_live)
         except Exception:  # one bad request must not fail its neighbours: retry one by one
             log.exception("batch of %d failed; retrying its rows one at a time", len(requests))
         out = []
-        for k, ids, params in requests:
+        for _, ids, samples, _ in requests:
             try:
-                out.append((k, self.engine.generate([ids], [params])[0]))
-            except Exception as exc:  # recorded in the row; the job goes on
-                out.append((k, GenerationResult(finish_reason="error", error=f"internal error: {exc!r}")))
+                out.append(self.engine.generate_samples([ids], [[p for _, p in samples]],
+                                                        max_live=self.cfg.resources.max_live)[0])
+            except Exception as exc:  # recorded in the rows; the job goes on
+                out.append([GenerationResult(finish_reason="error", error=f"internal error: {exc!r}")] * len(samples))
         return out
 
     def _encode(self, row: dict) -> list[int]:
@@ -168,16 +181,20 @@ class GenerationWorker:
                               max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
                               stop=tuple(d.stop))
 
-    def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None) -> dict:
-        """The output row; its settings columns are the ones the row decoded with (the config's for
-        an error row without settings of its own, nulls for one whose settings were not usable)."""
+    def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None, sample: int = 0,
+             n: int = 1) -> dict:
+        """The output row of completion `sample` of `n`; its settings columns are the ones it decoded
+        with (seed: the sample's own; the config's for an error row without settings of its own,
+        nulls for one whose settings were not usable). A row that failed as a whole is one row, n 1."""
         d = self.cfg.decoding
         ok = result.error is None
         if params is None and not row.get("settings"):
             params = dataclasses.replace(self._config_params(), seed=row_seed(d.seed, row["row_key"]))
         return {
-            "row_key": row["row_key"],
+            "row_key": sample_key(row["row_key"], sample),
             "id": row.get("id"),
+            "sample_index": sample,
+            "n": n,
             "source": row.get("source"),
             "text": result.text if ok else None,
             "token_ids": result.token_ids if ok and self.cfg.output.include_token_ids else None,

@@ -27,7 +27,9 @@ from pipeline.outputs import (
     part_name,
     read_output,
     remove_temp_files,
+    resume_progress,
     rows_to_table,
+    sample_key,
     write_part,
 )
 from pipeline.storage import StorageError, filesystem_for
@@ -95,6 +97,8 @@ def test_rows_to_table_full_row_and_nulls():
         "frequency_penalty": 0.5,
         "seed": np.int64(7),
         "max_new_tokens": 64,
+        "n": 4,
+        "sample_index": 1,
         "target_fingerprint": "t",
         "head_fingerprint": "h",
         "trie_fingerprint": "n",
@@ -227,6 +231,23 @@ def test_failed_serialisation_leaves_nothing(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------
 # Resume
+
+
+def test_resume_progress_counts_an_input_row_done_only_when_all_its_samples_are_written(tmp_path):
+    out = str(tmp_path / "out")
+
+    def sample_rows(key: str, n: int, samples) -> list[dict]:
+        return [{**output_row(sample_key(key, j)), "sample_index": j, "n": n} for j in samples]
+
+    write_part(rows_to_table(sample_rows("id:a", 3, [0, 1]) + sample_rows("id:b", 2, [1])), out, RUN)
+    write_part(rows_to_table(sample_rows("id:a", 3, [2]) + sample_rows("id:c", 1, [0])), out, RUN)
+    legacy = output_row("id:d")  # a part written before schema 6: no n, no sample_index
+    legacy_table = rows_to_table([legacy]).drop_columns(["n", "sample_index"])
+    (tmp_path / "out" / part_name(["id:d"])).write_bytes(pq_bytes(legacy_table))
+    progress = resume_progress(out)
+    assert progress.done == {"id:a", "id:c", "id:d"}
+    assert progress.partial == {"id:b": (1,)} and progress.rows_written == 6
+    assert existing_row_keys(out) == {"id:a", "sample:1:id:a", "sample:2:id:a", "sample:1:id:b", "id:c", "id:d"}
 
 
 def test_existing_row_keys_ignores_temp_and_foreign_files(tmp_path):

@@ -26,7 +26,7 @@ from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_user_prompt
 from dart_worker.sampling import SamplingParams
 from pipeline.config import load_config
-from pipeline.outputs import read_output
+from pipeline.outputs import read_output, resume_progress
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
 from pipeline.worker import CRASH_ONCE_ENV
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
@@ -177,6 +177,41 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
     assert summary["this_run"]["rows"] == 30 - len(written)
     keys = read_output(str(out))["row_key"].to_pylist()
     assert len(keys) == len(set(keys)) == 30
+
+
+def test_n_samples_resume_regenerates_only_the_missing_samples(tmp_path, artifacts, fresh_ray):
+    """n = 3 completions per prompt, written 2 rows per part, so a prompt's samples spread over
+    parts; parts lost as a crash between two writes loses them (parts are atomic), the resumed run
+    generates exactly the samples missing, with the same tokens (each sample's seed is its own)."""
+    prompts = write_inputs(tmp_path / "in.jsonl", good=5, seed=4)
+    out = tmp_path / "out"
+    cfg = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(out), output__rows_per_file=2,
+                      decoding__mode="dart_lookup", decoding__temperature=1.0, decoding__n=3, decoding__seed=3,
+                      resources__num_workers=1, resources__batch_size=2)
+    run_pipeline(load_config(cfg))
+    first = {r["row_key"]: r for r in read_output(str(out)).to_pylist()}
+    ok = [r for r in first.values() if not r["error"]]
+    assert len(ok) == 3 * len(prompts) and len(first) == len(ok) + 6  # bad rows: one error row each
+    assert {(r["sample_index"], r["n"]) for r in ok} == {(0, 3), (1, 3), (2, 3)}
+    for key in prompts:  # three different samples of each prompt
+        assert len({tuple(first[k]["token_ids"]) for k in (f"id:{key}", f"sample:1:id:{key}",
+                                                         f"sample:2:id:{key}")}) > 1, key
+
+    parts = sorted(out.glob("part-*.parquet"))
+    lost = {k for p in parts[::3] for k in pq.read_table(p, columns=["row_key"])["row_key"].to_pylist()}
+    for p in parts[::3]:
+        p.unlink()
+    assert any(k.startswith("sample:") for k in lost) and len(lost) < len(first)
+    assert resume_progress(str(out)).partial, "some prompt must have lost only some of its samples"
+    ray.shutdown()
+    summary = run_pipeline(load_config(cfg, ["run.resume=true"]))
+    assert summary["this_run"]["rows"] == len(lost)
+    assert summary["this_run"]["rows_skipped_as_done"] == len(first) - len(lost)
+    again = {r["row_key"]: r for r in read_output(str(out)).to_pylist()}
+    assert set(again) == set(first)
+    assert {k for k, r in again.items() if r["run_id"] == "test-run"} == set(first)
+    for key in first:
+        assert again[key]["token_ids"] == first[key]["token_ids"] and again[key]["error"] == first[key]["error"], key
 
 
 def test_startup_errors_are_clear_and_early(tmp_path, artifacts, capsys):
