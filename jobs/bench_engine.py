@@ -7,6 +7,10 @@ prompt-lookup decoding) as outside baselines. Reported per mode: tokens/s, the p
 speedup over `ar` (median of ratios), tau, per-stage time per round and, for greedy runs, the
 agreement with `ar` (identical outputs; in bf16 multi-token forwards round differently from
 one-token forwards, so exact agreement is not expected there - see docs/DESIGN.md).
+
+With `samples=n` > 1 each prompt gets n seeded completions sharing one prefill, beside "<mode>+separate"
+cells decoding the same samples as separate rows: rows (samples) per second, tau, and the prompt
+tokens and seconds each cell's prefill took, i.e. what sharing the prefill saves.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dart_worker.drafters import drafter_names, drafter_spec
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import format_user_prompt
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling import SamplingParams, for_sample
 from dart_worker.stats import STAGES
 from ngram_native.trees import SOURCE_NAMES, TreeParams
 
@@ -78,6 +82,16 @@ class BenchConfig:
     # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
     batch_sizes: list[int] = field(default_factory=list)
     seed: int = 0
+    # Sampling filters and penalties of every cell (vLLM's meanings; dart_worker.sampling).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # n completions per prompt (decoding.n): > 1 decodes each batch of prompts with
+    # `generate_samples` (one prefill per prompt, its KV cache copied per sample) and adds, per mode
+    # in `separate_modes`, a cell "<mode>+separate" decoding the same n x prompts samples as separate
+    # requests (each prefilled), so the report shows the prefill that sharing saves (`prefill`:
+    # prompt tokens forwarded and seconds per cell) and rows (samples) per second.
+    samples: int = 1
+    separate_modes: list[str] = field(default_factory=lambda: ["ar"])
     # On a GPU: synchronise at every stage boundary so the per-stage times are each stage's own
     # (the pipeline's workers do not: only the verification transfer waits there).
     sync_timing: bool = True
@@ -216,6 +230,87 @@ def print_table(summary: dict[str, dict]) -> None:
               f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
 
 
+class PrefillMeter:
+    """Counts what a target's prefill forwards (prompt tokens, calls, seconds), per cell label."""
+
+    def __init__(self, target):
+        self.target, self.original = target, target.prefill
+        self.label = None
+        self.figures: dict[str, dict[str, float]] = {}
+        target.prefill = self._prefill
+
+    def _prefill(self, state, prompts):
+        started = time.perf_counter()
+        out = self.original(state, prompts)
+        cell = self.figures.setdefault(self.label, {"calls": 0, "prompt_tokens": 0, "seconds": 0.0})
+        cell["calls"] += 1
+        cell["prompt_tokens"] += sum(len(p) for p in prompts)
+        cell["seconds"] += time.perf_counter() - started
+        return out
+
+
+def run_sample_cells(cfg, engines, prompts, batch_size: int) -> tuple[dict[str, list[dict]], dict]:
+    """n = cfg.samples completions of every prompt per cell: the modes with a shared prefill
+    (`generate_samples`), and "<mode>+separate" for `separate_modes` (the same samples as separate
+    requests). Records are keyed "<prompt id>#<sample>", so cells pair sample by sample; each
+    record's `group_seconds` is the wall time of its generate call. Returns (records, prefill)."""
+    separate = [m for m in cfg.separate_modes if m in engines]
+    labels = [*cfg.modes, *(f"{m}+separate" for m in separate)]
+    records: dict[str, list[dict]] = {m: [] for m in labels}
+    meter = PrefillMeter(next(iter(engines.values())).target)  # every engine shares the one target
+    groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    try:
+        for repeat in range(cfg.repeats):
+            for g, group in enumerate(groups):
+                samples = [[for_sample(p, j) for j in range(cfg.samples)] for p in sampling_params(cfg, group)]
+                for label in labels:
+                    mode = label.removesuffix("+separate")
+                    meter.label = label
+                    started = time.perf_counter()
+                    if label.endswith("+separate"):
+                        flat = engines[mode].generate([prompts[n][1] for n in group for _ in range(cfg.samples)],
+                                                      [p for per in samples for p in per])
+                        results = [flat[k * cfg.samples:(k + 1) * cfg.samples] for k in range(len(group))]
+                    else:
+                        results = engines[mode].generate_samples([prompts[n][1] for n in group], samples)
+                    wall = time.perf_counter() - started
+                    for n, per_prompt in zip(group, results):
+                        for j, result in enumerate(per_prompt):
+                            record = run_record(f"{prompts[n][0]}#{j}", repeat, result, g)
+                            records[label].append({**record, "group_seconds": wall})
+                print(f"  batch size {batch_size} x {cfg.samples} samples: repeat {repeat} batch {g + 1}/{len(groups)} "
+                      "done", flush=True)
+    finally:
+        meter.target.prefill = meter.original
+    return records, meter.figures
+
+
+def sample_table(records: dict[str, list[dict]], prefill: dict, summary: dict) -> dict[str, dict]:
+    """Per cell: samples (rows) per second over the wall time of its generate calls, tau, and the
+    prefill it ran; printed, and returned for the report."""
+    table = {}
+    print(f"{'cell':<22}{'rows/s':>8}{'tok/s':>8}{'tau':>6}{'prefill tokens':>16}{'prefill s':>11}")
+    for label, rows in records.items():
+        walls = {(r["group"], r["repeat"]): r["group_seconds"] for r in rows}
+        wall = sum(walls.values())
+        p = prefill.get(label, {})
+        table[label] = {"rows": len(rows), "rows_per_s": len(rows) / wall if wall else 0.0,
+                        "tokens_per_s": sum(r["tokens"] for r in rows) / wall if wall else 0.0,
+                        "tau": summary[label].get("tau"), "prefill_tokens": p.get("prompt_tokens", 0),
+                        "prefill_calls": p.get("calls", 0), "prefill_seconds": p.get("seconds", 0.0),
+                        "agreement_with_ar": summary[label]["agreement_with_ar"]}
+        t = table[label]
+        print(f"{label:<22}{t['rows_per_s']:>8.2f}{t['tokens_per_s']:>8.1f}{t['tau'] or 1.0:>6.2f}"
+              f"{t['prefill_tokens']:>16}{t['prefill_seconds']:>11.2f}")
+    return table
+
+
+def sampling_params(cfg, group: list[int]) -> list[SamplingParams]:
+    """The cells' sampling settings for the prompts of `group` (prompt n seeded cfg.seed + n)."""
+    return [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens,
+                           min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty) for n in group]
+
+
 def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, list[dict]]:
     """Every cell on every prompt, `batch_size` prompts per generate call, cells interleaved
     batch by batch (so drift in machine load hits all cells alike), `cfg.repeats` times."""
@@ -223,8 +318,7 @@ def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, l
     groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     for repeat in range(cfg.repeats):
         for g, group in enumerate(groups):
-            params = [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + n, max_new_tokens=cfg.max_new_tokens)
-                      for n in group]
+            params = sampling_params(cfg, group)
             for mode in cfg.modes:
                 if mode in HF_MODES:
                     (n,) = group
@@ -306,6 +400,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(prompts)} ShareGPT dev prompts, {cfg.max_new_tokens} new tokens, {cfg.dtype} on {device}, "
           f"batch {batch_sizes}, sizing {cfg.sizing}, modes {cfg.modes}, repeats {cfg.repeats}")
     sweep = {}
+    if cfg.samples > 1:
+        if any(m in HF_MODES for m in cfg.modes):
+            print("transformers' modes have no shared-prefill samples: skipped with samples > 1")
+            cfg.modes = [m for m in cfg.modes if m not in HF_MODES]
+        for batch_size in batch_sizes:
+            records, prefill = run_sample_cells(cfg, engines, prompts, batch_size)
+            summary = summarize(records)
+            print(f"batch {batch_size} prompts x {cfg.samples} samples:")
+            sweep[batch_size] = {"summary": summary, "records": records,
+                                 "samples": sample_table(records, prefill, summary)}
+        report = {"config": asdict(cfg), "records": sweep[batch_sizes[-1]]["records"],
+                  "sweep": {str(b): {"summary": v["summary"], "samples": v["samples"]} for b, v in sweep.items()}}
+        write_report(cfg.output, report)
+        return report
     for batch_size in batch_sizes:
         records = run_cells(cfg, engines, model, eos, prompts, batch_size)
         sweep[batch_size] = {"summary": summarize(records), "records": records}

@@ -136,6 +136,9 @@ class OutputConfig:
     url: str = MISSING  # directory URL for Parquet parts and the job summary
     rows_per_file: int = 256
     include_token_ids: bool = True
+    # Also write each row as chat messages ready for SFT: the input's messages (or its text prompt as
+    # a user message) plus the assistant's reply, in the `messages` column (docs/output_schema.md).
+    messages: bool = False
     # When url already holds parts: error (stop at start-up, saying what is there), resume (the same
     # as run.resume: true), beside (write this run to <url>-<run id>), replace (write it aside and
     # replace the old rows once it has finished). pipeline/output_modes.py

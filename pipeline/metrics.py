@@ -70,12 +70,24 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
                         (), None),
     "job_state_tokens": ("gauge", "Tokens held by the worker's job-level drafting state (tokens)", ("state",), None),
     "job_state_bytes": ("gauge", "Memory of the worker's job-level drafting state (bytes)", ("state",), None),
-    "tau": ("histogram", "Tokens committed per verification round, per row (tokens)", (), TAU_BOUNDARIES),
+    "tau": ("histogram", "Tokens committed per verification round, per row, by temperature band (tokens)",
+            ("temperature",), TAU_BOUNDARIES),
     "tree_size": ("histogram", "Mean draft nodes verified per round, per row (nodes)", (), TREE_SIZE_BOUNDARIES),
     "stage_seconds_per_round": ("histogram", "Seconds per verification round by stage, per row (seconds)",
                                 ("stage",), ROUND_SECONDS_BOUNDARIES),
     "batch_seconds": ("histogram", "Wall time of one worker batch (seconds)", (), BATCH_SECONDS_BOUNDARIES),
 }
+
+
+def temperature_band(temperature: float | None) -> str:
+    """The `temperature` label of a row's tau: "greedy", its temperature to one decimal, or ">2"
+    (a few values whatever per-row settings hold: a label value is a series). Speculation pays very
+    differently greedy and sampled, so tau is only comparable within a band."""
+    if temperature is None:
+        return "unknown"
+    if temperature == 0:
+        return "greedy"
+    return ">2" if temperature > 2 else f"{round(float(temperature), 1):.1f}"
 
 
 def exported_names() -> set[str]:
@@ -168,7 +180,7 @@ def _record(m: _Metrics, rows: list[dict[str, Any]], labels: dict[str, str], bat
             stage_seconds[stage] = max(stage_seconds[stage], float(row.get(f"{stage}_s") or 0.0))
         rounds = int(row.get("rounds") or 0)
         if rounds:
-            m.tau.observe(float(row["tau"]), tags=labels)
+            m.tau.observe(float(row["tau"]), tags={**labels, "temperature": temperature_band(row.get("temperature"))})
             m.tree_size.observe(float(row.get("mean_tree_size") or 0.0), tags=labels)
             for stage in ROUND_STAGES:
                 m.stage_per_round.observe(float(row.get(f"{stage}_s") or 0.0) / rounds, tags={**labels, "stage": stage})

@@ -56,13 +56,17 @@ logger = logging.getLogger(__name__)
 # Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
 _STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
                "list[float]": pa.list_(pa.float64())}
-SCHEMA_VERSION = "6"
+SCHEMA_VERSION = "7"
+# One chat message of the `messages` column (output.messages): what SFT trainers read (a list of
+# {role, content}: Hugging Face datasets, TRL's SFTTrainer).
+MESSAGE_TYPE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
 # Columns added after version 1: parts written before them read back with nulls there, so a
 # resumed run, the job summary and the nightly report keep working across the upgrade.
 ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "3", "mean_batch_live": "4",
                  "model_rounds": "4", "accepted_job_cache": "4", "min_p": "5", "repetition_penalty": "5",
                  "presence_penalty": "5", "frequency_penalty": "5", "logprobs": "5", "top_logprob_ids": "5",
-                 "top_logprobs": "5", "sample_index": "6", "n": "6"}
+                 "top_logprobs": "5", "sample_index": "6", "n": "6",
+                 "messages": "7"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
@@ -70,6 +74,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("sample_index", pa.int64()),
         pa.field("text", pa.string()),
         pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("messages", pa.list_(MESSAGE_TYPE)),
         pa.field("logprobs", pa.list_(pa.float64())),
         pa.field("top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
         pa.field("top_logprobs", pa.list_(pa.list_(pa.float64()))),
@@ -476,10 +481,11 @@ def split_sample_key(key: str) -> tuple[str, int]:
 class ResumeProgress:
     """What a resumed run finds written: the input rows whose every sample is written (`done`:
     dropped from the input) and, for the input rows with only some written, which sample indices
-    are (`partial`: the worker generates only the others). `rows_written`: output rows found."""
+    are, with the n they were started with (`partial`: {row key: (n, written indices)}; the worker
+    generates only the others, up to that n). `rows_written`: output rows found."""
 
     done: frozenset[str]
-    partial: dict[str, tuple[int, ...]]
+    partial: dict[str, tuple[int, tuple[int, ...]]]
     rows_written: int
 
 
@@ -502,7 +508,7 @@ def resume_progress(output_url: str, *, storage_options: dict[str, Any] | None =
             written.setdefault(row_key, set()).add(sample)
             wanted[row_key] = max(wanted.get(row_key, 1), int(n or 1))
     done = frozenset(k for k, samples in written.items() if samples.issuperset(range(wanted[k])))
-    partial = {k: tuple(sorted(samples)) for k, samples in written.items() if k not in done}
+    partial = {k: (wanted[k], tuple(sorted(samples))) for k, samples in written.items() if k not in done}
     return ResumeProgress(done=done, partial=partial, rows_written=rows)
 
 

@@ -18,9 +18,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SUMMARY_NAME = "_job_summary.json"  # written next to the parts
+# The sampling settings a row decoded with (output columns of the same names): the summary groups
+# rows by them to report tau per setting, since speculation pays differently per temperature.
+SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+# Distinct settings tallied one by one; rows of further ones (per-row settings drawn from a range)
+# are tallied together as "other", so the driver's memory stays bounded.
+MAX_SETTING_GROUPS = 64
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
                 "mean_tree_size", "mean_batch_live", "model_rounds", "finish_reason", "accepted_head",
-                "accepted_context", "accepted_job_cache")
+                "accepted_context", "accepted_job_cache", "sample_index", "n", *SETTING_COLUMNS)
 
 ACCEPTED_SOURCES = ("accepted_head", "accepted_context", "accepted_job_cache")  # per-row provenance columns
 
@@ -42,6 +49,8 @@ class RunTally:
     tau_sum: float = 0.0
     errors: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
+    sample_tokens: array = field(default_factory=lambda: array("q"))  # tokens of each decoded sample
+    per_setting: dict[tuple | str, dict[str, float]] = field(default_factory=dict)
     per_mode: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(
         lambda: {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0, "tree_sum": 0.0, "live_sum": 0.0,
                  "rounds": 0, "model_rounds": 0, **dict.fromkeys(ACCEPTED_SOURCES, 0)}))
@@ -57,6 +66,13 @@ class RunTally:
                 continue
             tokens = int(row.get("num_generated_tokens") or 0)
             self.tokens += tokens
+            self.sample_tokens.append(tokens)
+            setting = self._setting(row)
+            setting["rows"] += 1
+            setting["tokens"] += tokens
+            if row.get("rounds"):
+                setting["tau_sum"] += float(row["tau"])
+                setting["tau_rows"] += 1
             mode = self.per_mode[row.get("mode") or "?"]
             mode["rows"] += 1
             mode["tokens"] += tokens
@@ -71,6 +87,24 @@ class RunTally:
                 mode["model_rounds"] += int(row.get("model_rounds") or 0)
                 for source in ACCEPTED_SOURCES:
                     mode[source] += int(row.get(source) or 0)
+
+    def _setting(self, row: dict) -> dict[str, float]:
+        """The running totals of the row's sampling settings (or of "other", past MAX_SETTING_GROUPS)."""
+        key = tuple(row.get(c) for c in SETTING_COLUMNS)
+        if key not in self.per_setting and len(self.per_setting) >= MAX_SETTING_GROUPS:
+            key = "other"
+        if key not in self.per_setting:
+            self.per_setting[key] = {"rows": 0, "tokens": 0, "tau_sum": 0.0, "tau_rows": 0}
+        return self.per_setting[key]
+
+    def settings_report(self) -> list[dict[str, Any]]:
+        """Per distinct sampling setting (most rows first): the settings, rows, tokens and mean tau."""
+        report = []
+        for key, s in sorted(self.per_setting.items(), key=lambda kv: -kv[1]["rows"]):
+            settings = {"other": True} if key == "other" else dict(zip(SETTING_COLUMNS, key))
+            report.append({"settings": settings, "rows": s["rows"], "tokens": s["tokens"],
+                           "mean_tau": s["tau_sum"] / s["tau_rows"] if s["tau_rows"] else None})
+        return report
 
     @property
     def elapsed(self) -> float:
@@ -115,6 +149,25 @@ def tau_distribution(taus: Any) -> dict[str, Any]:
             "histogram": {label: int(c) for label, c in zip(labels, bins) if c}}
 
 
+def count_distribution(values: Any) -> dict[str, Any]:
+    """Count, mean, p10/p50/p90 (as `tau_distribution` ranks them), min and max of integer counts."""
+    ordered = np.sort(np.asarray(values, dtype=np.int64))
+    n = len(ordered)
+    if not n:
+        return {"count": 0}
+    return {"count": n, "mean": float(ordered.mean()), **{f"p{round(q * 100)}": int(ordered[min(n - 1, int(q * n))])
+                                                         for q in (0.1, 0.5, 0.9)},
+            "min": int(ordered[0]), "max": int(ordered[-1])}
+
+
+def sampling_in_force(config: dict) -> dict[str, Any]:
+    """The config's sampling settings (decoding.*): what every row without settings of its own used."""
+    decoding = config.get("decoding", {})
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "n", "seed", "max_new_tokens", "logprobs", "stop", "stop_token_ids")
+    return {name: decoding.get(name) for name in names if name in decoding}
+
+
 def output_totals(output_url: str) -> dict[str, Any]:
     """Figures over every row under the output (this run and any earlier attempt it resumed),
     computed in Arrow from the three columns they need: a Python object per row on the driver
@@ -147,6 +200,9 @@ def build_summary(tally: RunTally, *, run_id: str, config: dict, resumed_rows: i
             "rows_per_s": tally.rows / wall,
             "tokens_per_s": tally.tokens / wall,
             "tau": tau_distribution(tally.taus),
+            # every decoded row is one sample (decoding.n of them per prompt); error rows excluded
+            "tokens_per_sample": count_distribution(tally.sample_tokens),
+            "sampling": {"config": sampling_in_force(config), "per_setting": tally.settings_report()},
             "finish_reasons": dict(tally.finish_reasons),
             "errors_by_kind": dict(tally.errors.most_common(20)),
             "per_mode": {

@@ -33,7 +33,7 @@ from pipeline.config import PipelineConfig, from_dict
 from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
-from pipeline.outputs import result_rows_to_table, sample_key
+from pipeline.outputs import result_rows_to_table, sample_key, storable_text
 from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class GenerationWorker:
         artifact fingerprints stamped on every output row."""
         self.cfg: PipelineConfig = from_dict(config)
         self.resolved = {k: v for k, v in resolved.items() if k not in ("warm_documents", "written_samples")}
-        # A resumed run's input rows with some samples written: {row_key: written sample indices}.
-        self._written_samples: dict[str, tuple[int, ...]] = resolved.get("written_samples") or {}
+        # A resumed run's input rows with some samples written: {row_key: (their n, written indices)}.
+        self._written_samples: dict[str, tuple[int, tuple[int, ...]]] = resolved.get("written_samples") or {}
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
         device = resolve_worker_device(model_cfg.device, assigned_gpus())  # what Ray assigned, or an error
         if device.type == "cpu":
@@ -109,7 +109,8 @@ class GenerationWorker:
             try:
                 params[k] = self._params(row)
                 n = row_sample_count(self.cfg.decoding.n, decode_settings(row.get("settings")), params[k])
-                written = set(self._written_samples.get(row["row_key"], ()))
+                # a partly written row is completed to the n it was started with, whatever n is now
+                n, written = self._written_samples.get(row["row_key"], (n, ()))
                 samples = [(j, for_sample(params[k], j)) for j in range(n) if j not in written]
                 if samples:
                     requests.append((k, self._encode(row), samples, n))
@@ -198,6 +199,7 @@ class GenerationWorker:
             "source": row.get("source"),
             "text": result.text if ok else None,
             "token_ids": result.token_ids if ok and self.cfg.output.include_token_ids else None,
+            "messages": sft_messages(row, result.text) if ok and self.cfg.output.messages else None,
             "finish_reason": result.finish_reason,
             "error": result.error,
             **result.stats.to_row(),
@@ -210,6 +212,17 @@ class GenerationWorker:
             "run_id": self.resolved["run_id"],
             "worker": self.worker_name,
         }
+
+
+def sft_messages(row: dict, reply: str) -> list[dict[str, str]]:
+    """The row as a chat for supervised fine-tuning: the input's messages (role and content, the
+    fields the prompt was built from) or its text prompt as one user message, then the reply as the
+    assistant's message. The prompt was checked when it was encoded, so it parses here."""
+    if row.get("prompt_kind") == "messages":
+        chat = [{"role": m["role"], "content": m["content"]} for m in json.loads(row["prompt"])]
+    else:
+        chat = [{"role": "user", "content": row["prompt"]}]
+    return [*chat, {"role": "assistant", "content": storable_text(reply)}]  # as the text column stores it
 
 
 def _maybe_crash_for_test() -> None:

@@ -316,6 +316,26 @@ def test_bench_engine_sweeps_batch_sizes_and_fixed_budgets_losslessly(tmp_path, 
     assert "tok/s  x ar  tau  tree" in capsys.readouterr().out
 
 
+def test_bench_engine_samples_share_the_prefill_and_equal_separate_rows(tmp_path, capsys):
+    """samples=3: every mode decodes 3 seeded samples per prompt with one prefill per prompt; the
+    "+separate" cell decodes the same samples as separate rows (3x the prompt tokens forwarded), and
+    in fp32 every cell writes the tokens `ar` writes, sample by sample."""
+    from jobs import bench_engine
+    from tests.tiny_models import save_tiny_artifacts
+
+    art = save_tiny_artifacts(tmp_path / "art")
+    report = bench_engine.main([f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
+                                "dtype=fp32", "device=cpu", "num_prompts=2", "max_prompt_tokens=200",
+                                "max_new_tokens=5", "modes=[ar,dart_lookup]", "temperature=0.8", "min_p=0.05",
+                                "repetition_penalty=1.1", "samples=3", "batch_size=2", "budget=8"])
+    cells = report["sweep"]["2"]["samples"]
+    assert set(cells) == {"ar", "dart_lookup", "ar+separate"}
+    assert all(cell["rows"] == 6 and cell["agreement_with_ar"] == 1.0 for cell in cells.values())
+    assert cells["ar"]["prefill_tokens"] == cells["dart_lookup"]["prefill_tokens"]
+    assert cells["ar+separate"]["prefill_tokens"] == 3 * cells["ar"]["prefill_tokens"] > 0
+    assert "prefill tokens" in capsys.readouterr().out
+
+
 def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):
     """jobs.bench_templated: both arms decode every row; in fp32 greedy they agree token for token."""
     import json

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from jobs.bench_load import growth, operator_figures, write_inputs
 from pipeline.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
-from pipeline.summary import RunTally, tau_distribution
+from pipeline.summary import MAX_SETTING_GROUPS, RunTally, build_summary, tau_distribution
 
 # ------------------------------------------------------------------------------ duplicate pass
 
@@ -91,6 +91,34 @@ def test_the_tally_and_its_tau_distribution_are_exact():
     assert dist["histogram"][">=8.0"] == sum(t >= 8.0 for t in decoded) and "<8.0" in dist["histogram"]
     assert f"mean tau {statistics.mean(decoded):.2f}" in tally.progress_line()
     assert tau_distribution([]) == {"count": 0}
+
+
+def test_the_summary_reports_tokens_per_sample_the_settings_in_force_and_tau_per_setting():
+    tally = RunTally()
+    rows = {"row_key": ["id:a", "sample:1:id:a", "id:b", "id:c", "id:d"], "error": [None, None, None, None, "bad"],
+            "mode": ["dart"] * 5, "num_generated_tokens": [4, 10, 6, 8, 0], "tau": [2.0, 3.0, 1.0, 1.5, 0.0],
+            "rounds": [2, 3, 6, 5, 0], "finish_reason": ["length"] * 4 + ["error"],
+            "temperature": [0.8, 0.8, 0.8, 0.0, None], "top_p": [1.0] * 4 + [None], "top_k": [0] * 4 + [None],
+            "min_p": [0.05, 0.05, 0.05, 0.0, None], "repetition_penalty": [1.1, 1.1, 1.1, 1.0, None],
+            "presence_penalty": [0.0] * 4 + [None], "frequency_penalty": [0.0] * 4 + [None],
+            "sample_index": [0, 1, 0, 0, 0], "n": [2, 2, 1, 1, 1]}
+    tally.add(pa.table(rows))
+    config = {"decoding": {"temperature": 0.8, "min_p": 0.05, "repetition_penalty": 1.1, "n": 2, "mode": "dart"}}
+    summary = build_summary(tally, run_id="r", config=config, resumed_rows=0, duplicates={}, output_totals={})
+    this = summary["this_run"]
+    assert this["tokens_per_sample"] == {"count": 4, "mean": 7.0, "p10": 4, "p50": 8, "p90": 10, "min": 4, "max": 10}
+    assert this["sampling"]["config"] == {"temperature": 0.8, "min_p": 0.05, "repetition_penalty": 1.1, "n": 2}
+    sampled, greedy = this["sampling"]["per_setting"]
+    assert sampled["settings"]["temperature"] == 0.8 and sampled["settings"]["min_p"] == 0.05
+    assert (sampled["rows"], sampled["tokens"], sampled["mean_tau"]) == (3, 20, pytest.approx(2.0))
+    assert (greedy["settings"]["temperature"], greedy["rows"], greedy["mean_tau"]) == (0.0, 1, 1.5)
+    # past MAX_SETTING_GROUPS distinct settings, the rest are tallied together
+    many = RunTally()
+    many.add(pa.table({**{k: v[:1] * 70 for k, v in rows.items()}, "temperature": [0.01 * (k + 1) for k in range(70)]}))
+    report = many.settings_report()
+    assert len(report) == MAX_SETTING_GROUPS + 1
+    assert {"settings": {"other": True}, "rows": 70 - MAX_SETTING_GROUPS, "tokens": 4 * (70 - MAX_SETTING_GROUPS),
+            "mean_tau": 2.0} in report
 
 
 # ------------------------------------------------------------------------------ the benchmark's helpers

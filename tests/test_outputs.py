@@ -99,6 +99,7 @@ def test_rows_to_table_full_row_and_nulls():
         "max_new_tokens": 64,
         "n": 4,
         "sample_index": 1,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "text"}],
         "target_fingerprint": "t",
         "head_fingerprint": "h",
         "trie_fingerprint": "n",
@@ -246,7 +247,7 @@ def test_resume_progress_counts_an_input_row_done_only_when_all_its_samples_are_
     (tmp_path / "out" / part_name(["id:d"])).write_bytes(pq_bytes(legacy_table))
     progress = resume_progress(out)
     assert progress.done == {"id:a", "id:c", "id:d"}
-    assert progress.partial == {"id:b": (1,)} and progress.rows_written == 6
+    assert progress.partial == {"id:b": (2, (1,))} and progress.rows_written == 6
     assert existing_row_keys(out) == {"id:a", "sample:1:id:a", "sample:2:id:a", "sample:1:id:b", "id:c", "id:d"}
 
 

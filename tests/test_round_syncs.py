@@ -88,6 +88,25 @@ def test_a_round_waits_for_the_device_at_most_twice_at_any_batch(parts, mode, si
                                                 f"rounds + {rounds.prefills} admissions: {dict(syncs.by_op)}")
 
 
+@pytest.mark.parametrize("mode", ["ar", "dart_lookup"])
+def test_n_samples_sharing_a_prefill_wait_no_more(parts, mode, monkeypatch):
+    """Copying a prompt's prefilled rows for its completions (`TargetState.repeat`, the logits' and
+    taps' rows) uploads one index and reads nothing back: an admission still waits once."""
+    from dart_worker.sampling import for_sample
+
+    with kernels.forced(logits="batched", warp="dense"):
+        engine = build_engine(parts, mode, TreeParams(budget=12), sizing="fixed", batches=(1, 3))
+        rounds = Rounds(parts.target, monkeypatch)
+        base = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_new_tokens=14)
+        with SyncCounter("cpu") as syncs:
+            results = engine.generate_samples(prompts(3, seed=7), [[for_sample(base, j) for j in range(3)]] * 3,
+                                              max_live=6)
+        assert all(r.error is None for per in results for r in per)
+        assert rounds.prefills <= 3
+        allowed = SAMPLED_BOUND * rounds.verifies + rounds.prefills
+        assert syncs.count <= allowed, f"{mode}: {syncs.count} waits in {rounds.verifies} rounds: {dict(syncs.by_op)}"
+
+
 def test_the_counter_sees_a_wait_per_sequence(parts, monkeypatch):
     """The bound above can fail: reading each sequence's length from a device tensor, as the
     engine once did, is counted once per sequence per round."""

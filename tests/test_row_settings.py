@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from dart_worker.drafters import drafter_names
 from dart_worker.sampling import SamplingParams
-from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
+from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.inputs import INPUT_SCHEMA, PromptFields, parse_jsonl_record
 from pipeline.row_settings import (
     SETTING_NAMES,
@@ -34,7 +34,7 @@ from pipeline.row_settings import (
 )
 from pipeline.worker import GenerationWorker, row_seed
 from tests.test_engine import VOCAB, make_engine, random_prompts
-from tests.tiny_models import save_tiny_artifacts, tiny_model
+from tests.tiny_models import input_row, save_tiny_artifacts, tiny_model, tiny_worker_config
 
 FIELDS = PromptFields(setting_columns=settings_columns({"temperature": "temp"}))
 DEFAULTS = SamplingParams(temperature=0.0, max_new_tokens=16, seed=7, stop=("w9",))
@@ -123,19 +123,10 @@ def test_row_settings_override_the_config_and_the_seed_is_derived_from_the_rows_
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     artifacts = save_tiny_artifacts(tmp_path_factory.mktemp("row-settings"))
-    cfg = PipelineConfig()
-    cfg.input.urls, cfg.output.url = ["unused.jsonl"], "unused"
-    cfg.model.target, cfg.model.draft_head, cfg.model.trie = artifacts["target"], artifacts["head"], artifacts["trie"]
-    cfg.model.dtype, cfg.model.device = "fp32", "cpu"
-    cfg.decoding.mode, cfg.decoding.max_new_tokens = "dart_lookup", 8
-    cfg.resources.torch_threads, cfg.resources.max_live = 1, 2
+    cfg = tiny_worker_config(artifacts)
+    cfg.decoding.max_new_tokens, cfg.resources.max_live = 8, 2
     resolved = {"run_id": "settings", "head_dir": artifacts["head"], "trie_url": artifacts["trie"]}
     return GenerationWorker(to_dict(cfg), resolved)
-
-
-def input_row(key: str, prompt: str, **settings) -> dict:
-    return {"row_key": f"id:{key}", "id": key, "prompt": prompt, "prompt_kind": "text", "source": "f",
-            "error": None, "settings": json.dumps(settings) if settings else None}
 
 
 def test_worker_decodes_each_row_with_its_own_settings_and_bad_ones_are_error_rows(worker):

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from dart_worker.drafters import drafter_names
 from dart_worker.sampling import SamplingParams, for_sample, sample_seed
-from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
+from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.inputs import INPUT_SCHEMA
-from pipeline.outputs import sample_key, split_sample_key
+from pipeline.outputs import OUTPUT_SCHEMA, sample_key, split_sample_key
 from pipeline.worker import GenerationWorker, row_seed
 from tests.test_engine import VOCAB, make_engine, random_prompts
-from tests.tiny_models import save_tiny_artifacts, tiny_model
+from tests.tiny_models import input_row, save_tiny_artifacts, tiny_model, tiny_worker_config
 
 MODEL = tiny_model("qwen3", vocab_size=VOCAB)
 ENGINES = {mode: make_engine(MODEL, mode) for mode in drafter_names()}
@@ -134,21 +134,11 @@ def test_mixed_counts_in_one_continuous_batch_equal_each_completion_alone(mode, 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     artifacts = save_tiny_artifacts(tmp_path_factory.mktemp("samples"))
-    cfg = PipelineConfig()
-    cfg.input.urls, cfg.output.url = ["unused.jsonl"], "unused"
-    cfg.model.target, cfg.model.draft_head, cfg.model.trie = artifacts["target"], artifacts["head"], artifacts["trie"]
-    cfg.model.dtype, cfg.model.device = "fp32", "cpu"
-    cfg.decoding.mode, cfg.decoding.max_new_tokens = "dart_lookup", 6
-    cfg.decoding.temperature, cfg.decoding.n, cfg.decoding.seed = 0.9, 3, 5
-    cfg.resources.torch_threads = 1
+    cfg = tiny_worker_config(artifacts)
+    cfg.decoding.max_new_tokens, cfg.decoding.temperature, cfg.decoding.n, cfg.decoding.seed = 6, 0.9, 3, 5
     resolved = {"run_id": "samples", "head_dir": artifacts["head"], "trie_url": artifacts["trie"],
-                "written_samples": {"id:b": (0, 2)}}  # a resumed run: row b has samples 0 and 2 written
+                "written_samples": {"id:b": (3, (0, 2))}}  # a resumed run: row b has samples 0 and 2 of 3
     return GenerationWorker(to_dict(cfg), resolved)
-
-
-def input_row(key: str, prompt: str, **settings) -> dict:
-    return {"row_key": f"id:{key}", "id": key, "prompt": prompt, "prompt_kind": "text", "source": "f",
-            "error": None, "settings": json.dumps(settings) if settings else None}
 
 
 def test_worker_writes_a_row_per_sample_skips_written_ones_and_refuses_greedy_copies(worker):
@@ -189,3 +179,23 @@ def test_config_refuses_greedy_samples_and_bounds_n():
         load_config(None, [*base, "decoding.n=4"])
     with pytest.raises(ConfigError, match=r"decoding\.n: must be in \[1, 1024\]"):
         load_config(None, [*base, "decoding.n=0", "decoding.temperature=1"])
+
+
+def test_sft_messages_hold_the_prompt_and_the_reply_next_to_the_plain_columns(worker):
+    worker.cfg.output.messages = True
+    try:
+        chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6"}]
+        rows = [input_row("m", "w7 w8", n=1, temperature=1.0),
+                {**input_row("chat", json.dumps(chat), n=2, temperature=1.0), "prompt_kind": "messages"},
+                input_row("bad", "w9", temperature="x")]
+        out = worker(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA))
+    finally:
+        worker.cfg.output.messages = False
+    assert out.schema.field("messages").type == OUTPUT_SCHEMA.field("messages").type
+    got = out.to_pylist()
+    reply = {"role": "assistant", "content": got[0]["text"]}
+    assert got[0]["messages"] == [{"role": "user", "content": "w7 w8"}, reply]
+    for r in got[1:3]:
+        assert r["messages"] == [*chat, {"role": "assistant", "content": r["text"]}]
+    assert got[3]["error"] and got[3]["messages"] is None
+    assert worker(pa.Table.from_pylist(rows[:1], schema=INPUT_SCHEMA)).to_pylist()[0]["messages"] is None  # off

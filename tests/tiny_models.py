@@ -70,3 +70,25 @@ def save_tiny_artifacts(root: Path) -> dict[str, str]:
     build_trie(docs, root / "tiny.ngram", order=3, vocab_size=len(tokenizer),
                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     return {"target": str(target_dir), "head": str(root / "head"), "trie": str(root / "tiny.ngram")}
+
+
+def tiny_worker_config(artifacts: dict[str, str]):
+    """A pipeline config for a GenerationWorker built in the test process on `artifacts`
+    (save_tiny_artifacts): fp32 on the CPU, one thread, mode dart_lookup; tests set the rest."""
+    from pipeline.config import PipelineConfig
+
+    cfg = PipelineConfig()
+    cfg.input.urls, cfg.output.url = ["unused.jsonl"], "unused"
+    cfg.model.target, cfg.model.draft_head, cfg.model.trie = artifacts["target"], artifacts["head"], artifacts["trie"]
+    cfg.model.dtype, cfg.model.device = "fp32", "cpu"
+    cfg.decoding.mode = "dart_lookup"
+    cfg.resources.torch_threads = 1
+    return cfg
+
+
+def input_row(key: str, prompt: str, **settings) -> dict:
+    """An input row as the readers make it (pipeline.inputs.INPUT_SCHEMA), with per-row settings."""
+    import json
+
+    return {"row_key": f"id:{key}", "id": key, "prompt": prompt, "prompt_kind": "text", "source": "f",
+            "error": None, "settings": json.dumps(settings) if settings else None}
