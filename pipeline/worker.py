@@ -190,7 +190,10 @@ class GenerationWorker:
         d = self.cfg.decoding
         ok = result.error is None
         if params is None and not row.get("settings"):
-            params = dataclasses.replace(self._config_params(), seed=row_seed(d.seed, row["row_key"]))
+            try:
+                params = dataclasses.replace(self._config_params(), seed=row_seed(d.seed, row["row_key"]))
+            except (ValueError, TypeError):  # settings nothing can decode with: the row's error says why
+                params = None
         return {
             "row_key": sample_key(row["row_key"], sample),
             "id": row.get("id"),
