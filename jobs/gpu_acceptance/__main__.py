@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dart_worker.device import resolve_device, resolve_dtype
+from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
 from jobs.gpu_acceptance.correctness import run_correctness
 from jobs.gpu_acceptance.report import markdown
 from jobs.gpu_acceptance.speed import run_shape
@@ -90,22 +90,12 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "transformers": transformers.__version__, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-           "cpu": _cpu_model(), "cpu_threads": torch.get_num_threads(), "host": platform.node()}
+           "cpu": cpu_model_name(), "cpu_threads": torch.get_num_threads(), "host": platform.node()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
                 "multiprocessors": props.multi_processor_count}
     return env
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(cfg: AcceptanceConfig) -> dict[str, Any]:
