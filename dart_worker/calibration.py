@@ -26,8 +26,9 @@ import torch
 import transformers
 
 from dart_worker.cache_dir import cache_dir, write_text_atomically
-from dart_worker.cost_model import LatencyModel
+from dart_worker.cost_model import LatencyModel, TreeSizer
 from dart_worker.device import cpu_model_name
+from dart_worker.drafters.registry import SIZING_MODES
 from dart_worker.kernels import describe
 
 log = logging.getLogger(__name__)
@@ -162,3 +163,15 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def make_sizer(target, sizing: str, budget: int, defer_logits: bool, batches=(1,)) -> TreeSizer | None:
+    """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built),
+    with a verify cost curve for each live batch size in `batches` (measured once per machine and
+    model shape, then read from the cache)."""
+    if sizing not in SIZING_MODES:
+        raise ValueError(f"sizing must be one of {SIZING_MODES}, got {sizing!r}")
+    if sizing == "fixed" or budget == 0:
+        return None
+    curves = latency_curves(target, defer_logits, batches)
+    return TreeSizer(curves[1], max_budget=budget, _latency_by_batch=curves)

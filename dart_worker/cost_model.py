@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dart_worker.drafters.registry import SIZING_MODES
 from ngram_native.trees import SOURCE_HEAD, DraftTree
 
 # Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
@@ -310,17 +309,3 @@ def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.
     # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
     # the kept set is a tree.
     return subtree(tree, keep), p[keep]
-
-
-def make_sizer(target, sizing: str, budget: int, defer_logits: bool, batches=(1,)) -> TreeSizer | None:
-    """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built),
-    with a verify cost curve for each live batch size in `batches` (measured once per machine and
-    model shape, then read from the cache: `dart_worker.calibration`)."""
-    if sizing not in SIZING_MODES:
-        raise ValueError(f"sizing must be one of {SIZING_MODES}, got {sizing!r}")
-    if sizing == "fixed" or budget == 0:
-        return None
-    from dart_worker.calibration import latency_curves
-
-    curves = latency_curves(target, defer_logits, batches)
-    return TreeSizer(curves[1], max_budget=budget, _latency_by_batch=curves)

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dart_worker.cost_model import make_sizer
+from dart_worker.calibration import make_sizer
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
 from dart_worker.target import TargetAdapter

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.cost_model import AcceptanceModel, LatencyModel, TreeSizer, make_sizer, subtree
+from dart_worker.calibration import make_sizer
+from dart_worker.cost_model import AcceptanceModel, LatencyModel, TreeSizer, subtree
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import DDTreeDrafter
