@@ -79,11 +79,6 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(_NUMPY_DTYPES[dtype])
 
 
-def split_by(sizes: Sequence[int], values: np.ndarray) -> list[np.ndarray]:
-    """`values` cut into consecutive pieces of `sizes` (the inverse of a concatenation)."""
-    return np.split(values, np.cumsum(sizes)[:-1]) if len(sizes) else []
-
-
 def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """Tensors on `device` holding `arrays` (any dtypes and shapes), uploaded as ONE buffer.
 
