@@ -270,9 +270,9 @@ def _format_of(path: str) -> str | None:
 
 def expand_source(source: str, storage_options: dict | None = None) -> tuple[Any, list[str]]:
     """A path, directory, glob or URL -> (filesystem, sorted file paths). Missing input is an error."""
-    import fsspec
+    from dart_worker.url_filesystem import url_filesystem
 
-    fs, path = fsspec.core.url_to_fs(source, **(storage_options or {}))
+    fs, path = url_filesystem(source, storage_options)
     if any(ch in path for ch in "*?["):
         paths = sorted(p for p in fs.glob(path) if not fs.isdir(p))
     elif fs.isdir(path):

@@ -223,9 +223,9 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
         return _build(cfg, tokenizer, tokenizer_name, fingerprint, local_trie, tokenizer_seconds, started)
     # A remote output is built in a local scratch directory, then uploaded: trie first, so
     # that a sidecar never describes a trie that is not there yet.
-    import fsspec
+    from dart_worker.url_filesystem import url_filesystem
 
-    fs, remote_path = fsspec.core.url_to_fs(cfg.output, **cfg.storage_options)
+    fs, remote_path = url_filesystem(cfg.output, cfg.storage_options)
     with tempfile.TemporaryDirectory(prefix="build_ngram-", dir=cfg.tmp_dir) as work_dir:
         local_trie = Path(work_dir) / os.path.basename(remote_path.rstrip("/"))
         sidecar = _build(cfg, tokenizer, tokenizer_name, fingerprint, local_trie, tokenizer_seconds, started)

@@ -135,10 +135,10 @@ def _wanted(names: list[str]) -> list[str]:
 def list_model(url: str, what: str = "target"):
     """(filesystem, listed files) of the model at `url`: a directory with a config.json, or one
     .gguf file. Raises TargetFetchError naming the URL when it is neither."""
-    import fsspec
+    from dart_worker.url_filesystem import url_filesystem
 
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = url_filesystem(url)
         root = root.rstrip("/")
         fs.invalidate_cache(root)  # a listing cached by this process must not hide a re-upload
         if root.lower().endswith(".gguf"):

@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dart_worker.url_filesystem import url_filesystem
 from pipeline.config import ConfigError, PipelineConfig, from_dict, to_dict, validate
 
 REPORT_JSON = "_nightly_report.json"
@@ -334,7 +334,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], output_url: str) -> list[str]:
     """Write the JSON and Markdown report next to the job's output; return their URLs."""
-    fs, root = fsspec.core.url_to_fs(output_url)
+    fs, root = url_filesystem(output_url)
     fs.makedirs(root, exist_ok=True)
     written = []
     for name, text in ((REPORT_JSON, json.dumps(report, indent=1, default=str)),

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_worker.cache_dir import build_atomically, cache_dir
+from dart_worker.url_filesystem import url_filesystem
 from ngram_native import (
     TRIE_HEADER_SIZE,
     NgramTrie,
@@ -219,9 +220,7 @@ def _read_head(url: str) -> tuple[bytes, int]:
         if local is not None:
             with open(local, "rb") as f:
                 return f.read(TRIE_HEADER_SIZE), os.fstat(f.fileno()).st_size
-        from fsspec.core import url_to_fs
-
-        fs, path = url_to_fs(url)
+        fs, path = url_filesystem(url)
         size = fs.info(path).get("size")
         if size is None:
             raise OSError("the storage does not report the object's size")
@@ -283,10 +282,8 @@ def _verify_file(path: str | Path, url: str, content_key: str) -> None:
 
 def _download(url: str, dest_fd: int, expected_size: int) -> None:
     """Copy the object at `url` into the open file `dest_fd`, logging progress for big files."""
-    from fsspec.core import url_to_fs
-
     shown = redact_url(url)
-    fs, path = url_to_fs(url)
+    fs, path = url_filesystem(url)
     start = last_log = time.monotonic()
     copied = 0
     try:

@@ -24,6 +24,8 @@ import pyarrow.fs
 import ray
 from fsspec.implementations.local import LocalFileSystem
 
+from dart_worker.url_filesystem import url_filesystem
+
 _GLOB_CHARS = "*?["
 _SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
@@ -48,36 +50,12 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
-    options = dict(storage_options)
-    ignore_env = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    client_kwargs = options.get("client_kwargs") or {}
-    if endpoint and not ignore_env and "endpoint_url" not in options and "endpoint_url" not in client_kwargs:
-        options["endpoint_url"] = endpoint
-    return options
-
-
 def filesystem_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem serving `url` and the path of `url` inside it.
-
-    Plain paths and file:// URLs get the local filesystem and an absolute, normalised path;
-    s3:// gets s3fs (endpoint from the environment, see the module docstring); anything else
-    goes through fsspec's registry (gs://, az://, memory://, ...). `storage_options` are passed to
-    the filesystem's constructor (e.g. {"anon": True} or client timeouts).
-    """
-    storage_options = dict(storage_options or {})
-    if "://" not in url or url.startswith("file://"):
-        path = url[len("file://") :] if url.startswith("file://") else url
-        return LocalFileSystem(), os.path.normpath(os.path.abspath(os.path.expanduser(path)))
-    protocol = url.split("://", 1)[0].lower()
-    if protocol in ("s3", "s3a"):
-        import s3fs
-
-        fs = s3fs.S3FileSystem(**_s3_options(storage_options))
-        return fs, fs._strip_protocol(url)
+    """The fsspec filesystem serving `url` and the path of `url` inside it (see
+    dart_worker.url_filesystem, which every reader of URLs shares); StorageError for a protocol
+    no installed fsspec backend serves."""
     try:
-        return fsspec.core.url_to_fs(url, **storage_options)
+        return url_filesystem(url, storage_options)
     except (ImportError, ValueError) as e:
         raise StorageError(f"no filesystem for {url}: {redact(str(e))}") from e
 

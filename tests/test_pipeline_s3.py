@@ -94,10 +94,13 @@ def test_ray_job_submit_end_to_end(tmp_path, artifacts):  # noqa: F811
     ray_cli("start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--port=0", "--dashboard-port=8299",
             "--disable-usage-stats", f"--temp-dir={temp_dir}")
     try:
-        for _ in range(30):  # the job agent comes up a little after `ray start` returns
+        # The job agent comes up a little after `ray start` returns: seconds on a quiet machine,
+        # over a minute on a loaded 2-core one.
+        deadline = time.monotonic() + 240
+        while True:
             submitted = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299", "--",
                                 sys.executable, "-m", "pipeline.run", str(cfg), timeout=600, check=False)
-            if "No available agent" not in submitted.stderr:
+            if "No available agent" not in submitted.stdout + submitted.stderr or time.monotonic() > deadline:
                 break
             time.sleep(2)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]

@@ -262,3 +262,22 @@ def test_draft_head_from_s3_loads_like_the_local_one(s3, cache, tmp_path):
     loaded = load_draft_head(url, model.config, model.get_input_embeddings())
     for name, tensor in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_later_endpoint_is_used_although_an_earlier_one_built_a_filesystem(monkeypatch):
+    """fsspec caches filesystems by constructor arguments: an s3fs built while AWS_ENDPOINT_URL
+    named one server must not serve URLs once it names another (the suite starts a server per
+    module; a driver can be reconfigured). Every reader of URLs goes through url_filesystem."""
+    import fsspec
+
+    from dart_worker.url_filesystem import url_filesystem
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    first, _ = url_filesystem("s3://bucket/model")
+    fsspec.core.url_to_fs("s3://bucket/model")  # the cached, endpoint-less instance the old code reused
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:2")
+    second, path = url_filesystem("s3://bucket/model")
+    assert path == "bucket/model"
+    assert first.endpoint_url == "http://127.0.0.1:1"
+    assert second.endpoint_url == "http://127.0.0.1:2" and second is not first
