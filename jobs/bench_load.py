@@ -268,7 +268,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         captured["dataset"] = ds
         return ds, duplicates
 
-    stages = ["resolve_artifacts", "open_output", "remove_temp_files", "resume_progress", "build_dataset",
+    stages = ["resolve_artifacts", "open_output", "remove_temp_files", "resume_progress", "check_cpu_budget",
+              "probe_workers", "build_dataset",
               "output_totals", "build_summary", "commit_output", "shutdown_ngram_stores"]
     started = time.time()
     run_module.build_dataset = build_and_keep
@@ -316,8 +317,14 @@ def stage_rates(result: dict[str, Any], rows: int) -> dict[str, float | None]:
              "output check (driver)": per(stages.get("open_output")) if resume else None,
              "resume scan (driver)": per(stages.get("resume_progress")) if resume else None,
              "summary totals (driver)": per(stages.get("output_totals"))}
-    for label, marker in (("read", "Read"), ("generation", "GenerationWorker"), ("write", "write_rows")):
-        op = next((o for o in result["operators"] if marker in o["operator"]), None)
+    ops = result["operators"]
+    generation = next((i for i, o in enumerate(ops) if "GenerationWorker" in o["operator"]), None)
+    # The read side is every operator before generation: Ray Data fuses read, mark and repartition
+    # into one operator for small inputs and splits them in two for large ones.
+    read_busy = sum(o["busy_s"] or 0.0 for o in ops[:generation]) if generation else 0.0
+    rates["read (per busy CPU)"] = ops[0]["rows"] / read_busy if read_busy and ops[0]["rows"] else None
+    for label, marker in (("generation", "GenerationWorker"), ("write", "write_rows")):
+        op = next((o for o in ops if marker in o["operator"]), None)
         rates[f"{label} (per busy CPU)"] = op.get("rows_per_busy_s") if op else None
     return rates
 
@@ -453,6 +460,7 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("rows/s end to end", "fresh", ("rows_per_s_end_to_end",), ".1f")
     add("start-up (call to first row decoding), s", "fresh", ("startup_s",), ".1f")
     add("... of which after the duplicate pass (workers start), s", "fresh", ("startup_after_duplicate_pass_s",), ".1f")
+    add("... of which the device probe (a Ray task per node), s", "fresh", ("driver_stages_s", "probe_workers"), ".1f")
     for stage in ("duplicate pass (driver)", "summary totals (driver)",
                   "read (per busy CPU)", "generation (per busy CPU)", "write (per busy CPU)"):
         add(f"{stage}, rows/s", "fresh", ("stage_rows_per_s", stage), ".0f")
