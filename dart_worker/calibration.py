@@ -139,6 +139,38 @@ def latency_curves(target, defer_logits: bool, batches: Iterable[int]) -> dict[i
     return {b: copy.deepcopy(memo[b]) for b in wanted}
 
 
+def deferral_pays(target) -> bool:
+    """`target.deferred_logits_pay()` (the `logits` strategy's measurement on a CPU), measured once
+    per machine and model shape and then read from the cache beside the curves.
+
+    The decision keys the curves (`calibration_key`'s `logits`), and its two sides are often close
+    (a 2-core fp32 EPYC: 16 rows 172 ms against 3 x 61 ms), so a worker that measured it afresh at
+    every start could flip under a burst of load elsewhere, miss its own curves and spend its
+    start-up calibrating again. Stored, every start on the machine decides alike."""
+    if target._deferral_pays is not None:
+        return target._deferral_pays
+    use_disk = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
+    key = calibration_key(target, defer_logits=False)
+    key["kernels"] = {k: v for k, v in key["kernels"].items() if k != "logits"}
+    key["decision"] = "deferred_logits_pay"
+    path = _path(key)
+    if use_disk:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == json.loads(json.dumps(key, default=str)):
+                target._deferral_pays = bool(data["pays"])
+                return target._deferral_pays
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    pays = target.deferred_logits_pay()
+    if use_disk:
+        try:
+            write_text_atomically(path, json.dumps({"key": key, "pays": pays}, indent=1, default=str))
+        except OSError as err:
+            log.warning("could not cache the logits decision at %s: %s", path, err)
+    return pays
+
+
 def _load(path: Path, key: dict) -> dict[int, LatencyModel]:
     """The curves stored for `key` (none if absent, unreadable or stored for another key)."""
     try:

@@ -17,9 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dart_worker.calibration import make_sizer
+from dart_worker.calibration import deferral_pays, make_sizer
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
+from dart_worker.kernels import logits_for
 from dart_worker.target import TargetAdapter
 from ngram_native.trees import TreeParams
 
@@ -77,6 +78,8 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them."""
     tree = (tree or TreeParams()).check()
     drafter = build_drafter(parts, mode, tree)
+    if defer_logits is None:  # the device's strategy, its CPU measurement read from the cache
+        defer_logits = logits_for(parts.target.device, lambda: deferral_pays(parts.target)) == "deferred"
     engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
                             defer_logits=defer_logits)
     if drafter_spec(mode).uses_tree:

@@ -157,6 +157,50 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+# Files a tokenizer directory may load from (what a cached fingerprint is keyed by).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja")
+
+
+def cached_tokenizer_fingerprint(tokenizer: Any) -> str:
+    """`tokenizer_fingerprint`, read from the project cache when this tokenizer was loaded before
+    from the same unchanged files with the same libraries.
+
+    Computing it reads the whole vocabulary and segmentation (Gemma-3's 262k tokens: ~4 s on a
+    2-core CPU), and a drafting job did it twice at start-up (the driver's trie check, then every
+    worker's) where an `ar` job does not at all. The cache key is what the result depends on as
+    loaded: the library versions, the class, the directory's tokenizer files (name, size, mtime,
+    inode, as for model files), the vocabulary size with added tokens and the special tokens; a
+    tokenizer not loaded from a local directory is fingerprinted every time."""
+    source = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    files = [source / name for name in _TOKENIZER_FILES] if source.is_dir() else []
+    present = [f for f in files if f.is_file()]
+    if not present:
+        return tokenizer_fingerprint(tokenizer)
+    import tokenizers
+    import transformers
+
+    stats = [(f.name, st.st_size, st.st_mtime_ns, st.st_ino) for f in present for st in [f.stat()]]
+    key = _canonical({"version": FINGERPRINT_VERSION, "transformers": transformers.__version__,
+                      "tokenizers": tokenizers.__version__, "class": type(tokenizer).__name__,
+                      "dir": str(source.resolve()), "files": stats, "size": len(tokenizer),
+                      "special": _special_of(tokenizer, _backend_of(tokenizer))})
+    path = cache_root() / "tokenizer_fingerprints" / f"{hashlib.sha256(key).hexdigest()[:32]}.json"
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key.decode("utf-8") and len(stored.get("fingerprint", "")) == FINGERPRINT_HEX_CHARS:
+            return stored["fingerprint"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps({"key": key.decode("utf-8"), "fingerprint": fingerprint}))
+    except OSError as err:  # a read-only cache costs the computation next time, nothing else
+        log.warning("could not cache the tokenizer fingerprint at %s: %s", path, err)
+    return fingerprint
+
+
 def file_fingerprint(path: str | os.PathLike) -> str:
     """sha256 hex digest of a file's bytes, streamed (any size; a local path or any fsspec URL)."""
     if isinstance(path, os.PathLike) or "://" not in str(path):

@@ -11,6 +11,9 @@ Measures, in one run on the same ShareGPT dev prompts:
   from the first row's start to the last row's end, from the rows' `finished_at` and
   `wall_s`, against the direct decoding time: what start-up costs aside, Ray Data's reading,
   scheduling and writing add between batches);
+- start-up: from the job's launch to its first row's decoding (the earliest `finished_at - wall_s`
+  of its rows): Ray, the driver's checks, the worker's target, head, trie and calibration; the
+  median over the repeats, and its difference to the first cell (a drafting job against `ar`);
 - resident memory per node with 1 and 2 workers (sum of the workers' PSS, and the trie's
   share of it, which should be counted once however many workers map it).
 
@@ -89,7 +92,10 @@ def run_order(cells: list[str], repeats: int) -> list[tuple[int, str]]:
 def median_run(runs: list[dict]) -> dict:
     """The run of median rows/s (the lower middle one for an even count), with every run's rows/s."""
     ranked = sorted(runs, key=lambda run: run["rows_per_s"])
-    return {**ranked[(len(ranked) - 1) // 2], "repeats_rows_per_s": [run["rows_per_s"] for run in runs]}
+    startups = sorted(run["startup_s"] for run in runs)
+    return {**ranked[(len(ranked) - 1) // 2], "repeats_rows_per_s": [run["rows_per_s"] for run in runs],
+            "repeats_startup_s": [run["startup_s"] for run in runs],
+            "startup_s_median": startups[(len(startups) - 1) // 2]}
 
 
 def pipeline_config(work: Path, cell: str, cfg: PipelineBenchConfig, workers: int, threads: int, tag: str):
@@ -230,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{cfg.modes[0]}), {p['steady']['rows_per_s']:.3f} steady, tau {p['mean_tau'] or 0:.2f}, "
                   f"tail {p['steady']['tail_s']:.1f} s ({p['steady']['tail_share']:.0%} of the span); "
                   f"rows/s per repeat {[round(v, 3) for v in p['repeats_rows_per_s']]}", flush=True)
+            extra = p["startup_s_median"] - base["startup_s_median"]
+            print(f"{mode}: start-up (launch to the first row's decoding) {p['startup_s_median']:.1f} s "
+                  f"({extra:+.1f} s vs {cfg.modes[0]}), per repeat {[round(v, 1) for v in p['repeats_startup_s']]}",
+                  flush=True)
         for mode in report["engine_direct"]:
             p, e = report["pipeline"][mode], report["engine_direct"][mode]
             p["overhead_end_to_end"] = p["wall_s"] / (e["construct_s"] + e["wall_s"]) - 1

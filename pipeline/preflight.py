@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_worker.drafters import drafter_spec
-from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+from dart_worker.fingerprint import cached_tokenizer_fingerprint, file_fingerprint
 from pipeline.config import PipelineConfig
 from pipeline.ngram_store import TrieUnavailableError, check_trie_url
 from pipeline.outputs import read_output
@@ -139,7 +139,7 @@ def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
 
         spec = str(default_trie_path())
     try:
-        header = check_trie_url(spec, tokenizer_fingerprint(tokenizer))
+        header = check_trie_url(spec, cached_tokenizer_fingerprint(tokenizer))
     except (OSError, ValueError, TrieUnavailableError) as exc:
         raise StartupError(f"model.trie {spec!r}: {exc}") from None
     return spec, header.content_key

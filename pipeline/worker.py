@@ -25,7 +25,7 @@ from dart_worker.device import configure_cpu_threads, resolve_dtype, resolve_wor
 from dart_worker.drafters import drafter_spec
 from dart_worker.engine import GenerationResult
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.fingerprint import tokenizer_fingerprint
+from dart_worker.fingerprint import cached_tokenizer_fingerprint
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import PromptEncoder
 from dart_worker.sampling import SamplingParams, for_sample
@@ -74,7 +74,7 @@ class GenerationWorker:
         spec = drafter_spec(decoding.mode)
         trie = None
         if spec.needs_trie:
-            trie = acquire_trie(resolved["trie_url"], tokenizer_fingerprint(self.tokenizer))
+            trie = acquire_trie(resolved["trie_url"], cached_tokenizer_fingerprint(self.tokenizer))
         parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
         live = self.cfg.resources.max_live or self.cfg.resources.batch_size

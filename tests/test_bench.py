@@ -468,8 +468,11 @@ def test_pipeline_bench_alternates_the_order_of_whole_jobs_and_reports_medians()
     assert {len(v) for v in slots.values()} == {4} and len({sum(v) for v in slots.values()}) == 1
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         run_order(["ar"], 0)
-    runs = [{"rows_per_s": v, "repeat": i} for i, v in enumerate([0.30, 0.10, 0.20, 0.40])]
+    runs = [{"rows_per_s": v, "repeat": i, "startup_s": t}
+            for i, (v, t) in enumerate(zip([0.30, 0.10, 0.20, 0.40], [9.0, 7.0, 30.0, 8.0], strict=True))]
     median = median_run(runs)
     assert median["rows_per_s"] == 0.20 and median["repeat"] == 2
     assert median["repeats_rows_per_s"] == [0.30, 0.10, 0.20, 0.40]
+    # start-up: its own median over the repeats (one slow start does not pick it)
+    assert median["repeats_startup_s"] == [9.0, 7.0, 30.0, 8.0] and median["startup_s_median"] == 8.0
     assert median_run(runs[:3])["rows_per_s"] == 0.20

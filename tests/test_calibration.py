@@ -88,3 +88,45 @@ def test_the_cache_can_be_switched_off(cache, monkeypatch):
     monkeypatch.setenv(calibration.DISABLE_ENV, "1")
     latency_curves(TargetAdapter(tiny_model("llama")), False, [2])
     assert not cache.exists() or not list(cache.glob("*.json"))
+
+
+def test_a_second_start_measures_nothing(cache, monkeypatch):
+    """A worker starting on a machine that ran the target before neither calibrates nor measures
+    the logits decision again, even if that measurement would now come out the other way (load
+    elsewhere): the decision keys the curves, so a flip would mean calibrating at every start."""
+    from dart_worker.engine_factory import EngineParts, build_engine
+    from ngram_native.trees import TreeParams
+
+    measured, decided = [], []
+    real_measure, real_decide = calibration.measure, TargetAdapter.deferred_logits_pay
+
+    def counting(target, *, defer_logits, batch, passes=3):
+        measured.append(batch)
+        return real_measure(target, defer_logits=defer_logits, batch=batch, passes=1)
+
+    def deciding(self, *args, **kwargs):
+        decided.append(1)
+        return real_decide(self, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure", counting)
+    monkeypatch.setattr(TargetAdapter, "deferred_logits_pay", deciding)
+
+    def start():  # what a new worker process does: a fresh adapter, the engine with auto sizing
+        parts = EngineParts(target=TargetAdapter(tiny_model("llama")))
+        return build_engine(parts, "lookup", TreeParams(budget=8), sizing="auto", batches=(1, 4))
+
+    first = start()
+    assert sorted(measured) == [1, 4] and decided == [1]
+    measured.clear()
+    decided.clear()
+    flipped = not first.defer_logits
+    monkeypatch.setattr(TargetAdapter, "deferred_logits_pay", lambda self, *a, **k: decided.append(1) or flipped)
+    second = start()
+    assert measured == [] and decided == []
+    assert second.defer_logits == first.defer_logits
+    curves = "latency_ms_by_batch_and_rows"
+    assert second.sizer.describe()[curves] == first.sizer.describe()[curves]
+    # Switched off, the cache neither answers nor stores.
+    monkeypatch.setenv(calibration.DISABLE_ENV, "1")
+    start()
+    assert decided == [1] and sorted(measured) == [1, 4]

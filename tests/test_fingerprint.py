@@ -9,8 +9,10 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from dart_worker import fingerprint
 from dart_worker.fingerprint import (
     FINGERPRINT_HEX_CHARS,
+    cached_tokenizer_fingerprint,
     check_tokenizer_fingerprint,
     file_fingerprint,
     tokenizer_fingerprint,
@@ -116,3 +118,32 @@ def test_file_fingerprint_streams_and_matches_hashlib(tmp_path):
     assert file_fingerprint(f"file://{path}") == expected
     path.write_bytes(data[:-1] + b"\x00")
     assert file_fingerprint(path) != expected
+
+
+def test_a_loaded_tokenizers_fingerprint_is_computed_once_per_files(tmp_path, monkeypatch):
+    """A drafting job's start-up (the driver's trie check, every worker's) reads the fingerprint of a
+    tokenizer loaded from unchanged files from the cache; changed files, added tokens or a
+    tokenizer from no directory are fingerprinted anew."""
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))
+    tok = make_tiny_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    computed = []
+    real = fingerprint.tokenizer_fingerprint
+
+    def counting(t):
+        computed.append(1)
+        return real(t)
+
+    monkeypatch.setattr(fingerprint, "tokenizer_fingerprint", counting)
+    expected = real(tok)
+    assert cached_tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok")) == expected
+    assert cached_tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok")) == expected  # a new load
+    assert len(computed) == 1
+    grown = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    grown.add_tokens(["zebra"])
+    assert cached_tokenizer_fingerprint(grown) == real(grown) != expected and len(computed) == 2
+    other = make_tiny_tokenizer(lowercase=True)
+    other.save_pretrained(tmp_path / "tok")  # the same directory, other files
+    assert cached_tokenizer_fingerprint(AutoTokenizer.from_pretrained(tmp_path / "tok")) == real(other) != expected
+    assert len(computed) == 3
+    assert cached_tokenizer_fingerprint(tok) == expected and len(computed) == 4  # not loaded from files
