@@ -122,6 +122,31 @@ def resolve_worker_device(spec: str, assigned_gpus: list[str]) -> torch.device:
                                 f"(CUDA_VISIBLE_DEVICES={visible}): {err}") from None
 
 
+def worker_devices(device: torch.device, assigned_gpus: list[str]) -> list[torch.device]:
+    """The devices a pipeline worker spreads its target over: every GPU Ray assigned it
+    (`resources.num_gpus_per_worker: N` gives N), as torch numbers them in this process, else just
+    `device` (the CPU, or a worker holding one GPU or a fraction of one).
+
+    Ray sets CUDA_VISIBLE_DEVICES to the assigned ids, so torch sees them as cuda:0..N-1 in the
+    order that variable lists them; where it lists other ids (Ray told not to set it), an
+    assigned id is found at its position there, and with the variable unset the ids are torch's.
+    """
+    if device.type != "cuda" or len(assigned_gpus) <= 1:
+        return [device]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = [v.strip() for v in visible.split(",")] if visible is not None else None
+    indices = []
+    for gpu in assigned_gpus:
+        if listed is not None and str(gpu) in listed:
+            indices.append(listed.index(str(gpu)))
+        elif listed is None and str(gpu).isdigit():
+            indices.append(int(gpu))
+        else:
+            raise DeviceUnavailable(f"the cluster assigned this worker GPUs {', '.join(assigned_gpus)} but GPU "
+                                    f"{gpu} is not among CUDA_VISIBLE_DEVICES={visible}")
+    return [torch.device("cuda", i) for i in indices]
+
+
 def cpu_model_name() -> str:
     """The CPU's model name (/proc/cpuinfo), for figures and caches that depend on the machine."""
     try:

@@ -332,8 +332,8 @@ class DecodingEngine:
         if len(joining) > len(groups):
             order = [g for g, group in enumerate(groups) for _ in group]
             index = to_device(np.asarray(order, dtype=np.int64), logits.device)  # one upload, non-blocking
-            fresh.repeat(order, index)  # one device: cache, logits and taps all live there
-            logits, taps = logits.index_select(0, index), taps.index_select(0, index)
+            fresh.repeat(order, index)  # copied to the devices of a split target's other layers
+            logits, taps = logits.index_select(0, index), taps.index_select(0, index.to(taps.device))
         first = self._sample_rows(logits[:, 0], joining)
         if any(s.params.logprobs for s in joining):  # the prefill row decided the first token
             first_trees = [empty_tree() for _ in joining]

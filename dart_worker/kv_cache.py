@@ -161,6 +161,24 @@ def moved_index(order: list[int]) -> np.ndarray:
     return index
 
 
+def per_device(index: torch.Tensor | np.ndarray | list[int]):
+    """`on(device)` -> `index` (host ints, or a tensor already on some device) as an int64 tensor on
+    `device`, uploaded or copied once per device: the layers of a target split over several
+    devices each hold their cache where they run, and are indexed there."""
+    copies: dict[torch.device, torch.Tensor] = {}
+    if isinstance(index, torch.Tensor):
+        copies[index.device] = index
+    else:
+        index = np.asarray(index, dtype=np.int64)
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in copies:
+            copies[device] = index.to(device) if isinstance(index, torch.Tensor) else to_device(index, device)
+        return copies[device]
+
+    return on
+
+
 def retire_order(finished: list[bool]) -> list[int]:
     """The order in which the unfinished of `finished` sequences stay: each hole left below the
     new batch size is filled by the last unfinished sequence beyond it, the others keep their
@@ -182,17 +200,21 @@ class GrowingCache(DynamicCache):
     def keep_sequences(self, order: list[int]) -> None:
         if not self.layers:
             return
-        index = to_device(moved_index(order), self.layers[0].keys.device)  # one upload for every layer
+        index = per_device(moved_index(order))  # one upload per device, shared by its layers
         for layer in self.layers:
-            layer.keep_sequences(order, index)
+            layer.keep_sequences(order, index(layer.keys.device))
 
     @torch.no_grad()
-    def repeat_sequences(self, index: torch.Tensor) -> None:
-        """Sequences `index` (a device int64 tensor; repeats allowed: n completions of one prompt
-        copy its prefilled rows), as new tensors. A copy of what is held, never a recomputation;
-        the layers no longer view their buffers, so their next append adopts the copies."""
+    def repeat_sequences(self, index: torch.Tensor | np.ndarray | list[int]) -> None:
+        """Sequences `index` (host ints or a device int64 tensor; repeats allowed: n completions of
+        one prompt copy its prefilled rows), as new tensors. A copy of what is held, never a
+        recomputation; the layers no longer view their buffers, so their next append adopts the
+        copies. Layers on another device than a given tensor's (a target split over several
+        devices) get the index copied there once."""
+        on = per_device(index)
         for layer in self.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            where = on(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(0, where), layer.values.index_select(0, where)
 
     def append_sequences(self, other: DynamicCache) -> None:
         if len(self.layers) != len(other.layers):

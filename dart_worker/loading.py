@@ -275,8 +275,9 @@ def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype
     format). The model then stays where each module was placed; `device` is where the embedding
     is. `offload_folder` is where accelerate keeps modules an explicit map sends to "disk": the one
     placement over several "devices" a machine without GPUs has, used to test the split path on a
-    CPU, never by a job. Note that the engine (TargetAdapter, KV cache, draft head) still keeps its
-    own tensors on one device: docs/your_model.md says what runs split today.
+    CPU, never by a job. The engine drives a target spread this way (`TargetAdapter.device` is the
+    embedding's device, `logits_device` the LM head's, each layer's KV cache on its own device):
+    docs/your_model.md#targets-larger-than-one-gpu.
     """
     started = time.monotonic()
     if devices is not None and len(devices) > 1 and device_map is None:

@@ -39,8 +39,10 @@ def project(hidden: torch.Tensor, linear: nn.Module) -> torch.Tensor:
 
 def _weight_first(rows: torch.Tensor, linear: nn.Module) -> bool:
     """The weight-first product where the strategy asks for it and it is the same product: one
-    bias-free `nn.Linear` of the rows' dtype, inference, several rows (one row is a
-    matrix-vector product either way)."""
+    bias-free `nn.Linear` of the rows' dtype and device, inference, several rows (one row is a
+    matrix-vector product either way). A weight elsewhere (offloaded by accelerate, which loads it
+    in the module's forward) keeps the module's own product."""
     return (rows.shape[0] > 1 and type(linear) is nn.Linear and linear.bias is None
-            and linear.weight.dtype == rows.dtype and not torch.is_grad_enabled()
+            and linear.weight.dtype == rows.dtype and linear.weight.device == rows.device
+            and not torch.is_grad_enabled()
             and projection_for(rows.device, rows.dtype) == "weight_first")

@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dart_worker import tree_attention
-from dart_worker.kv_cache import GrowingCache
+from dart_worker.kv_cache import GrowingCache, per_device
 from dart_worker.projection import project
 from dart_worker.transfer import to_device
 
@@ -52,6 +52,18 @@ def cache_argument(decoder: torch.nn.Module) -> str:
     """The decoder forward's name for the KV cache: `cache` from transformers 5.24 on (which warns
     about the old name and removes it in 5.40), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where `module` computes: the execution device accelerate's hook gives it in a target spread
+    over several devices (its weights may sit elsewhere: offloaded ones are on "meta"), else the
+    device of its first parameter."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    parameter = next(module.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -109,12 +121,11 @@ class TargetState:
     def repeat(self, order: Sequence[int], index: torch.Tensor | None = None) -> None:
         """Sequences `order` (indices, repeats allowed), copied: n completions of one prompt share
         its prefill, whose cache rows are copied on the device rather than recomputed
-        (`GrowingCache.repeat_sequences`). `index`: `order` already on the cache's device."""
+        (`GrowingCache.repeat_sequences`). `index`: `order` already on a device (copied to the
+        layers held on others)."""
         order = [int(i) for i in order]
         if len(self.cache.layers):
-            if index is None:
-                index = to_device(np.asarray(order, dtype=np.int64), self.cache.layers[0].keys.device)
-            self.cache.repeat_sequences(index)
+            self.cache.repeat_sequences(index if index is not None else np.asarray(order, dtype=np.int64))
         self.lengths = self._lengths[order]
 
     @torch.no_grad()
@@ -157,7 +168,7 @@ def prefill_groups(lengths: Sequence[int], max_padding: float = PREFILL_MAX_PADD
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, R, V] in the model dtype, for the requested rows (None: not computed)
-    taps: torch.Tensor  # [B, S, 3 * hidden] fused hidden states of every new row
+    taps: torch.Tensor  # [B, S, 3 * hidden] fused hidden states of every new row, on `TargetAdapter.device`
     hidden: torch.Tensor | None = None  # [B, S, hidden] final-norm states, when logits were deferred
 
 
@@ -211,7 +222,7 @@ class TargetAdapter:
             ours = self.logits_at(self.model.get_decoder()(input_ids=probe, use_cache=False).last_hidden_state)
         finally:
             self._captured.clear()
-        ours = ours.float()
+        ours = ours.float().to(theirs.device)
         if theirs.shape != ours.shape:
             raise ValueError(f"{type(self.model).__name__}: its forward gives logits of shape {tuple(theirs.shape)}, "
                              f"LM head over the decoder's output {tuple(ours.shape)}; unsupported model head")
@@ -224,7 +235,16 @@ class TargetAdapter:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        """The engine's device: where the token embedding is (input ids, positions, masks, trees,
+        taps and the draft head live there). A target spread over several devices (`load_target`'s
+        `devices`) keeps its other layers elsewhere: each layer's KV cache lives on its own device
+        (accelerate's hooks move a layer's inputs there), the logits on `logits_device`."""
+        return module_device(self.model.get_input_embeddings())
+
+    @property
+    def logits_device(self) -> torch.device:
+        """Where the LM head computes, so where logits are (the last device of a split target)."""
+        return module_device(self.model.get_output_embeddings())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -303,10 +323,11 @@ class TargetAdapter:
                                           use_cache=True, **{self._cache_argument: state.cache}).last_hidden_state
         logits = None
         if not defer_logits:
-            if logit_rows is not None:
-                hidden = torch.take_along_dim(hidden, logit_rows[..., None], dim=1)
+            if logit_rows is not None:  # the final norm's output is on the last layers' device
+                hidden = torch.take_along_dim(hidden, logit_rows[..., None].to(hidden.device), dim=1)
             logits, hidden = self.logits_at(hidden), None
-        taps = torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
+        # Each tap is captured on its layer's device; the draft head reads them on the engine's.
+        taps = torch.cat([self._captured[i].to(self.device) for i in self.tap_layers], dim=-1)
         self._captured.clear()
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
@@ -321,15 +342,16 @@ class TargetAdapter:
         against 3 x 61 ms), 16 rows cost about as much as a few single ones and it does not.
         """
         if self._deferral_pays is None:
-            hidden = torch.randn(tree_rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            device = self.logits_device
+            hidden = torch.randn(tree_rows, self.config.hidden_size, dtype=self.dtype, device=device)
 
             def seconds(rows: int) -> float:
                 times = []
                 for _ in range(3):
                     start = time.perf_counter()
                     self.logits_at(hidden[:rows])
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - start)
                 return sorted(times)[1]
 
@@ -341,8 +363,9 @@ class TargetAdapter:
     def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states [..., hidden], exactly as the model's own head computes
         them: the LM head (through `projection.project`: one contiguous matrix, in the orientation
-        a CPU runs fastest), then the final soft-capping where the model has one (Gemma 2)."""
-        logits = project(hidden, self.model.get_output_embeddings())
+        a CPU runs fastest), then the final soft-capping where the model has one (Gemma 2). Computed
+        on the LM head's device (`logits_device`), where `hidden` is moved first."""
+        logits = project(hidden.to(self.logits_device), self.model.get_output_embeddings())
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -376,8 +399,9 @@ class TargetAdapter:
         state.cache, state.lengths = joined.cache, joined.lengths
         width = max(out.taps.shape[1] for out in outs)
         taps = torch.cat([_pad_slots(out.taps, width) for out in outs])
-        index = to_device(inverse, self.device)
-        return ForwardOutput(logits=torch.cat([out.logits for out in outs])[index], taps=taps[index])
+        index = per_device(inverse)  # logits on the LM head's device, taps on the engine's
+        logits = torch.cat([out.logits for out in outs])
+        return ForwardOutput(logits=logits[index(logits.device)], taps=taps[index(taps.device)])
 
     def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
         """`prefill` in one forward: prompts right-padded into one block."""
@@ -430,8 +454,9 @@ class TargetAdapter:
             index[1] = block_start + np.concatenate([np.asarray(rows, dtype=np.int64) for rows in accepted_rows])
             index[2] = np.repeat(state.lengths, counts) + (np.arange(total) - np.repeat(np.cumsum(counts) - counts,
                                                                                           counts))
-            b_t, src_t, dst_t = to_device(index, self.device).unbind(0)
+            on = per_device(index)  # each layer's cache is indexed on its own device
             for layer in state.cache.layers:
+                b_t, src_t, dst_t = on(layer.keys.device).unbind(0)
                 layer.keys[b_t, :, dst_t] = layer.keys[b_t, :, src_t]
                 layer.values[b_t, :, dst_t] = layer.values[b_t, :, src_t]
         state.lengths = state.lengths + counts

@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dart_worker.device import configure_cpu_threads, resolve_dtype, resolve_worker_device
+from dart_worker.device import configure_cpu_threads, resolve_dtype, resolve_worker_device, worker_devices
 from dart_worker.drafters import drafter_spec
 from dart_worker.engine import GenerationResult
 from dart_worker.engine_factory import EngineParts, build_engine
@@ -65,12 +65,15 @@ class GenerationWorker:
         # A resumed run's input rows with some samples written: {row_key: (their n, written indices)}.
         self._written_samples: dict[str, tuple[int, tuple[int, ...]]] = resolved.get("written_samples") or {}
         model_cfg, decoding = self.cfg.model, self.cfg.decoding
-        device = resolve_worker_device(model_cfg.device, assigned_gpus())  # what Ray assigned, or an error
+        gpus = assigned_gpus()
+        device = resolve_worker_device(model_cfg.device, gpus)  # what Ray assigned, or an error
         if device.type == "cpu":
             resources = self.cfg.resources
             configure_cpu_threads(resources.torch_threads or max(1, int(resources.num_cpus_per_worker)))
+        # A worker holding several GPUs (resources.num_gpus_per_worker > 1) spreads its target over them.
+        devices = worker_devices(device, gpus)
         model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),
-                                            device=device)
+                                            device=device, devices=devices if len(devices) > 1 else None)
         spec = drafter_spec(decoding.mode)
         trie = None
         if spec.needs_trie:
@@ -86,7 +89,8 @@ class GenerationWorker:
             self.engine.drafter.warm(warm, kinds)
             log.info("worker %s warmed from %d rows of %s: %s", self.worker_name, len(warm), decoding.warm_from,
                      self.engine.drafter.job_state())
-        log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode, device)
+        log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode,
+                 ", ".join(str(d) for d in devices))
         if self.engine.sizer is not None:
             log.info("worker %s tree sizing calibrated: %s", self.worker_name, self.engine.sizer.calibration_line())
 

@@ -122,3 +122,48 @@ def test_dry_run_names_the_device_and_checks_a_local_gpu(tmp_path, artifacts, ca
         assert main([str(path), *gpu, "--dry-run"]) == 2
         assert "error: model.device: the cluster assigned this worker GPU(s) 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+
+
+def test_a_worker_spreads_its_target_over_every_gpu_ray_assigned_it(monkeypatch, tmp_path):
+    """num_gpus_per_worker=2: Ray assigns GPUs 3 and 5 and sets CUDA_VISIBLE_DEVICES=3,5, so torch
+    sees them as cuda:0 and cuda:1; the worker loads its target over both (faked assignment: this
+    machine has no GPU, so the load is stopped where it starts, with the arguments it got)."""
+    from dart_worker.device import worker_devices
+    from pipeline import worker as worker_module
+    from pipeline.config import to_dict
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert worker_devices(torch.device("cuda"), ["3", "5"]) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert worker_devices(torch.device("cuda"), ["5", "3"]) == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert worker_devices(torch.device("cuda"), ["3"]) == [torch.device("cuda")]  # one GPU: no split
+    assert worker_devices(torch.device("cpu"), []) == [torch.device("cpu")]
+    with pytest.raises(DeviceUnavailable, match=r"GPUs 3, 7 but GPU 7 is not among CUDA_VISIBLE_DEVICES=3,5"):
+        worker_devices(torch.device("cuda"), ["3", "7"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert worker_devices(torch.device("cuda"), ["1", "2"]) == [torch.device("cuda", 1), torch.device("cuda", 2)]
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    loads = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load_target(spec, **kwargs):
+        loads.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(worker_module, "assigned_gpus", lambda: ["3", "5"])
+    monkeypatch.setattr(worker_module, "resolve_worker_device", lambda spec, gpus: torch.device("cuda", 0))
+    monkeypatch.setattr(worker_module, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(worker_module, "load_target", fake_load_target)
+    cfg = load_config(None, [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
+                             "model.target=default", "decoding.mode=ar"])
+    with pytest.raises(Stop):
+        worker_module.GenerationWorker(to_dict(cfg), {"run_id": "split", "head_dir": None, "trie_url": None})
+    assert loads == [{"dtype": torch.bfloat16, "device": torch.device("cuda", 0),
+                      "devices": [torch.device("cuda", 0), torch.device("cuda", 1)]}]
+    loads.clear()
+    monkeypatch.setattr(worker_module, "assigned_gpus", lambda: ["3"])
+    with pytest.raises(Stop):
+        worker_module.GenerationWorker(to_dict(cfg), {"run_id": "one", "head_dir": None, "trie_url": None})
+    assert loads[0]["devices"] is None
