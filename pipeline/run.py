@@ -44,7 +44,7 @@ from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifac
 from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
 from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary, output_totals
-from pipeline.worker import GenerationWorker
+from pipeline.worker import GenerationWorker, target_mismatch
 
 log = logging.getLogger("pipeline")
 
@@ -191,6 +191,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
             device_problem = worker_failure(exc)  # a worker on another node than the probe's
             if device_problem is not None:
                 raise StartupError(f"model.device: {device_problem}") from None
+            mismatch = target_mismatch(exc)  # a worker fetched other bytes than the driver checked
+            if mismatch is not None:
+                raise StartupError(mismatch) from None
             reason = storage_failure(exc)
             if reason is None:
                 raise

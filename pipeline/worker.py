@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from datetime import UTC, datetime
@@ -54,6 +55,50 @@ _SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "frequency_penalty", "seed", "max_new_tokens")
 
 
+class TargetMismatch(RuntimeError):
+    """This worker's copy of the target is not the one the driver checked and stamps on rows."""
+
+
+_REMOTE_TARGET_MISMATCH = re.compile(r"TargetMismatch: (.+)$", re.MULTILINE)
+
+
+def check_target_fingerprint(spec: str, expected: str | None) -> str | None:
+    """The fingerprint of this node's copy of target `spec` (fetched once per node for a URL; the
+    per-file hashes are cached), which must be `expected`, the driver's: a re-upload under the
+    same URL after the driver resolved it, or nodes holding different files at one path, would
+    otherwise decode with another model than the one every output row names."""
+    from dart_worker.loading import model_fingerprint, resolve_source
+
+    if not expected:  # nothing to hold it to (a worker built outside a job)
+        return None
+    found = model_fingerprint(spec)
+    if found != expected:
+        location = resolve_source(spec).location
+        raise TargetMismatch(f"model.target {spec!r}: this worker's copy ({location} on {socket.gethostname()}) "
+                             f"has fingerprint {found}, but the driver checked {expected} at start-up: the "
+                             "target changed under its URL since the job started, or nodes hold different "
+                             "files at that path; make the target immutable (a new URL per version) and rerun")
+    return found
+
+
+def target_mismatch(exc: BaseException) -> str | None:
+    """The TargetMismatch line behind a failed Ray actor (None if that is not the cause): Ray
+    re-raises the worker's exception, or only carries its traceback text."""
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found = _REMOTE_TARGET_MISMATCH.search(str(e))
+        if isinstance(e, TargetMismatch) and not found:
+            return str(e)
+        if found:
+            return found.group(1)
+        pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
 class GenerationWorker:
     """Callable class for `Dataset.map_batches`: one engine per actor."""
 
@@ -70,6 +115,7 @@ class GenerationWorker:
         if device.type == "cpu":
             resources = self.cfg.resources
             configure_cpu_threads(resources.torch_threads or max(1, int(resources.num_cpus_per_worker)))
+        check_target_fingerprint(model_cfg.target, resolved.get("target_fingerprint"))  # the driver's bytes
         # A worker holding several GPUs (resources.num_gpus_per_worker > 1) spreads its target over them.
         devices = worker_devices(device, gpus)
         model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),

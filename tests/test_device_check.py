@@ -156,6 +156,7 @@ def test_a_worker_spreads_its_target_over_every_gpu_ray_assigned_it(monkeypatch,
     monkeypatch.setattr(worker_module, "resolve_worker_device", lambda spec, gpus: torch.device("cuda", 0))
     monkeypatch.setattr(worker_module, "resolve_dtype", lambda dtype, device: torch.bfloat16)
     monkeypatch.setattr(worker_module, "load_target", fake_load_target)
+    monkeypatch.setattr(worker_module, "check_target_fingerprint", lambda spec, expected: expected)
     cfg = load_config(None, [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
                              "model.target=default", "decoding.mode=ar"])
     with pytest.raises(Stop):

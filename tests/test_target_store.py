@@ -281,3 +281,39 @@ def test_a_later_endpoint_is_used_although_an_earlier_one_built_a_filesystem(mon
     assert path == "bucket/model"
     assert first.endpoint_url == "http://127.0.0.1:1"
     assert second.endpoint_url == "http://127.0.0.1:2" and second is not first
+
+
+def test_a_worker_whose_copy_differs_from_the_drivers_stops_naming_both_fingerprints(s3, cache, tmp_path):
+    """The driver resolves and fingerprints the target at start-up (the value stamped on every
+    row); a worker that fetches other bytes (the model re-uploaded under its URL meanwhile) must
+    not decode with them: it stops naming both fingerprints, and the job turns that into one line."""
+    from dart_worker.loading import model_fingerprint
+    from pipeline.config import load_config, to_dict
+    from pipeline.preflight import resolve_artifacts
+    from pipeline.worker import GenerationWorker, TargetMismatch, target_mismatch
+    from tests.tiny_models import save_tiny_target
+
+    first = save_tiny_target(tmp_path / "first", "llama", seed=1)
+    second = save_tiny_target(tmp_path / "second", "llama", seed=2)
+    url = _upload(s3, first, "job-target")
+    (tmp_path / "in.jsonl").write_text('{"prompt": "w5 w6"}\n')
+    cfg = load_config(None, [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
+                             f"model.target={url}", "model.dtype=fp32", "model.device=cpu", "decoding.mode=ar",
+                             "resources.torch_threads=1"])
+    resolved = resolve_artifacts(cfg, "fingerprints")  # the driver
+    driver = resolved["target_fingerprint"]
+    assert driver == model_fingerprint(first)
+    GenerationWorker(to_dict(cfg), resolved)  # the same bytes: the worker starts
+
+    _upload(s3, second, "job-target")  # re-uploaded after the driver checked it
+    with pytest.raises(TargetMismatch) as caught:
+        GenerationWorker(to_dict(cfg), resolved)
+    message = str(caught.value)
+    assert f"has fingerprint {model_fingerprint(second)}, but the driver checked {driver}" in message
+    assert message.startswith(f"model.target {url!r}: this worker's copy (")
+
+    # What the driver sees of a worker that died in its constructor: the remote traceback's text.
+    remote = RuntimeError(f"ActorDiedError: the actor died in its constructor\nTraceback ...\n"
+                          f"pipeline.worker.TargetMismatch: {message}\n")
+    assert target_mismatch(remote) == message
+    assert target_mismatch(caught.value) == message and target_mismatch(RuntimeError("other")) is None
