@@ -25,6 +25,7 @@ Expected accepted tokens of a tree = the sum over its nodes of P(node on the acc
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,6 +195,9 @@ class TreeSizer:
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
     _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
+    # Bucketed verify shapes (`dart_worker.shape_buckets`): rows per sequence -> the rows the
+    # forward actually runs, so a size is priced at its bucket's cost. None: exact shapes.
+    rows_bucket: Callable[[np.ndarray], np.ndarray] | None = None
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The verify cost curve of forwards over `batch` sequences. Batch shapes differ in more than
@@ -233,7 +237,8 @@ class TreeSizer:
         for p in probs:
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
             gain += cumulative[np.minimum(sizes, len(p))]
-        seconds = self.latency_for(batch).predict(batch * (1 + sizes)) + self.overhead_seconds
+        rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
+        seconds = self.latency_for(batch).predict(batch * rows) + self.overhead_seconds
         seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
         rate = gain / seconds
         best = int(np.argmax(rate))

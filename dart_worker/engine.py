@@ -26,7 +26,7 @@ import torch
 
 from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
-from dart_worker.kernels import logits_for
+from dart_worker.kernels import logits_for, shapes_for
 from dart_worker.kv_cache import retire_order
 from dart_worker.sampling import (
     SamplingParams,
@@ -37,6 +37,7 @@ from dart_worker.sampling import (
     request_key,
     warp_logits_to_probs,
 )
+from dart_worker.shape_buckets import rows_bucket
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
 from dart_worker.transfer import to_device, to_host
@@ -102,6 +103,7 @@ class DecodingEngine:
         defer_logits: bool | None = None,
         sizer: TreeSizer | None = None,
         sync_timing: bool = False,
+        shapes: str | None = None,
     ):
         """`sync_timing`: on a GPU, synchronise at every stage boundary so each stage's time is
         its own (a benchmark asks for it); off, the only host waits in a round are the
@@ -113,7 +115,10 @@ class DecodingEngine:
         strategy of `dart_worker.kernels`: deferred on a CPU where a short measurement says it pays
         (`TargetAdapter.deferred_logits_pay`: without matrix units the projection over every tree
         row is most of a verify forward); never on a GPU, where one batched projection is cheap
-        and a walk would add a host round trip per tree level."""
+        and a walk would add a host round trip per tree level.
+
+        `shapes`: the verify block's shapes, `bucketed` or `exact` (None = the `shapes` strategy
+        of `dart_worker.kernels`: bucketed on CUDA, for CUDA graphs; `dart_worker.shape_buckets`)."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -123,6 +128,7 @@ class DecodingEngine:
             defer_logits = logits_for(self.device, target.deferred_logits_pay) == "deferred"
         self.defer_logits = defer_logits
         self.sync_timing = sync_timing
+        self.bucketed = (shapes or shapes_for(self.device)) == "bucketed"
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
         # drafter's trees as built (`fixed`).
         self.sizer = sizer
@@ -272,15 +278,17 @@ class DecodingEngine:
             round_start = self._now()
             trees, model_seconds, model_ran = self._draft(live, state)
             t0 = self._now()
+            pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
             batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
-                                         vocab_size=target.vocab_size)
+                                         vocab_size=target.vocab_size, pad_to=pad_rows)
             self._charge(live, "tree", t0)
 
             t0 = self._now()
-            block_start = state.cache_len()
             deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
                                                  and not s.params.logprobs for s in live)
-            out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred)
+            out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred,
+                                bucketed=self.bucketed)
+            block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
             if deferred:  # the walk's vocabulary projections are part of verifying
                 acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
             verify_seconds = self._charge(live, "verify", t0)

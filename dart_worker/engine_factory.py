@@ -21,6 +21,7 @@ from dart_worker.calibration import deferral_pays, make_sizer
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
 from dart_worker.kernels import logits_for
+from dart_worker.shape_buckets import rows_buckets
 from dart_worker.target import TargetAdapter
 from ngram_native.trees import TreeParams
 
@@ -68,22 +69,27 @@ def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto",
 
 
 def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
-                 defer_logits: bool | None = None, sizing: str = "fixed", batches=(1,)) -> DecodingEngine:
+                 defer_logits: bool | None = None, sizing: str = "fixed", batches=(1,),
+                 shapes: str | None = None) -> DecodingEngine:
     """An engine decoding with the drafter registered as `mode`; ValueError if it needs a head and
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
     one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
     see `DecodingEngine` (None = where it pays, on a CPU). `sizing`: "auto" sizes every round's
     trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; its
     verify costs are measured at build for each live batch size in `batches`, once per machine and
-    model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them."""
+    model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
+    `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
+    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows."""
     tree = (tree or TreeParams()).check()
     drafter = build_drafter(parts, mode, tree)
     if defer_logits is None:  # the device's strategy, its CPU measurement read from the cache
         defer_logits = logits_for(parts.target.device, lambda: deferral_pays(parts.target)) == "deferred"
     engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,
-                            defer_logits=defer_logits)
+                            defer_logits=defer_logits, shapes=shapes)
     if drafter_spec(mode).uses_tree:
         engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits, batches)
+        if engine.sizer is not None and engine.bucketed:
+            engine.sizer.rows_bucket = rows_buckets
     return engine
 
 

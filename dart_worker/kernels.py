@@ -21,6 +21,12 @@ tensors (`forced`), so no result can depend on a branch that only one kind of de
   (transformers' own: K/V copied per query head), `pack` (each group's query heads folded into
   its K/V head's rows, the mask repeated instead) or `enable_gqa` (SDPA's own). Preferred:
   `repeat` on a CPU, `pack` on CUDA (see `gqa_for`).
+- `shapes` (the verify forward's block): `bucketed` (rows per sequence, 1 + tree size, and the
+  cached context rounded up to a few buckets, `dart_worker.shape_buckets`: padding rows see only
+  themselves and nothing sees them, stale context slots are masked, so results are identical;
+  a GPU can capture each bucket's forward in a CUDA graph) or `exact` (the block as the trees
+  make it). Preferred: `bucketed` on CUDA, `exact` on a CPU, where a padded row or context slot
+  costs its full share of a forward (see `shapes_for`).
 
 The target's attention implementation must take the ready-made tree masks: `dart_tree` (the
 adapter installs it in place of `sdpa`), `sdpa` or `eager`; `TargetAdapter` refuses the others.
@@ -43,7 +49,9 @@ PROJECTIONS = ("weight_first", "linear")
 WARPS = ("candidates", "dense")
 LOGITS = ("deferred", "batched")
 GQAS = ("pack", "enable_gqa", "repeat")
-STRATEGIES: dict[str, tuple[str, ...]] = {"projection": PROJECTIONS, "warp": WARPS, "logits": LOGITS, "gqa": GQAS}
+SHAPES = ("bucketed", "exact")
+STRATEGIES: dict[str, tuple[str, ...]] = {"projection": PROJECTIONS, "warp": WARPS, "logits": LOGITS, "gqa": GQAS,
+                                          "shapes": SHAPES}
 
 _FORCED: ContextVar[dict[str, str]] = ContextVar("dart_forced_kernels", default={})  # noqa: B039 (never mutated)
 
@@ -100,9 +108,17 @@ def gqa_for(device: torch.device) -> str:
     return _forced("gqa") or ("repeat" if device.type == "cpu" else "pack")
 
 
+def shapes_for(device: torch.device) -> str:
+    """Strategy for the verify forward's shapes on `device`: `bucketed` on CUDA (static shapes a
+    CUDA graph can capture; kernel launches are the round there at small batch), `exact` on a CPU,
+    where padding costs its full share of the forward (`python -m jobs.bench_engine
+    bucketed_modes=[...]` runs both side by side; docs/benchmarks.md has the measurement)."""
+    return _forced("shapes") or ("bucketed" if device.type == "cuda" else "exact")
+
+
 def describe(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """The strategies a worker on `device` with `dtype` uses, for reports and `--dry-run` (on a
     CPU, `logits` is decided by a measurement when the engine is built)."""
     logits = _forced("logits") or ("deferred if measured to pay" if device.type == "cpu" else "batched")
     return {"projection": projection_for(device, dtype), "warp": warp_for(device), "logits": logits,
-            "gqa": gqa_for(device)}
+            "gqa": gqa_for(device), "shapes": shapes_for(device)}

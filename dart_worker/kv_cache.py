@@ -85,6 +85,17 @@ class GrowingLayer(DynamicLayer):
             values[: self.values.shape[0], :, :used] = self.values
         self._key_buffer, self._value_buffer = keys, values
 
+    def pad_slots(self, slots: int) -> None:
+        """Widen the views to `slots` slots (bucketed shapes: the context a forward attends over
+        rounded up; the slots past every sequence's length are stale and masked out). A view of
+        the buffer when it has the room (no copy), else a larger buffer."""
+        if not self.is_initialized or self.keys.dim() != 4 or slots <= self.keys.shape[-2]:
+            return
+        batch, used = self.keys.shape[0], self.keys.shape[-2]
+        if not self._views_buffer() or slots > self._key_buffer.shape[-2]:
+            self._adopt(self.keys, self.values, used, slots)
+        self.keys = self._key_buffer[:batch, :, :slots]
+        self.values = self._value_buffer[:batch, :, :slots]
 
     @torch.no_grad()
     def keep_sequences(self, order: list[int], index: torch.Tensor | None = None) -> None:
@@ -203,6 +214,11 @@ class GrowingCache(DynamicCache):
         index = per_device(moved_index(order))  # one upload per device, shared by its layers
         for layer in self.layers:
             layer.keep_sequences(order, index(layer.keys.device))
+
+    def pad_slots(self, slots: int) -> None:
+        """Every layer's views widened to `slots` slots (`GrowingLayer.pad_slots`)."""
+        for layer in self.layers:
+            layer.pad_slots(slots)
 
     @torch.no_grad()
     def repeat_sequences(self, index: torch.Tensor | np.ndarray | list[int]) -> None:

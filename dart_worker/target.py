@@ -35,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 from dart_worker import tree_attention
 from dart_worker.kv_cache import GrowingCache, per_device
 from dart_worker.projection import project
+from dart_worker.shape_buckets import context_bucket
 from dart_worker.transfer import to_device
 
 # Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa and
@@ -425,13 +426,17 @@ class TargetAdapter:
         return out
 
     def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
-               ancestor: torch.Tensor, defer_logits: bool = False) -> ForwardOutput:
+               ancestor: torch.Tensor, defer_logits: bool = False, bucketed: bool = False) -> ForwardOutput:
         """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
 
         Positions are committed length + depth; attention is ancestor-only inside the tree.
         Returns logits at every row (row i predicts the token after row i's path), or with
-        `defer_logits` the final hidden states of every row (see `forward`).
+        `defer_logits` the final hidden states of every row (see `forward`). `bucketed`: the
+        cached context is first widened to its bucket (`shape_buckets.context_bucket`; the block
+        then starts there: read it as `state.cache_len() - S` afterwards).
         """
+        if bucketed:
+            state.cache.pad_slots(context_bucket(state.cache_len()))
         positions = state.device_lengths(depths.device)[:, None] + depths
         return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits)
 

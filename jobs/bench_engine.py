@@ -29,6 +29,7 @@ from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dt
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import drafter_names, drafter_spec
 from dart_worker.engine_factory import EngineParts, build_engine
+from dart_worker.kernels import shapes_for
 from dart_worker.loading import load_target
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams, for_sample
@@ -71,6 +72,9 @@ class BenchConfig:
     # Modes also run with logits at every tree row (label "<mode>+full_logits"), side by side with
     # the default (on a CPU: deferred, only the rows the greedy walk reads).
     full_logits_modes: list[str] = field(default_factory=list)
+    # Modes also run with the other verify-shape strategy (label "<mode>+bucketed" or "<mode>+exact":
+    # dart_worker.kernels.shapes_for; bucketed on CUDA, exact on a CPU), side by side with the default.
+    bucketed_modes: list[str] = field(default_factory=list)
     # Tree sizing of the engine modes: "auto" (the measured cost model, the pipeline's default)
     # or "fixed" (every tree at `budget`); `fixed_modes` also run fixed, labelled "<mode>+fixed".
     sizing: str = "auto"
@@ -365,6 +369,11 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in cfg.full_logits_modes:
         engines[f"{mode}{FULL_LOGITS}"] = build_engine(parts, mode, tree, defer_logits=False, sizing=cfg.sizing,
                                                        batches=live)
+    default_shapes = shapes_for(device)
+    other_shapes = "exact" if default_shapes == "bucketed" else "bucketed"
+    for mode in cfg.bucketed_modes:
+        engines[f"{mode}+{other_shapes}"] = build_engine(parts, mode, tree, sizing=cfg.sizing, batches=live,
+                                                         shapes=other_shapes)
     fixed = [(f"{mode}{FIXED}@{b}" if cfg.fixed_budgets else f"{mode}{FIXED}", mode, b)
              for mode in cfg.fixed_modes for b in (cfg.fixed_budgets or [cfg.budget])]
     for label, mode, budget in fixed:
@@ -387,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
                 job.add(doc)
             print(f"{mode}{JOB_NGRAM}: {job!r}")
             engines[f"{mode}{JOB_NGRAM}"] = engine
-    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes), *(f[0] for f in fixed),
+    cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes),
+                 *(f"{m}+{other_shapes}" for m in cfg.bucketed_modes), *(f[0] for f in fixed),
                  *(f"{m}{JOB_NGRAM}" for m in cfg.job_ngram_modes)]
     for engine in engines.values():
         engine.sync_timing = cfg.sync_timing

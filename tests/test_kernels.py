@@ -20,8 +20,9 @@ from tests.test_engine import greedy, make_engine, random_prompts
 from tests.test_target import random_tree, tree_tensors
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 
-CPU_STRATEGIES = {"projection": "weight_first", "warp": "candidates", "logits": "deferred", "gqa": "repeat"}
-GPU_STRATEGIES = {"projection": "linear", "warp": "dense", "logits": "batched", "gqa": "pack"}
+CPU_STRATEGIES = {"projection": "weight_first", "warp": "candidates", "logits": "deferred", "gqa": "repeat",
+                  "shapes": "exact"}
+GPU_STRATEGIES = {"projection": "linear", "warp": "dense", "logits": "batched", "gqa": "pack", "shapes": "bucketed"}
 PLANS = {"cpu": CPU_STRATEGIES, "gpu": GPU_STRATEGIES, "enable_gqa": {**CPU_STRATEGIES, "gqa": "enable_gqa"}}
 PROMPT_LENGTHS = (7, 30, 12)  # ragged: prefill groups and padding both happen
 
@@ -152,6 +153,7 @@ def test_engine_under_gpu_strategies_equals_cpu_strategies(family):
         with kernels.forced(**plan):
             engine = make_engine(model, "ddtree", budget=12)
             assert engine.defer_logits == (plan["logits"] == "deferred")
+            assert engine.bucketed == (plan["shapes"] == "bucketed")
             assert [r.token_ids for r in engine.generate(requests, greedy(24), max_live=3)] == expected
             outputs[name] = [r.token_ids for r in engine.generate(requests, sampled, max_live=2)]
             outputs[name + " ar"] = [r.token_ids for r in make_engine(model, "ar").generate(requests, sampled)]
@@ -202,12 +204,13 @@ def test_forced_names_are_checked_and_scoped():
     assert kernels.warp_for(torch.device("cuda", 0)) == "dense"
     assert kernels.logits_for(torch.device("cuda", 0), lambda: True) == "batched"
     assert kernels.gqa_for(torch.device("cuda", 0)) == "pack" and kernels.gqa_for(cpu) == "repeat"
+    assert kernels.shapes_for(torch.device("cuda", 0)) == "bucketed" and kernels.shapes_for(cpu) == "exact"
     with kernels.forced(projection="linear", logits="batched"):
         assert kernels.projection_for(cpu, torch.float32) == "linear"
         assert kernels.logits_for(cpu, lambda: True) == "batched"
         with kernels.forced(warp="dense"):
             assert kernels.describe(cpu, torch.float32) == {"projection": "linear", "warp": "dense",
-                                                             "logits": "batched", "gqa": "repeat"}
+                                                             "logits": "batched", "gqa": "repeat", "shapes": "exact"}
         assert kernels.warp_for(cpu) == "candidates"
     assert kernels.projection_for(cpu, torch.float32) == "weight_first"
     with pytest.raises(ValueError, match="unknown warp strategy 'fast'"), kernels.forced(warp="fast"):
