@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dart_worker.sampling import GREEDY
 from ngram_native.trees import SOURCE_HEAD, DraftTree
 
 # Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
@@ -116,20 +117,27 @@ class LatencyModel:
 
 
 class AcceptanceModel:
-    """P(node on the accepted path | score bin, source bits), calibrated online per source."""
+    """P(node on the accepted path | score bin, source bits), calibrated online per temperature
+    band (dart_worker.sampling.temperature_band) and source.
+
+    Greedy verification accepts a node when it is the target's argmax, sampled verification when
+    it is the target's draw: the same drafter score means a much higher rate greedy than at T=1,
+    and a job (or one batch) can hold both. One table per band keeps a greedy row's trees from
+    being priced by sampled rows' misses and the other way round."""
 
     def __init__(self):
-        self.accepted: dict[int, np.ndarray] = {}
-        self.offered: dict[int, np.ndarray] = {}
+        self.accepted: dict[tuple[str, int], np.ndarray] = {}
+        self.offered: dict[tuple[str, int], np.ndarray] = {}
         centers = np.concatenate([[SCORE_EDGES[0] - 2.0], (SCORE_EDGES[:-1] + SCORE_EDGES[1:]) / 2,
                                   [SCORE_EDGES[-1] / 2]])
         self.prior = np.exp(centers)
 
-    def _table(self, source: int) -> tuple[np.ndarray, np.ndarray]:
-        if source not in self.accepted:
-            self.accepted[source] = np.zeros(len(SCORE_EDGES) + 1)
-            self.offered[source] = np.zeros(len(SCORE_EDGES) + 1)
-        return self.accepted[source], self.offered[source]
+    def _table(self, band: str, source: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (band, source)
+        if key not in self.accepted:
+            self.accepted[key] = np.zeros(len(SCORE_EDGES) + 1)
+            self.offered[key] = np.zeros(len(SCORE_EDGES) + 1)
+        return self.accepted[key], self.offered[key]
 
     @staticmethod
     def _keys(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
@@ -137,13 +145,13 @@ class AcceptanceModel:
         sources = tree.sources if tree.sources is not None else np.full(tree.size, SOURCE_HEAD, np.uint8)
         return np.searchsorted(SCORE_EDGES, np.minimum(scores, 0.0)), sources.astype(np.int64)
 
-    def probabilities(self, tree: DraftTree) -> np.ndarray:
+    def probabilities(self, tree: DraftTree, band: str = GREEDY) -> np.ndarray:
         """Per node, the calibrated probability, never above its parent's (a child is accepted
         only with its parent), so ranking by it keeps every prefix of the ranking a tree."""
         bins, sources = self._keys(tree)
         p = np.empty(tree.size)
         for source in np.unique(sources):
-            accepted, offered = self._table(int(source))
+            accepted, offered = self._table(band, int(source))
             rows = sources == source
             b = bins[rows]
             p[rows] = (accepted[b] + PRIOR_WEIGHT * self.prior[b]) / (offered[b] + PRIOR_WEIGHT)
@@ -153,22 +161,26 @@ class AcceptanceModel:
                 p[i] = p[parents[i]]
         return p
 
-    def update(self, tree: DraftTree, accepted_nodes: np.ndarray) -> None:
+    def update(self, tree: DraftTree, accepted_nodes: np.ndarray, band: str = GREEDY) -> None:
         if not tree.size:
             return
         bins, sources = self._keys(tree)
         hit = np.zeros(tree.size, dtype=bool)
         hit[accepted_nodes] = True
         for source in np.unique(sources):
-            accepted, offered = self._table(int(source))
+            accepted, offered = self._table(band, int(source))
             rows = sources == source
             np.add.at(offered, bins[rows], 1.0)
             np.add.at(accepted, bins[rows & hit], 1.0)
 
-    def describe(self) -> dict[str, list[float]]:
-        """Per source bits, the calibrated rate of each score bin (for logs and the job summary)."""
-        return {str(s): [round(float(x), 3) for x in (self.accepted[s] + PRIOR_WEIGHT * self.prior)
-                         / (self.offered[s] + PRIOR_WEIGHT)] for s in sorted(self.accepted)}
+    def describe(self) -> dict[str, dict[str, list[float]]]:
+        """Per band and source bits, the calibrated rate of each score bin (logs, job summary)."""
+        out: dict[str, dict[str, list[float]]] = {}
+        for key in sorted(self.accepted):
+            band, source = key
+            rates = (self.accepted[key] + PRIOR_WEIGHT * self.prior) / (self.offered[key] + PRIOR_WEIGHT)
+            out.setdefault(band, {})[str(source)] = [round(float(x), 3) for x in rates]
+        return out
 
 
 @dataclass
@@ -244,14 +256,16 @@ class TreeSizer:
         best = int(np.argmax(rate))
         return float(rate[best]), best, float(gain[best]), float(seconds[best])
 
-    def fit(self, trees: list[DraftTree], model_ran: bool) -> SizedRound:
+    def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
+        `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
 
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
         """
-        probs = [self.acceptance.probabilities(t) for t in trees]
+        bands = bands or [GREEDY] * len(trees)
+        probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
         _, size, gain, seconds = self._best(trees, probs, 0.0)
         out = []
         for tree, p in zip(trees, probs):
@@ -274,12 +288,13 @@ class TreeSizer:
                 self._pause_length = 1
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
-    def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float) -> None:
+    def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
+                bands: list[str] | None = None) -> None:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
         curve of this batch size; a batch size without one gets a copy of the nearest curve, its
         level set by this first round and its shape kept until rounds of other sizes correct it)."""
-        for tree, nodes in zip(trees, accepted):
-            self.acceptance.update(tree, nodes)
+        for tree, nodes, band in zip(trees, accepted, bands or [GREEDY] * len(trees), strict=True):
+            self.acceptance.update(tree, nodes, band)
         batch = len(trees)
         curve = self._latency_by_batch.get(batch)
         if curve is None:
@@ -301,7 +316,7 @@ class TreeSizer:
     def describe(self) -> dict:
         return {"latency_ms_by_rows": self.latency.describe(),
                 "latency_ms_by_batch_and_rows": {b: c.describe() for b, c in sorted(self._latency_by_batch.items())},
-                "acceptance_by_source": self.acceptance.describe(),
+                "acceptance_by_band_and_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2)}
 
 

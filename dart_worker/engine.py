@@ -316,7 +316,7 @@ class DecodingEngine:
             self._observe(live, out.taps, rows)
             if self.sizer is not None:
                 self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
-                                   verified_seconds)
+                                   verified_seconds, bands=[s.params.band for s in live])
                 self.sizer.record_overhead(self._now() - round_start - verified_seconds - model_seconds)
 
     def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
@@ -402,7 +402,7 @@ class DecodingEngine:
         if model_on:
             sizer.record_model_seconds(model_seconds + tree_seconds)
             model_seconds += tree_seconds
-        sized = sizer.fit(trees, model_ran=model_on)
+        sized = sizer.fit(trees, model_ran=model_on, bands=[s.params.band for s in live])
         return sized.trees, model_seconds, model_on
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:

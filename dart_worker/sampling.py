@@ -34,6 +34,23 @@ from dart_worker.transfer import to_device_packed
 _MAX_SEED = 2**63 - 1
 
 
+GREEDY = "greedy"  # the band of temperature 0
+
+
+def temperature_band(temperature: float | None) -> str:
+    """A few names for many temperatures: "greedy", the temperature to one decimal, or ">2".
+
+    How often a draft token is accepted depends on the temperature far more than on anything else
+    of a request (greedy accepts the argmax, sampling at T=1 a draw), so the cost model calibrates
+    acceptance per band and the metrics label tau with it; a label value is a series, so the
+    bands must stay few whatever per-row settings hold."""
+    if temperature is None:
+        return "unknown"
+    if temperature == 0:
+        return GREEDY
+    return ">2" if temperature > 2 else f"{round(float(temperature), 1):.1f}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. temperature 0 means greedy (argmax, top-k/top-p irrelevant).
@@ -108,6 +125,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def band(self) -> str:
+        """This request's `temperature_band` (what the cost model calibrates acceptance by)."""
+        return temperature_band(self.temperature)
 
     @property
     def warp_key(self) -> tuple[float, int, float, float]:

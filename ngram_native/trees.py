@@ -137,6 +137,18 @@ class DraftTree:
         hit = np.flatnonzero(self.tokens[kids] == token)
         return int(kids[hit[0]]) if hit.shape[0] else -1
 
+    def matched_length(self, continuation: Sequence[int]) -> int:
+        """How many tokens of `continuation` (what came after the root) one path of this tree
+        spells from the root: the tokens verification accepts when the target commits
+        `continuation`, greedy or with coupled sampling (whose draws do not depend on the tree)."""
+        node, matched = -1, 0
+        for token in continuation:
+            node = self.find_child(node, int(token))
+            if node < 0:
+                break
+            matched += 1
+        return matched
+
     def ancestor_mask(self) -> np.ndarray:
         """bool [N + 1, N + 1], see the module-level `ancestor_mask`."""
         return ancestor_mask(self.parents)

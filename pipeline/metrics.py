@@ -39,6 +39,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from dart_worker.sampling import temperature_band
 from dart_worker.stats import STAGES, STAT_COLUMNS
 from pipeline.summary import error_kind
 
@@ -77,17 +78,6 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
                                 ("stage",), ROUND_SECONDS_BOUNDARIES),
     "batch_seconds": ("histogram", "Wall time of one worker batch (seconds)", (), BATCH_SECONDS_BOUNDARIES),
 }
-
-
-def temperature_band(temperature: float | None) -> str:
-    """The `temperature` label of a row's tau: "greedy", its temperature to one decimal, or ">2"
-    (a few values whatever per-row settings hold: a label value is a series). Speculation pays very
-    differently greedy and sampled, so tau is only comparable within a band."""
-    if temperature is None:
-        return "unknown"
-    if temperature == 0:
-        return "greedy"
-    return ">2" if temperature > 2 else f"{round(float(temperature), 1):.1f}"
 
 
 def exported_names() -> set[str]:

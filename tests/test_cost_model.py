@@ -276,3 +276,25 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
     lazy.catch_up()  # one call over everything since the prefill
     torch.testing.assert_close(lazy.logits, eager.logits, rtol=1e-4, atol=1e-4)
     assert np.array_equal(lazy.cache.lengths, eager.cache.lengths)
+
+
+def test_acceptance_is_calibrated_per_temperature_band():
+    """The same confident chain: accepted 9 times in 10 greedy, about never at T=1. A batch with
+    one row of each keeps the greedy row's tree and drops the sampled row's; with one table for
+    both, the sampled misses would have cut the greedy tree too (or the greedy hits kept both)."""
+    chain = _chain([-0.05 * (d + 1) for d in range(4)])
+    sizer = TreeSizer(LatencyModel([1, 2, 128], [0.1, 0.12, 1.4]), max_budget=4)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        greedy_hits = np.arange(4) if rng.random() < 0.9 else np.zeros(0, np.int64)
+        sizer.observe([chain, chain], [greedy_hits, np.zeros(0, np.int64)], rows=10, verify_seconds=0.21,
+                      bands=["greedy", "1.0"])
+    greedy_p = sizer.acceptance.probabilities(chain, "greedy")
+    sampled_p = sizer.acceptance.probabilities(chain, "1.0")
+    assert greedy_p[0] > 0.8 and sampled_p[0] < 0.1
+    alone = [sizer.fit([chain], model_ran=False, bands=[band]).trees[0].size for band in ("greedy", "1.0")]
+    assert alone[0] >= 2 and alone[1] == 0
+    assert set(sizer.acceptance.describe()) == {"greedy", "1.0"}
+    # A band never seen starts from the prior, not from another band's table.
+    assert sizer.acceptance.probabilities(chain, "0.7")[0] == pytest.approx(
+        AcceptanceModel().probabilities(chain, "greedy")[0])

@@ -120,3 +120,87 @@ def test_hybrid_drafters_equal_ar_greedy(mode):
     for r in got:  # each accepted token is credited to at least one source, at most to all three
         row, accepted = r.stats.to_row(), sum(r.stats.accept_lengths)
         assert accepted <= row["accepted_head"] + row["accepted_context"] + row["accepted_job_cache"] <= 3 * accepted
+
+
+def _tree(paths: list[list[int]]) -> DraftTree:
+    """A canonical tree holding these root paths (scores 0: a lookup tree's ties)."""
+    from ngram_native.merge import merge_trees as merge
+
+    out = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    for path in paths:
+        chain = DraftTree(np.array(path, np.int32), np.arange(-1, len(path) - 1, dtype=np.int32),
+                          np.arange(1, len(path) + 1, dtype=np.int32), np.zeros(len(path)))
+        out = chain if not out.size else merge(out, chain, budget=100)
+    return out
+
+
+def test_matched_length_is_the_longest_path_prefix_of_the_continuation():
+    tree = _tree([[5, 6, 7], [5, 9], [8]])
+    assert tree.matched_length([5, 6, 7, 1]) == 3
+    assert tree.matched_length([5, 9, 9]) == 2
+    assert tree.matched_length([5, 1]) == 1
+    assert tree.matched_length([8, 8]) == 1
+    assert tree.matched_length([4]) == 0
+    assert tree.matched_length([]) == 0
+
+
+def test_lookup_payoff_judges_a_tree_once_everything_it_could_match_is_known():
+    from dart_worker.drafters.hybrid import LOOKUP_MIN_TOKENS, LookupPayoff
+
+    payoff = LookupPayoff()
+    payoff.start(2)
+    assert payoff.wanted(0) and payoff.wanted(1)  # no evidence yet: graft
+    good, bad = _tree([[5, 6, 7]]), _tree([[9, 9]])
+    for _ in range(8):  # sequence 0 repeats what its lookup proposed; sequence 1 never does
+        tokens = [[1, 2, 3], [1, 2, 3]]
+        payoff.proposed(0, 3, good)
+        payoff.proposed(1, 3, bad)
+        payoff.observe([tokens[0] + [5], tokens[1] + [4]])  # tree 0 may still match 6 7: it waits
+        assert len(payoff.pending[0]) == 1 and not payoff.pending[1]  # tree 1 missed at once: judged
+        payoff.observe([tokens[0] + [5, 6, 7, 8], tokens[1] + [4, 4, 4]])
+        assert not payoff.pending[0] and not payoff.pending[1]
+    assert payoff.gain[0] > 2.5 and payoff.wanted(0)
+    assert payoff.gain[1] < 0.05 and not payoff.wanted(1)
+    payoff.select([1])  # sequence 0 finished: the survivor keeps its own record
+    assert payoff.gain == [pytest.approx(payoff.gain[0])] and not payoff.wanted(0)
+    payoff.join(1)
+    assert payoff.wanted(1) and payoff.gain[1] == LOOKUP_MIN_TOKENS
+
+
+def test_hybrid_grafts_lookup_only_for_requests_where_it_pays():
+    """Two live requests whose prompts both repeat: the one whose committed text keeps following
+    its lookup tree keeps context nodes; the one whose text never does gets the head's tree alone."""
+    from dart_worker.drafters.base import CommittedBlock, Drafter
+    from dart_worker.drafters.hybrid import HybridDrafter
+
+    class FixedHead(Drafter):  # the head's tree: one node, token 30
+        name, has_model = "fixed", False
+
+        def propose(self, tokens, max_depths):
+            return [_tree([[30]]).from_source(SOURCE_HEAD) for _ in tokens]
+
+    drafter = HybridDrafter(FixedHead(), TreeParams(budget=8), eos_token_ids=(2,))
+    block = [4, 5, 6, 7]
+    seqs = [block + block, block + block]  # lookup proposes 4 5 6 7 ... after both
+    drafter.start(2)
+    drafter.observe(CommittedBlock(taps=torch.zeros(2, 8, 1), rows=[[0], [0]], tokens=[list(s) for s in seqs]))
+    for k in range(12):
+        trees = drafter.propose(seqs, [8, 8])
+        context = [bool((t.sources & SOURCE_CONTEXT).any()) for t in trees]
+        seqs[0] = seqs[0] + seqs[0][-8:-4]  # follows its own repeat
+        seqs[1] = seqs[1] + [100 + 2 * k, 101 + 2 * k, 4, 5]  # never what lookup proposed, then "4 5" again
+        drafter.observe(CommittedBlock(taps=torch.zeros(2, 4, 1), rows=[[0]] * 2, tokens=[list(s) for s in seqs]))
+    assert context == [True, False]
+    assert drafter.payoff.wanted(0) and not drafter.payoff.wanted(1)
+
+
+def test_hybrid_with_payoff_stays_lossless_sampled():
+    model = tiny_model("llama", vocab_size=VOCAB)
+    torch.manual_seed(5)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
+    parts = EngineParts(target=TargetAdapter(model), head=head, eos_token_ids=(2,))
+    prompts = repeating_prompts(3, (9, 13, 6))
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=40)
+    expected = build_engine(parts, "ar").generate(prompts, params)
+    got = build_engine(parts, "dart_lookup", TreeParams(budget=12)).generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
