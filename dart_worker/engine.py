@@ -40,7 +40,7 @@ from dart_worker.sampling import (
 from dart_worker.shape_buckets import rows_bucket
 from dart_worker.stats import RequestStats
 from dart_worker.target import TargetAdapter
-from dart_worker.transfer import to_device, to_host
+from dart_worker.transfer import move_to, to_device, to_host
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import (
     Acceptance,
@@ -341,7 +341,7 @@ class DecodingEngine:
             order = [g for g, group in enumerate(groups) for _ in group]
             index = to_device(np.asarray(order, dtype=np.int64), logits.device)  # one upload, non-blocking
             fresh.repeat(order, index)  # copied to the devices of a split target's other layers
-            logits, taps = logits.index_select(0, index), taps.index_select(0, index.to(taps.device))
+            logits, taps = logits.index_select(0, index), taps.index_select(0, move_to(index, taps.device))
         first = self._sample_rows(logits[:, 0], joining)
         if any(s.params.logprobs for s in joining):  # the prefill row decided the first token
             first_trees = [empty_tree() for _ in joining]

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from dart_worker.transfer import to_device
+from dart_worker.transfer import move_to, to_device
 
 SPARE_SLOTS = 256  # slots added beyond need when a buffer grows (plus a quarter of the need)
 
@@ -184,7 +184,7 @@ def per_device(index: torch.Tensor | np.ndarray | list[int]):
 
     def on(device: torch.device) -> torch.Tensor:
         if device not in copies:
-            copies[device] = index.to(device) if isinstance(index, torch.Tensor) else to_device(index, device)
+            copies[device] = move_to(index, device) if isinstance(index, torch.Tensor) else to_device(index, device)
         return copies[device]
 
     return on

@@ -36,7 +36,7 @@ from dart_worker import tree_attention
 from dart_worker.kv_cache import GrowingCache, per_device
 from dart_worker.projection import project
 from dart_worker.shape_buckets import context_bucket
-from dart_worker.transfer import to_device
+from dart_worker.transfer import move_to, to_device
 
 # Attention implementations that take explicit 4D masks (flash kernels ignore them): sdpa and
 # dart_tree (`dart_worker.tree_attention`, which the adapter puts in sdpa's place) boolean ones,
@@ -325,10 +325,10 @@ class TargetAdapter:
         logits = None
         if not defer_logits:
             if logit_rows is not None:  # the final norm's output is on the last layers' device
-                hidden = torch.take_along_dim(hidden, logit_rows[..., None].to(hidden.device), dim=1)
+                hidden = torch.take_along_dim(hidden, move_to(logit_rows[..., None], hidden.device), dim=1)
             logits, hidden = self.logits_at(hidden), None
         # Each tap is captured on its layer's device; the draft head reads them on the engine's.
-        taps = torch.cat([self._captured[i].to(self.device) for i in self.tap_layers], dim=-1)
+        taps = torch.cat([move_to(self._captured[i], self.device) for i in self.tap_layers], dim=-1)
         self._captured.clear()
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
@@ -366,7 +366,7 @@ class TargetAdapter:
         them: the LM head (through `projection.project`: one contiguous matrix, in the orientation
         a CPU runs fastest), then the final soft-capping where the model has one (Gemma 2). Computed
         on the LM head's device (`logits_device`), where `hidden` is moved first."""
-        logits = project(hidden.to(self.logits_device), self.model.get_output_embeddings())
+        logits = project(move_to(hidden, self.logits_device), self.model.get_output_embeddings())
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -26,6 +26,16 @@ import torch
 HOST_MARK = "_dart_on_host"
 
 
+def move_to(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`: itself when it is there already (the one-device case: no call at all),
+    else a non-blocking device-to-device copy (a target split over devices, per layer or LM head),
+    which queues on the stream and never makes the host wait."""
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=True)
+
+
 def to_device(array, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A copy of host data `array` (numpy array, list, scalar) as a tensor on `device`.
 
