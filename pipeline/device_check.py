@@ -22,6 +22,7 @@ import ray
 from dart_worker.device import DeviceUnavailable, resolve_dtype, resolve_worker_device
 from dart_worker.kernels import describe
 from pipeline.config import PipelineConfig
+from pipeline.remote_errors import exception_chain
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +101,10 @@ def worker_failure(exc: BaseException) -> str | None:
     Ray re-raises a remote exception as a RayTaskError subclass of the original type when it can,
     and otherwise (an actor that died in its constructor) only carries the traceback text.
     """
-    pending, seen = [exc], set()
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc):
         cause = getattr(e, "cause", None)
         if isinstance(e, DeviceUnavailable) and not isinstance(cause, DeviceUnavailable):
             found = _REMOTE_DEVICE_ERROR.search(str(e))
             return found.group(1) if found else str(e)
-        pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
     found = _REMOTE_DEVICE_ERROR.search(str(exc))
     return found.group(1) if found else None

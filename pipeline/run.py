@@ -41,6 +41,7 @@ from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
 from pipeline.outputs import ResumeProgress, filter_done, remove_temp_files, resume_progress, write_part
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
+from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
 from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary, output_totals
@@ -67,16 +68,10 @@ def storage_failure(exc: BaseException) -> str | None:
     the message. A UDF's error (the writer's StorageError) arrives as a UserCodeException that
     no longer carries it, only its traceback text, where the original line is found instead.
     """
-    pending, seen = [exc], set()
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc):
         if isinstance(e, (InputError, StorageError)):
             original = getattr(e, "cause", None)
             return str(original if isinstance(original, (InputError, StorageError)) else e).split("\n", 1)[0]
-        pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
     found = _REMOTE_FAILURE.search(str(exc))
     return found.group(1) if found else None
 

@@ -35,6 +35,7 @@ from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
 from pipeline.ngram_store import acquire_trie
 from pipeline.outputs import result_rows_to_table, sample_key, storable_text
+from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
 
 log = logging.getLogger(__name__)
@@ -84,18 +85,12 @@ def check_target_fingerprint(spec: str, expected: str | None) -> str | None:
 def target_mismatch(exc: BaseException) -> str | None:
     """The TargetMismatch line behind a failed Ray actor (None if that is not the cause): Ray
     re-raises the worker's exception, or only carries its traceback text."""
-    pending, seen = [exc], set()
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc):
         found = _REMOTE_TARGET_MISMATCH.search(str(e))
         if isinstance(e, TargetMismatch) and not found:
             return str(e)
         if found:
             return found.group(1)
-        pending += [getattr(e, "cause", None), e.__cause__, e.__context__]
     return None
 
 
