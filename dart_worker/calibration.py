@@ -26,6 +26,7 @@ import torch
 import transformers
 
 from dart_worker.cache_dir import cache_dir, write_text_atomically
+from dart_worker.contention import ContentionMeter
 from dart_worker.cost_model import LatencyModel, TreeSizer
 from dart_worker.device import cpu_model_name
 from dart_worker.drafters.registry import SIZING_MODES
@@ -33,7 +34,7 @@ from dart_worker.kernels import describe
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2  # 2: only curves measured on a quiet machine are stored
 MAX_ROWS = 128  # rows of the largest calibrated forward at batch 1 (and per batch: see `grid`)
 CONTEXT = 128  # committed tokens of every calibrated sequence
 DISABLE_ENV = "DART_NO_CALIBRATION_CACHE"  # set to 1: measure every time, read and write nothing
@@ -133,10 +134,15 @@ def latency_curves(target, defer_logits: bool, batches: Iterable[int]) -> dict[i
             if batch in stored:
                 memo[batch] = stored[batch]
                 continue
-            started = time.perf_counter()
-            memo[batch] = measured[batch] = measure(target, defer_logits=defer_logits, batch=batch)
-            log.info("calibrated verify forwards at batch %d in %.1f s: %s", batch, time.perf_counter() - started,
+            with ContentionMeter() as meter:
+                memo[batch] = measure(target, defer_logits=defer_logits, batch=batch)
+            log.info("calibrated verify forwards at batch %d in %.1f s: %s", batch, meter.wall_seconds,
                      memo[batch].describe())
+            if meter.quiet:
+                measured[batch] = memo[batch]
+            elif use_disk:
+                log.warning("not caching the calibration at batch %d: measured under load (%s); "
+                            "the next start measures again", batch, meter.describe())
         if measured and use_disk:
             _save(path, key, _load(path, key) | measured)
     return {b: copy.deepcopy(memo[b]) for b in wanted}
@@ -165,8 +171,11 @@ def deferral_pays(target) -> bool:
                 return target._deferral_pays
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    pays = target.deferred_logits_pay()
-    if use_disk:
+    with ContentionMeter() as meter:
+        pays = target.deferred_logits_pay()
+    if use_disk and not meter.quiet:
+        log.warning("not caching the logits decision: measured under load (%s)", meter.describe())
+    elif use_disk:
         try:
             write_text_atomically(path, json.dumps({"key": key, "pays": pays}, indent=1, default=str))
         except OSError as err:

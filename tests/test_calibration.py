@@ -130,3 +130,30 @@ def test_a_second_start_measures_nothing(cache, monkeypatch):
     monkeypatch.setenv(calibration.DISABLE_ENV, "1")
     start()
     assert decided == [1] and sorted(measured) == [1, 4]
+
+
+def test_a_curve_measured_under_load_is_used_but_not_stored(cache, monkeypatch):
+    """A curve timed while other work held the CPUs describes that moment, not the machine: the
+    process that measured it uses it, nothing is written, and the next start measures again."""
+    from dart_worker import contention
+
+    shares = iter([0.0, 0.5])  # batch 1 quiet, batch 2 under load
+
+    class FakeMeter(contention.ContentionMeter):
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            self.share = next(shares)
+
+    monkeypatch.setattr(calibration, "ContentionMeter", FakeMeter)
+    measured = []
+    monkeypatch.setattr(calibration, "measure", lambda target, *, defer_logits, batch, passes=3:
+                        measured.append(batch) or LatencyModel([batch, 2 * batch], [0.01, 0.02]))
+    curves = latency_curves(TargetAdapter(tiny_model("llama")), False, [2])
+    assert sorted(curves) == [1, 2] and sorted(measured) == [1, 2]
+    (stored,) = cache.glob("*.json")
+    assert sorted(json.loads(stored.read_text())["curves"]) == ["1"]
+    shares = iter([0.0])
+    measured.clear()
+    latency_curves(TargetAdapter(tiny_model("llama")), False, [2])
+    assert measured == [2]
+    assert sorted(json.loads(stored.read_text())["curves"]) == ["1", "2"]
