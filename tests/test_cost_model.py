@@ -298,3 +298,29 @@ def test_acceptance_is_calibrated_per_temperature_band():
     # A band never seen starts from the prior, not from another band's table.
     assert sizer.acceptance.probabilities(chain, "0.7")[0] == pytest.approx(
         AcceptanceModel().probabilities(chain, "greedy")[0])
+
+
+def test_a_sources_misses_in_observed_bins_lower_its_unobserved_bins():
+    """The winner's curse: a sizer picks the nodes it rates highest, and unobserved bins are rated
+    by their prior. A source whose -1.2 nodes (prior ~0.29) are right one time in ten is
+    overconfident; its unobserved most confident bin must not keep the unscaled 0.975 (nor must
+    another source's or another band's)."""
+    model = AcceptanceModel()
+    middling = _chain([-1.2])
+    confident = _chain([-0.02])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        hits = np.array([0] if rng.random() < 0.1 else [], dtype=np.int64)
+        model.update(middling, hits, "1.0")
+    assert model.probabilities(middling, "1.0")[0] == pytest.approx(0.1, abs=0.04)
+    assert model.scale("1.0", SOURCE_HEAD) == pytest.approx(0.1 / np.exp(-1.25), rel=0.25)
+    assert model.probabilities(confident, "1.0")[0] < 0.45
+    untouched = AcceptanceModel().probabilities(confident, "1.0")[0]
+    assert untouched > 0.95
+    assert model.probabilities(confident, "greedy")[0] == pytest.approx(untouched)
+    other = _chain([-0.02], source=SOURCE_CONTEXT)
+    assert model.probabilities(other, "1.0")[0] == pytest.approx(untouched)
+    # Evidence in the bin itself still wins over the scaled prior.
+    for _ in range(400):
+        model.update(confident, np.array([0], dtype=np.int64), "1.0")
+    assert model.probabilities(confident, "1.0")[0] > 0.95
