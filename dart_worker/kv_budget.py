@@ -10,8 +10,12 @@ character), so
     bound = max_live x buffer_slots(min(context, prompt chars + new tokens) + tree rows)
             x layers x 2 (K and V) x KV heads x head dim x bytes per element
 
-is what the cache can reach in the worst case, whatever the inputs. `--dry-run` prints it for the
-configured target, dtype and `max_live`, with the figure at a typical context beside it.
+is what the cache can reach in the worst case, whatever the inputs. With bucketed verify shapes
+(`dart_worker.shape_buckets`, the strategy on CUDA) a forward widens the cached context to its
+bucket (up to 1.5x the tokens) and pads the block to its rows bucket, so there the bound is taken
+over `context_bucket(min(context, prompt + new tokens)) + rows_bucket(tree rows)` slots.
+`--dry-run` prints it for the configured target, dtype, device and `max_live`, with the figure at
+a typical context beside it.
 """
 
 from __future__ import annotations
@@ -22,18 +26,21 @@ import torch
 from transformers import PretrainedConfig
 
 from dart_worker.kv_cache import buffer_slots
+from dart_worker.shape_buckets import context_bucket, rows_bucket
 
 
 @dataclass(frozen=True)
 class KVBudget:
     bytes_per_token: int  # K and V of every layer, one sequence, one position
     max_live: int
-    context_tokens: int  # the longest sequence a row can hold (prompt + new tokens + verify block)
+    context_tokens: int  # the most slots a row can hold (prompt + new tokens + verify block, bucketed)
     bound_bytes: int  # max_live rows of buffer_slots(context_tokens) slots
+    bucketed: bool = False  # bucketed verify shapes (context and block padded to their buckets)
 
     def at(self, tokens: int) -> int:
         """Bytes of `max_live` rows at `tokens` tokens each (a typical job's, not the worst case)."""
-        return self.max_live * buffer_slots(tokens) * self.bytes_per_token
+        slots = context_bucket(tokens) if self.bucketed else tokens
+        return self.max_live * buffer_slots(slots) * self.bytes_per_token
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
@@ -46,10 +53,12 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
 
 
 def kv_budget(config: PretrainedConfig, dtype: torch.dtype, *, max_live: int, max_prompt_tokens: int,
-              max_new_tokens: int, tree_rows: int) -> KVBudget:
-    """The worst-case cache of `max_live` sequences (module doc)."""
+              max_new_tokens: int, tree_rows: int, bucketed: bool = False) -> KVBudget:
+    """The worst-case cache of `max_live` sequences (module doc); `bucketed`: the verify forward
+    runs bucketed shapes (`dart_worker.kernels.shapes_for`)."""
     text = config.get_text_config(decoder=True)
     context = int(getattr(text, "max_position_embeddings", None) or 1 << 30)
-    longest = min(context, max_prompt_tokens + max_new_tokens) + tree_rows + 1
+    tokens = min(context, max_prompt_tokens + max_new_tokens)
+    longest = context_bucket(tokens) + rows_bucket(tree_rows + 1) if bucketed else tokens + tree_rows + 1
     per_token = kv_bytes_per_token(config, dtype)
-    return KVBudget(per_token, max_live, longest, max_live * buffer_slots(longest) * per_token)
+    return KVBudget(per_token, max_live, longest, max_live * buffer_slots(longest) * per_token, bucketed)

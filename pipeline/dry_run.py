@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from dart_worker.device import DeviceUnavailable, resolve_dtype, resolve_worker_device
+from dart_worker.kernels import shapes_for
 from dart_worker.kv_budget import kv_budget
 from pipeline.config import PipelineConfig
 from pipeline.device_check import planned_device
@@ -74,11 +75,14 @@ def kv_cache_plan(cfg: PipelineConfig, location: str) -> dict[str, Any]:
     on_gpu = r.num_gpus_per_worker > 0
     dtype = (torch.bfloat16 if on_gpu else resolve_dtype("auto", "cpu")) if cfg.model.dtype == "auto" \
         else resolve_dtype(cfg.model.dtype, "cpu")
+    device = torch.device("cuda" if on_gpu else "cpu")
     budget = kv_budget(config, dtype, max_live=r.max_live or r.batch_size, max_prompt_tokens=cfg.input.max_prompt_chars,
-                       max_new_tokens=d.max_new_tokens, tree_rows=d.tree.budget)
+                       max_new_tokens=d.max_new_tokens, tree_rows=d.tree.budget,
+                       bucketed=shapes_for(device) == "bucketed")
     typical = min(budget.context_tokens, 2048 + d.max_new_tokens)
     return {"dtype": str(dtype).removeprefix("torch."), "bytes_per_token": budget.bytes_per_token,
-            "max_live": budget.max_live, "context_tokens": budget.context_tokens, "bound_bytes": budget.bound_bytes,
+            "max_live": budget.max_live, "shapes": "bucketed" if budget.bucketed else "exact",
+            "context_tokens": budget.context_tokens, "bound_bytes": budget.bound_bytes,
             "typical_tokens": typical, "typical_bytes": budget.at(typical)}
 
 
