@@ -1,10 +1,11 @@
-"""Build a teacher cache: `python -m jobs.build_teacher_cache config.yaml data.teacher_cache=<url> [key=value ...]`.
+"""Building a teacher cache: the library behind
+`python -m jobs.build_teacher_cache config.yaml data.teacher_cache=<url> [key=value ...]`.
 
     python -m jobs.build_teacher_cache configs/train_default_head.yaml data.teacher_cache=/data/tc \
         cache.max_examples=4000
     python -m jobs.build_teacher_cache my.yaml data.teacher_cache=s3://bucket/tc/llama-8b cache.top_k=128
 
-The config is the training config (jobs.train_draft.TrainConfig, the same file training runs
+The config is the training config (dart_train.trainer.TrainConfig, the same file training runs
 with), so the cache holds exactly the examples training would see: the data section decides the
 examples and their order (epoch 0 of the training stream), the head section the draft
 vocabulary (counted exactly as training counts it, or `head.init_from`'s), `target` and
@@ -15,7 +16,7 @@ vocabulary (counted exactly as training counts it, or `head.init_from`'s), `targ
 The target runs once per example; each shard (about `cache.shard_tokens` tokens) is written
 atomically and then listed in the manifest, so memory stays bounded by one shard and a killed
 build, run again with the same command, resumes after its last listed shard and produces the
-same files as an uninterrupted one. Format: jobs/teacher_cache.py and docs/training.md.
+same files as an uninterrupted one. Format: dart_train/teacher_cache.py and docs/training.md.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ import torch
 
 from dart_train.corpus import Conversation
 from dart_train.draft_training import TeacherPass, top_k_teacher
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from jobs.teacher_cache import (
+from dart_train.teacher_cache import (
     FORMAT,
     TAP_DTYPES,
     CachedExample,
@@ -45,7 +45,7 @@ from jobs.teacher_cache import (
     write_atomically,
     write_manifest,
 )
-from jobs.train_draft import (
+from dart_train.trainer import (
     Example,
     ExampleStream,
     TrainConfig,
@@ -53,8 +53,8 @@ from jobs.train_draft import (
     collate,
     head_vocab,
     make_head,
-    parse_config,
 )
+from dart_worker.device import resolve_device, resolve_dtype
 
 _DATA_KEYS = ("source", "source_weights", "format", "text_field", "id_field", "dev_fraction", "max_prompt_tokens",
               "max_seq_len", "shuffle_buffer")
@@ -242,13 +242,3 @@ def _write_shard(url: str, manifest: dict, examples: list[CachedExample], source
         "sources": dict(sorted(sources.items())),
     })
     write_manifest(url, manifest)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv)
-    configure_cpu_threads(cfg.trainer.threads)
-    return build_teacher_cache(cfg)
-
-
-if __name__ == "__main__":
-    main()

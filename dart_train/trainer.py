@@ -1,15 +1,11 @@
-"""Train a DART draft head: `python -m jobs.train_draft config.yaml [key=value ...]`.
-
-    python -m jobs.train_draft configs/train_default_head.yaml                   # this CPU, in-process
-    python -m jobs.train_draft configs/train_default_head.yaml trainer.max_steps=20 output_dir=/tmp/t
-    python -m jobs.train_draft my.yaml trainer.backend=ray trainer.num_workers=4 trainer.use_gpu=true
+"""Training a DART draft head: the library behind `python -m jobs.train_draft config.yaml [key=value ...]`.
 
 One training loop (`train_loop`) serves both backends: `local` runs it in this process, `ray`
 runs it on every worker of a Ray Train `TorchTrainer` (data parallel: each worker reads its
 shard of the stream, gradients are averaged with torch.distributed before every optimizer step,
-rank 0 writes checkpoints and evaluates). The pure-torch pieces (teacher pass, MASK-block
-layout and mask, loss) live in dart_train/draft_training.py; docs/training.md explains the
-objective and the choices.
+rank 0 writes checkpoints and evaluates); `train(cfg)` picks the backend. The pure-torch pieces
+(teacher pass, MASK-block layout and mask, loss) live in dart_train/draft_training.py;
+docs/training.md explains the objective and the choices.
 
 Data: the first (user, assistant) exchange of each conversation of the train split (any fsspec
 source `dart_train.corpus` reads; default the packaged ShareGPT dump), framed exactly as
@@ -56,11 +52,11 @@ from dart_train.draft_training import (
     scale_fc_to_taps,
     tap_rms,
 )
+from dart_train.teacher_cache import CacheConfig, CachedExample, CachedExampleStream, TeacherCache, collate_teacher
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.prompt_format import format_user_prompt
-from jobs.teacher_cache import CacheConfig, CachedExample, CachedExampleStream, TeacherCache, collate_teacher
 
 TRAINER_STATE_NAME = "trainer_state.pt"
 SUMMARY_NAME = "training_summary.json"
@@ -780,9 +776,9 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
 
 def check_teacher_cache(cache: TeacherCache, cfg: TrainConfig, tokenizer, teacher: TeacherPass) -> None:
     """Refuse a cache built for another target, tokenizer, tap layers or draft vocabulary."""
+    from dart_train.teacher_cache import cache_fingerprint
     from dart_worker.fingerprint import tokenizer_fingerprint
     from dart_worker.loading import model_fingerprint
-    from jobs.teacher_cache import cache_fingerprint
 
     cache.check(cache_fingerprint(model_fingerprint(cfg.target), tokenizer_fingerprint(tokenizer),
                                   teacher.tap_layers, teacher.kept.cpu()))
@@ -855,8 +851,9 @@ def run_ray(cfg: TrainConfig):
     return trainer.fit()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv)
+def train(cfg: TrainConfig) -> dict:
+    """Train as `cfg.trainer.backend` says (the config is saved beside the checkpoints first): the
+    local loop's summary, or {"metrics": ...} of the Ray Train run."""
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.structured(cfg), Path(cfg.output_dir) / CONFIG_COPY_NAME)
     if cfg.trainer.backend == "ray":
@@ -864,7 +861,3 @@ def main(argv: list[str] | None = None) -> dict:
         return {"metrics": getattr(result, "metrics", None)}
     configure_cpu_threads(cfg.trainer.threads)
     return train_loop(cfg, WorkerContext(device=resolve_device(cfg.trainer.device)))
-
-
-if __name__ == "__main__":
-    main()

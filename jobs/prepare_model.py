@@ -204,17 +204,17 @@ def _train_head(cfg: PrepareConfig, ctx: dict, args: list[str]) -> dict:
     each Ray worker loading its own."""
     from omegaconf import OmegaConf
 
+    from dart_train import trainer
     from dart_worker.device import resolve_device
-    from jobs import train_draft
 
-    tcfg = train_draft.parse_config(args)
+    tcfg = trainer.parse_config(args)
     if tcfg.trainer.backend != "local":
-        return train_draft.main(args).get("metrics") or {}
+        return trainer.train(tcfg).get("metrics") or {}
     Path(tcfg.output_dir).mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(tcfg), Path(tcfg.output_dir) / train_draft.CONFIG_COPY_NAME)
+    OmegaConf.save(OmegaConf.structured(tcfg), Path(tcfg.output_dir) / trainer.CONFIG_COPY_NAME)
     model, tokenizer, _ = _target(cfg, ctx)
-    context = train_draft.WorkerContext(device=resolve_device(tcfg.trainer.device))
-    return train_draft.train_loop(tcfg, context, model=model, tokenizer=tokenizer)
+    context = trainer.WorkerContext(device=resolve_device(tcfg.trainer.device))
+    return trainer.train_loop(tcfg, context, model=model, tokenizer=tokenizer)
 
 
 def step_bench(cfg: PrepareConfig, ctx: dict) -> dict:

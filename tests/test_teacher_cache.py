@@ -22,11 +22,7 @@ from dart_train.draft_training import (
     sample_anchors,
     top_k_teacher,
 )
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.loading import load_target
-from jobs import build_teacher_cache, train_draft
-from jobs.teacher_cache import (
+from dart_train.teacher_cache import (
     CachedExample,
     CachedExampleStream,
     TeacherCache,
@@ -38,7 +34,12 @@ from jobs.teacher_cache import (
     read_manifest,
     shard_name,
 )
-from jobs.train_draft import ExampleStream, checkpoint_dirs, collate, load_trainer_state, parse_config
+from dart_train.teacher_cache_build import build_teacher_cache
+from dart_train.trainer import ExampleStream, checkpoint_dirs, collate, load_trainer_state, parse_config
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.loading import load_target
+from jobs import train_draft
 from tests.tiny_models import TINY_VOCAB, tiny_model, tiny_tokenizer
 
 VD = 64  # draft vocabulary of the test heads
@@ -83,7 +84,7 @@ def args(setup, cache, *extra) -> list[str]:
 
 def build(setup, cache, *extra, **kwargs) -> dict:
     cfg = parse_config(args(setup, cache, *extra))
-    return build_teacher_cache.build_teacher_cache(cfg, progress=False, **kwargs)
+    return build_teacher_cache(cfg, progress=False, **kwargs)
 
 
 def cache_files(url) -> dict[str, bytes]:
