@@ -1,4 +1,4 @@
-"""The benchmark report: `python -m jobs.bench configs/bench.yaml [key=value ...]`.
+"""The benchmark report: `python -m jobs.bench report configs/bench.yaml [key=value ...]`.
 
 Every decoding mode runs on the same ShareGPT dev prompts in one process: the engine's `ar`,
 `chain`, `ddtree`, `dart`, and transformers' own `generate` (`hf`: greedy at temperature 0,
@@ -6,29 +6,34 @@ Every decoding mode runs on the same ShareGPT dev prompts in one process: the en
 configured temperature and, for the tree modes, every tree budget. Runs are interleaved prompt
 by prompt (the order of the cells rotates from one prompt to the next) and repeated, so a change
 in machine load hits every mode alike; figures are medians over runs. The report folder gets a
-JSON of every run and summary, PNG plots and a report.md that embeds them (jobs/bench_report.py).
+JSON of every run and summary, PNG plots and a report.md that embeds them (dart_bench/report.py).
 
 The measuring pieces (prompt selection, head/trie loading, transformers baselines, the per-mode
-summary) live in jobs/bench_engine.py and are reused here, not copied.
+summary) live in dart_bench/common.py and are shared with `python -m jobs.bench engine`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dart_worker.device import cpu_model_name
+from dart_bench.common import (
+    CellsBenchConfig,
+    load_parts,
+    machine_conditions,
+    run_hf,
+    run_record,
+    select_prompts,
+    summarize,
+)
+from dart_bench.modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
 from dart_worker.drafters import drafter_names, drafter_spec
-from jobs.bench_modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
 
 
 class BenchConfigError(ValueError):
@@ -36,12 +41,7 @@ class BenchConfigError(ValueError):
 
 
 @dataclass
-class BenchReportConfig:
-    target: str = "default"
-    head: str | None = None  # None: the shipped default head if any, else an untrained head (said so)
-    trie: str | None = None  # None: the default trie (built and cached on first use)
-    dtype: str = "bf16"
-    device: str = "auto"
+class BenchReportConfig(CellsBenchConfig):
     threads: int | None = 2
     # OpenMP idle threads sleep instead of spinning. On a machine shared with other jobs, spinning
     # torch threads wait on each other: measured here 1.3 s vs 94 ms per token with 2 threads.
@@ -54,16 +54,6 @@ class BenchReportConfig:
     # Budgets for some tree modes only, e.g. {chain: [16], ddtree: [16]}; the others use `budgets`.
     mode_budgets: dict[str, list[int]] = field(default_factory=dict)
     headline_budget: int | None = None  # budget shown in the per-mode plots; None = the largest
-    num_prompts: int = 8
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
-    repeats: int = 1
-    # The lookup modes' job cache: off, because every cell decodes the same prompts (at each
-    # temperature and repeat), so a cache would draft each prompt from its own earlier answer.
-    # jobs.bench_templated measures the cache on distinct rows. DART's job n-gram is off in every
-    # cell for the same reason (jobs.bench_job_ngram and jobs.bench_engine job_ngram_modes measure it).
-    lookup_cache_tokens: int = 0
-    seed: int = 0
     output_dir: str = "bench_report"
 
 
@@ -124,7 +114,7 @@ def validate_config(cfg: BenchReportConfig) -> BenchReportConfig:
 def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
                       schema: type[BenchReportConfig] = BenchReportConfig) -> BenchReportConfig:
     """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors.
-    `schema`: BenchReportConfig or a subclass that adds keys (jobs.compare_heads)."""
+    `schema`: BenchReportConfig or a subclass that adds keys (dart_bench.compare_heads)."""
     from pipeline.config import load_structured
 
     return validate_config(load_structured(schema, path, overrides, BenchConfigError))
@@ -166,12 +156,10 @@ def cells_of(cfg: BenchReportConfig) -> list[Cell]:
 def summarize_cells(records: list[dict], headline_budget: int | None = None) -> list[dict]:
     """One summary per cell: medians over runs, speedup against `ar` at the same temperature.
 
-    The per-cell math is bench_engine.summarize (each run paired with the `ar` run of the same
+    The per-cell math is common.summarize (each run paired with the `ar` run of the same
     prompt and repeat). Agreement with `ar` is only meaningful for greedy runs; it is None above
     temperature 0.
     """
-    from jobs.bench_engine import summarize
-
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cells.setdefault((r["mode"], r["temperature"], r.get("budget")), []).append(r)
@@ -200,32 +188,6 @@ def tokens_per_round_histogram(rows: list[dict]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ conditions
-
-
-def machine_conditions(threads: int) -> dict[str, Any]:
-    """Where the figures were measured; load averages show how shared the machine was."""
-    import torch
-    import transformers
-
-    cpu = cpu_model_name()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "host": platform.node(),
-        "cpu": cpu,
-        "cpus_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "threads": threads,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "git_commit": commit,
-    }
 
 
 def _head_and_trie_conditions(cfg: BenchReportConfig, tokenizer) -> dict[str, Any]:
@@ -264,7 +226,6 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
     from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_engine
     from dart_worker.sampling import SamplingParams
-    from jobs.bench_engine import load_parts, run_hf, run_record, select_prompts
     from ngram_native.trees import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)
@@ -325,7 +286,7 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
 
 def write_report(figures: dict[str, Any], output_dir: str | os.PathLike) -> Path:
     """bench.json + PNGs + report.md under output_dir; returns the report.md path."""
-    from jobs.bench_report import render_report
+    from dart_bench.report import render_report
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -334,7 +295,7 @@ def write_report(figures: dict[str, Any], output_dir: str | os.PathLike) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench report", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="YAML config (configs/bench.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_prompts=4 budgets=[16,32]")
     args = parser.parse_args(argv)
@@ -344,14 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     figures = measure(cfg)
-    figures["command"] = "python -m jobs.bench " + shlex.join([args.config, *args.overrides])
-    from jobs.bench_report import print_summary
+    figures["command"] = "python -m jobs.bench report " + shlex.join([args.config, *args.overrides])
+    from dart_bench.report import print_summary
 
     print_summary(figures["summary"])
     report = write_report(figures, cfg.output_dir)
     print(f"wrote {report} (figures in {Path(cfg.output_dir) / 'bench.json'})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

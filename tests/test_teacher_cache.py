@@ -341,10 +341,10 @@ def test_a_mixture_of_sources_is_interleaved_and_counted_per_source(setup, tmp_p
 def test_bench_teacher_cache_reports_both_runs_and_the_projection_a_b(setup, tmp_path):
     """The benchmark's JSON line: live and cached throughput, and the dense vs row-selected step
     (both timed, losses equal)."""
-    from jobs import bench_teacher_cache
+    from jobs.bench import main as bench_main
 
-    report = bench_teacher_cache.main([*args(setup, tmp_path / "unused"), "bench.steps=3",
-                                       "bench.projection_steps=2", f"bench.work_dir={tmp_path / 'w'}"])
+    report = bench_main(["teacher_cache", *args(setup, tmp_path / "unused"), "bench.steps=3",
+                         "bench.projection_steps=2", f"bench.work_dir={tmp_path / 'w'}"])
     assert report["live_tokens_per_s"] > 0 and report["cached_tokens_per_s"] > 0 and report["cache_examples"] == 6
     projection = report["projection"]
     assert projection["dense_step_s"] > 0 and projection["selected_step_s"] > 0
