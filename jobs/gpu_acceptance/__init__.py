@@ -7,5 +7,5 @@ models, seeded sampling against `ar`, a chi-square test) and times real shapes w
 (`speed`: a Gemma-3-270M and a Llama-3-8B shape on CUDA), then writes `acceptance.json` and
 `acceptance.md` under `output_dir` and exits 1 if any correctness check failed. The same command
 runs on a CPU (`device=cpu`, small shapes) in the test suite, so it cannot rot between GPU runs.
-How to run it on a bare GPU machine: docs/gpu.md.
+How to run it on a bare GPU machine: docs/gpu.md. What it runs: dart_bench/gpu_acceptance/.
 """
