@@ -45,8 +45,8 @@ from typing import Any
 
 import yaml
 
-from jobs.nightly import NightlyError, load_night, parse_date
 from pipeline.config import ConfigError
+from pipeline.nightly import NightlyError, load_night, parse_date
 
 GROUP_VERSION = "ray.io/v1"
 PART_OF_LABEL = "app.kubernetes.io/part-of"
