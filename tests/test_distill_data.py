@@ -12,7 +12,7 @@ from dart_train.corpus import iter_conversations
 from dart_train.trainer import DataConfig, conversation_example
 from dart_worker.loading import load_target
 from jobs.distill_data import main as distill_main
-from jobs.distill_data import reply_text
+from pipeline.distill import reply_text
 from pipeline.outputs import read_output
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jobs import plot_training as pt
+from dart_train import training_plots as pt
 
 
 def _train(step, loss, acc=(0.5, 0.3, 0.2, 0.1)):
