@@ -10,6 +10,11 @@ KIND picks the benchmark; the rest of the command line is that benchmark's own (
 where it takes flags). The measuring code is in dart_bench/ (one module per kind; what they
 share, the target-and-prompts config included, in dart_bench/common.py); method and figures:
 docs/benchmarks.md.
+
+Commands written before the kinds were merged here (issue #30) map one to one:
+`python -m jobs.bench_<kind> ...` is `python -m jobs.bench <kind> ...` (`bench_report` is `plots`),
+`jobs.tune_tree` and `jobs.compare_heads` are the kinds of those names, and
+`python -m jobs.bench CONFIG.yaml ...` (a config file first) still runs `report`.
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ def main(argv: list[str] | None = None):
     """Run the benchmark KIND with the rest of `argv`; returns what its main returns."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     kind, rest = argv[0], argv[1:]
+    if kind.endswith((".yaml", ".yml")):  # the form before the kinds: the report's config first
+        kind, rest = "report", argv
     if kind not in KINDS:
         print(f"error: unknown benchmark {kind!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The benchmark report (jobs/bench.py, jobs/bench_report.py) without a real model.
+"""The benchmark report (dart_bench/matrix.py, dart_bench/report.py) without a real model.
 
 Summary math on synthetic records against hand-computed medians and ratios; plots and report.md
 from synthetic figures (non-empty PNGs, relative links that resolve); config validation; the
@@ -259,6 +259,20 @@ def test_report_can_be_rerendered_from_bench_json(tmp_path):
     assert bench_main(["plots", str(tmp_path / "bench.json")]) == 0
     assert (tmp_path / "report.md").is_file()
     assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
+
+
+def test_the_front_door_knows_every_kind_and_refuses_others(capsys):
+    """`python -m jobs.bench KIND`: every kind names a dart_bench module with a main; an unknown
+    kind or none is exit 2 with the list of kinds."""
+    import importlib
+
+    from jobs.bench import KINDS
+
+    for kind, (module, _) in KINDS.items():
+        assert callable(importlib.import_module(f"dart_bench.{module}").main), kind
+    assert bench_main(["no_such_kind"]) == 2 and bench_main([]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_kind" in err and all(kind in err for kind in KINDS)
 
 
 # ------------------------------------------------------------------------------ end to end (tiny model)

@@ -1,4 +1,4 @@
-"""jobs/plot_training.py: records -> plot series (garbled lines, eval records, resumed runs), the
+"""dart_train/training_plots.py: records -> plot series (garbled lines, eval records, resumed runs), the
 error on a file with nothing usable, and a PNG drawn from a synthetic metrics.jsonl."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The teacher cache (jobs/teacher_cache.py, jobs/build_teacher_cache.py) and training from it.
+"""The teacher cache (dart_train/teacher_cache.py, dart_train/teacher_cache_build.py) and training from it.
 
 Tiny random fp32 targets saved as real model directories (config + weights + a word-level
 tokenizer), so the fingerprints, the loader and both command-line entry points run for real.
