@@ -1,10 +1,11 @@
 """What the benchmarks share: the target-and-prompts config, loading, prompts, transformers'
 baselines, run records and their summary against `ar`, the machine's conditions, the JSON report.
 
-Every benchmark behind `python -m jobs.bench KIND` that decodes ShareGPT dev prompts on a target
-(`report`, `engine`, `templated`, `tune_tree`, `job_ngram`, `context_bound`, `compare_heads`) reads
-its target, draft artifacts and prompts through `TargetBenchConfig`; the two that run the same
-cells of modes (`report` and `engine`) share `CellsBenchConfig`.
+The benchmarks behind `python -m jobs.bench KIND` that decode ShareGPT dev prompts on a target
+read their target, draft artifacts and prompts through `TargetBenchConfig`: the two that run the
+same cells of modes (`report`, with `compare_heads` on top, and `engine`) through
+`CellsBenchConfig`, the replay jobs (`tune_tree`, `job_ngram`, `context_bound`) through
+dart_bench.replay.ReplayJobConfig.
 """
 
 from __future__ import annotations
