@@ -27,6 +27,7 @@ COPY ngram_native/ ngram_native/
 COPY dart_worker/ dart_worker/
 COPY dart_train/ dart_train/
 COPY pipeline/ pipeline/
+COPY dart_bench/ dart_bench/
 COPY jobs/ jobs/
 # Portable flags only (setup.py: -O3, no -march=native); warnings are errors, as in CI.
 RUN NGRAM_NATIVE_WERROR=1 python -m pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/wheels .

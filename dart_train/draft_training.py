@@ -1,6 +1,6 @@
 """Training pieces of the DART draft head: teacher pass, prefix-shared MASK blocks, the loss.
 
-Pure torch (no ray): `jobs/train_draft.py` drives these from a local loop or from Ray Train.
+Pure torch (no ray): `dart_train/trainer.py` drives these from a local loop or from Ray Train.
 
 Pairing (identical to `DartDraftHead.propose`, see dart_worker/draft_head.py). A sequence has
 tokens x_0..x_{L-1}; the target's taps f_j and logits l_j (l_j is the distribution of x_{j+1}).
@@ -248,7 +248,7 @@ class TopKTeacher:
     vocabulary, float32) and rest [...] = 1 - sum(exp(logprobs)) (the mass of the other Vd - k
     ids, computed from the logits, not by subtraction). Indexing applies to the leading axes, so
     `dart_kl_loss` selects teacher rows of a TopKTeacher exactly as of a dense logits tensor.
-    This is what the teacher cache stores (jobs/teacher_cache.py); with k = Vd it is exact.
+    This is what the teacher cache stores (dart_train/teacher_cache.py); with k = Vd it is exact.
     """
 
     ids: torch.Tensor

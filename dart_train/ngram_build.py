@@ -67,7 +67,7 @@ class BuildNgramConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Counting (also used by jobs.bench_ngram)
+# Counting (also used by jobs.bench ngram)
 
 
 def vocab_size_of(tokenizer: Any) -> int:

@@ -101,7 +101,7 @@ def logits_for(device: torch.device, deferral_pays: Callable[[], bool]) -> str:
 def gqa_for(device: torch.device) -> str:
     """Strategy for masked tree attention over grouped K/V heads (`dart_worker.tree_attention`).
 
-    On a CPU, `repeat` (transformers' own numerics; `python -m jobs.bench_verify_shapes` prints
+    On a CPU, `repeat` (transformers' own numerics; `python -m jobs.bench verify_shapes` prints
     all three side by side). On CUDA, `pack`:
     its memory-efficient SDPA kernel takes a mask and the unexpanded K/V, where `enable_gqa` with
     a mask falls back to the math kernel; `jobs.gpu_acceptance` times all three on the GPU."""
@@ -111,7 +111,7 @@ def gqa_for(device: torch.device) -> str:
 def shapes_for(device: torch.device) -> str:
     """Strategy for the verify forward's shapes on `device`: `bucketed` on CUDA (static shapes a
     CUDA graph can capture; kernel launches are the round there at small batch), `exact` on a CPU,
-    where padding costs its full share of the forward (`python -m jobs.bench_engine
+    where padding costs its full share of the forward (`python -m jobs.bench engine
     bucketed_modes=[...]` runs both side by side; docs/benchmarks.md has the measurement)."""
     return _forced("shapes") or ("bucketed" if device.type == "cuda" else "exact")
 

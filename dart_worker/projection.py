@@ -5,7 +5,7 @@ A decoding round projects a handful of final hidden states onto a wide vocabular
 read-out rows. As `rows x weight^T` (what `nn.Linear` computes) MKL runs such a product 1.5-4x
 slower than the same product as `weight x rows^T` on a 2-core AVX2 EPYC in float32 (default
 target, median of 7: 4 rows 160 -> 61 ms; draft head, 8 rows 14.5 -> 7.1 ms; 1 row and 100+ rows
-about equal). `python -m jobs.bench_verify_shapes` prints both ways side by side.
+about equal). `python -m jobs.bench verify_shapes` prints both ways side by side.
 
 Which orientation runs is the `projection` strategy of `dart_worker.kernels` (weight-first for
 float32 on a CPU: that is where it was measured; a GPU and bf16 CPUs (AMX, oneDNN) keep the

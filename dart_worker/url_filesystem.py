@@ -11,6 +11,10 @@ server, a driver reconfigured between jobs) never talks to the old one.
 Credentials are never handled here: s3fs builds its client with botocore's standard chain. Only
 the endpoint (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which botocore honours too) is read, because
 it is not a secret and pinning it keeps the driver and every worker on the same server.
+
+StorageError and its helpers (`filesystem_for`, `describe_error`, `redact`) live here too, so that
+the job (pipeline.storage re-exports them) and the artifacts built below it (dart_train's teacher
+cache) report storage failures alike.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+_SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 
 
 def s3_options(storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -53,3 +59,35 @@ def url_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> t
         fs = s3fs.S3FileSystem(**s3_options(storage_options))
         return fs, fs._strip_protocol(url)
     return fsspec.core.url_to_fs(url, **storage_options)
+
+
+class StorageError(OSError):
+    """A URL could not be listed, found, read or written. The message names the URL, never a credential.
+
+    An OSError, so that callers handling I/O failures handle these too.
+    """
+
+
+def redact(text: str) -> str:
+    """`text` with the value of every secret credential variable of this process replaced by ***."""
+    for name in _SECRET_ENV_VARS:
+        secret = os.environ.get(name)
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def filesystem_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """`url_filesystem`, with StorageError for a protocol no installed fsspec backend serves."""
+    try:
+        return url_filesystem(url, storage_options)
+    except (ImportError, ValueError) as e:
+        raise StorageError(f"no filesystem for {url}: {redact(str(e))}") from e
+
+
+def describe_error(action: str, url: str, error: BaseException) -> str:
+    return f"cannot {action} {url}: {type(error).__name__}: {redact(str(error))}"

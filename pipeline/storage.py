@@ -14,7 +14,6 @@ it keeps the driver and every worker talking to the same server. Error messages 
 
 from __future__ import annotations
 
-import os
 import posixpath
 from collections.abc import Iterable
 from typing import Any
@@ -22,42 +21,16 @@ from typing import Any
 import fsspec
 import pyarrow.fs
 import ray
-from fsspec.implementations.local import LocalFileSystem
 
-from dart_worker.url_filesystem import url_filesystem
+from dart_worker.url_filesystem import (  # re-exported: the job's storage errors are these
+    StorageError,
+    describe_error,
+    filesystem_for,
+    is_local,
+    redact,
+)
 
 _GLOB_CHARS = "*?["
-_SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-
-
-class StorageError(OSError):
-    """A URL could not be listed, found, read or written. The message names the URL, never a credential.
-
-    An OSError, so that callers handling I/O failures handle these too.
-    """
-
-
-def redact(text: str) -> str:
-    """`text` with the value of every secret credential variable of this process replaced by ***."""
-    for name in _SECRET_ENV_VARS:
-        secret = os.environ.get(name)
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
-def filesystem_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem serving `url` and the path of `url` inside it (see
-    dart_worker.url_filesystem, which every reader of URLs shares); StorageError for a protocol
-    no installed fsspec backend serves."""
-    try:
-        return url_filesystem(url, storage_options)
-    except (ImportError, ValueError) as e:
-        raise StorageError(f"no filesystem for {url}: {redact(str(e))}") from e
 
 
 def arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pyarrow.fs.FileSystem:
@@ -75,10 +48,6 @@ def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def is_hidden(relative_path: str) -> bool:
     """True when any part of the path is a name Ray Data and Spark treat as metadata (_SUCCESS, .crc, .tmp-)."""
     return any(part.startswith((".", "_")) for part in relative_path.strip("/").split("/"))
-
-
-def describe_error(action: str, url: str, error: BaseException) -> str:
-    return f"cannot {action} {url}: {type(error).__name__}: {redact(str(error))}"
 
 
 def _expand_one(url: str, storage_options: dict[str, Any] | None) -> list[str]:

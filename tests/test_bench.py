@@ -1,4 +1,4 @@
-"""The benchmark report (jobs/bench.py, jobs/bench_report.py) without a real model.
+"""The benchmark report (dart_bench/matrix.py, dart_bench/report.py) without a real model.
 
 Summary math on synthetic records against hand-computed medians and ratios; plots and report.md
 from synthetic figures (non-empty PNGs, relative links that resolve); config validation; the
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.bench import (
+from dart_bench.matrix import (
     BenchConfigError,
     BenchReportConfig,
     cells_of,
@@ -25,7 +25,8 @@ from jobs.bench import (
     tokens_per_round_histogram,
     validate_config,
 )
-from jobs.bench_report import PLOTS, render_job_plots, render_report, throughput_timeline
+from dart_bench.report import PLOTS, render_job_plots, render_report, throughput_timeline
+from jobs.bench import main as bench_main
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -60,7 +61,7 @@ def synthetic_figures() -> dict:
                            "load_average_start": [3.0, 3.0, 3.0], "dtype": "bf16", "prompts": 3,
                            "max_new_tokens": 64, "head": "untrained", "head_trained": False,
                            "head_fingerprint": None, "trie": "/x.ngram", "trie_fingerprint": "0123456789abcdef"},
-            "command": "python -m jobs.bench configs/bench.yaml"}
+            "command": "python -m jobs.bench report configs/bench.yaml"}
 
 
 # ------------------------------------------------------------------------------ summary math
@@ -135,7 +136,7 @@ def test_report_writes_non_empty_pngs_and_report_md_linking_them(tmp_path):
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, link
     assert "| dart | 32 | 0 |" in text and "0123456789abcdef" in text
     assert "untrained" in text and "noisy" in text
-    assert "python -m jobs.bench configs/bench.yaml" in text
+    assert "python -m jobs.bench report configs/bench.yaml" in text
 
 
 def test_report_handles_a_run_with_only_ar_and_hf(tmp_path):
@@ -254,12 +255,24 @@ def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):
 def test_report_can_be_rerendered_from_bench_json(tmp_path):
     import json
 
-    from jobs.bench_report import main as report_main
-
     (tmp_path / "bench.json").write_text(json.dumps(synthetic_figures()))
-    assert report_main([str(tmp_path / "bench.json")]) == 0
+    assert bench_main(["plots", str(tmp_path / "bench.json")]) == 0
     assert (tmp_path / "report.md").is_file()
     assert all((tmp_path / name).stat().st_size > 0 for name in PLOTS.values())
+
+
+def test_the_front_door_knows_every_kind_and_refuses_others(capsys):
+    """`python -m jobs.bench KIND`: every kind names a dart_bench module with a main; an unknown
+    kind or none is exit 2 with the list of kinds."""
+    import importlib
+
+    from jobs.bench import KINDS
+
+    for kind, (module, _) in KINDS.items():
+        assert callable(importlib.import_module(f"dart_bench.{module}").main), kind
+    assert bench_main(["no_such_kind"]) == 2 and bench_main([]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_kind" in err and all(kind in err for kind in KINDS)
 
 
 # ------------------------------------------------------------------------------ end to end (tiny model)
@@ -274,14 +287,12 @@ def tiny_artifacts(tmp_path_factory):
 
 def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):
     """Every cell runs on every prompt; in fp32 every greedy mode reproduces `ar` token for token."""
-    from jobs.bench import main as bench_main
-
     out = tmp_path / "report"
     overrides = [f"target={tiny_artifacts['target']}", f"head={tiny_artifacts['head']}",
                  f"trie={tiny_artifacts['trie']}", "dtype=fp32", "device=cpu", "threads=1", "num_prompts=2",
                  "max_prompt_tokens=64", "max_new_tokens=6", "budgets=[4,8]", "repeats=2", "warmup_tokens=1",
                  f"output_dir={out}"]
-    assert bench_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
+    assert bench_main(["report", str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
     import json
 
     figures = json.loads((out / "bench.json").read_text())
@@ -300,11 +311,10 @@ def test_measure_and_report_end_to_end_on_a_tiny_fp32_model(tiny_artifacts, tmp_
 def test_bench_engine_sweeps_batch_sizes_and_fixed_budgets_losslessly(tmp_path, capsys):
     """The batch sweep runs every cell (auto-sized, fixed at each budget) at each batch size on
     the same prompts; in fp32 greedy every cell decodes what `ar` decodes."""
-    from jobs import bench_engine
     from tests.tiny_models import save_tiny_artifacts
 
     art = save_tiny_artifacts(tmp_path / "art")
-    report = bench_engine.main([f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
+    report = bench_main(["engine", f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
                                 "dtype=fp32", "device=cpu", "num_prompts=3", "max_prompt_tokens=200",
                                 "max_new_tokens=6", "modes=[ar,dart_lookup]", "fixed_modes=[dart]",
                                 "fixed_budgets=[4,8]", "batch_sizes=[1,2]", "budget=8"])
@@ -320,11 +330,10 @@ def test_bench_engine_samples_share_the_prefill_and_equal_separate_rows(tmp_path
     """samples=3: every mode decodes 3 seeded samples per prompt with one prefill per prompt; the
     "+separate" cell decodes the same samples as separate rows (3x the prompt tokens forwarded), and
     in fp32 every cell writes the tokens `ar` writes, sample by sample."""
-    from jobs import bench_engine
     from tests.tiny_models import save_tiny_artifacts
 
     art = save_tiny_artifacts(tmp_path / "art")
-    report = bench_engine.main([f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
+    report = bench_main(["engine", f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}",
                                 "dtype=fp32", "device=cpu", "num_prompts=2", "max_prompt_tokens=200",
                                 "max_new_tokens=5", "modes=[ar,dart_lookup]", "temperature=0.8", "min_p=0.05",
                                 "repetition_penalty=1.1", "samples=3", "batch_size=2", "budget=8"])
@@ -337,14 +346,13 @@ def test_bench_engine_samples_share_the_prefill_and_equal_separate_rows(tmp_path
 
 
 def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_artifacts, tmp_path):
-    """jobs.bench_templated: both arms decode every row; in fp32 greedy they agree token for token."""
+    """`jobs.bench templated`: both arms decode every row; in fp32 greedy they agree token for token."""
     import json
 
-    from jobs.bench_templated import main as templated_main
 
     template = "w5 w6 w7 w8 {0} w9 w10 w11 w12 {1} w13 w14"
     out = tmp_path / "templated.json"
-    report = templated_main([f"target={tiny_artifacts['target']}", "dtype=fp32", "device=cpu", "threads=1",
+    report = bench_main(["templated", f"target={tiny_artifacts['target']}", "dtype=fp32", "device=cpu", "threads=1",
                              "rows=6", "max_new_tokens=8", "batch_size=2", "chunk_rows=3", "budget=8",
                              "sizing=fixed", f"template='{template}'", "slot_values=[[w20,w21],[w22,w23]]",
                              f"output={out}"])
@@ -360,8 +368,8 @@ def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_arti
 
 
 def test_verify_shapes_times_every_shape_within_the_row_limit():
+    from dart_bench.verify_shapes import ShapesConfig, shape_table
     from dart_worker.target import TargetAdapter
-    from jobs.bench_verify_shapes import ShapesConfig, shape_table
     from tests.tiny_models import tiny_model
 
     cfg = ShapesConfig(context=12, passes=1, batch_sizes=[1, 3], rows_per_sequence=[1, 2, 5], max_rows=6)
@@ -371,8 +379,8 @@ def test_verify_shapes_times_every_shape_within_the_row_limit():
 
 
 def test_verify_shapes_times_the_projection_both_ways():
+    from dart_bench.verify_shapes import ShapesConfig, projection_table
     from dart_worker.target import TargetAdapter
-    from jobs.bench_verify_shapes import ShapesConfig, projection_table
     from tests.tiny_models import tiny_model
 
     table = projection_table(TargetAdapter(tiny_model("llama", vocab_size=32)), ShapesConfig(passes=1,
@@ -383,8 +391,8 @@ def test_verify_shapes_times_the_projection_both_ways():
 
 
 def test_verify_shapes_times_both_kv_caches_on_identical_logits():
+    from dart_bench.verify_shapes import ShapesConfig, cache_table
     from dart_worker.target import TargetAdapter
-    from jobs.bench_verify_shapes import ShapesConfig, cache_table
     from tests.tiny_models import tiny_model
 
     table = cache_table(TargetAdapter(tiny_model("gemma3", vocab_size=32)),
@@ -400,13 +408,12 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
 
     import torch
 
+    from dart_bench.compare_heads import dev_examples
     from dart_train.draft_training import TeacherPass
+    from dart_train.trainer import EvalConfig, TrainConfig, evaluate_dev, head_vocab
     from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
     from dart_worker.draft_head import DartDraftHead
     from dart_worker.loading import load_target
-    from jobs.compare_heads import dev_examples
-    from jobs.compare_heads import main as compare_main
-    from jobs.train_draft import EvalConfig, TrainConfig, evaluate_dev, head_vocab
     from tests.test_teacher_cache import write_chats
 
     model, tokenizer = load_target(tiny_artifacts["target"], dtype="fp32", device="cpu")
@@ -421,7 +428,7 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
                  "repeats=1", "warmup_tokens=0", "modes=[ar,chain,dart]", "temperatures=[0.0,1.0]",
                  f"dev_source={chats}", "dev_fraction=1.0", "dev_sequences=3", "dev_anchors_per_sequence=4",
                  "replay_prompts=2", f"output_dir={out}"]
-    assert compare_main([str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
+    assert bench_main(["compare_heads", str(REPO / "configs" / "bench.yaml"), *overrides]) == 0
     figures = json.loads((out / "compare.json").read_text())
     heads = [tiny_artifacts["head"], str(other)]
     assert figures["heads"] == heads
@@ -451,14 +458,13 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
 
 
 def test_compare_heads_refuses_a_directory_that_is_not_a_head(tmp_path, capsys):
-    from jobs.compare_heads import main as compare_main
 
-    assert compare_main([f"heads=[{tmp_path}]"]) == 2
+    assert bench_main(["compare_heads", f"heads=[{tmp_path}]"]) == 2
     assert "not a draft head directory" in capsys.readouterr().err
 
 
 def test_pipeline_bench_alternates_the_order_of_whole_jobs_and_reports_medians():
-    from jobs.bench_pipeline import median_run, run_order
+    from dart_bench.pipeline_job import median_run, run_order
 
     assert run_order(["ar", "dart"], 1) == [(0, "ar"), (0, "dart")]
     order = run_order(["ar", "dart", "x/16/4"], 4)

@@ -1,4 +1,4 @@
-"""jobs.bench_context_bound: the oracle span is the longest copy a context drafter could make
+"""`jobs.bench context_bound`: the oracle span is the longest copy a context drafter could make
 (brute-force reference), it only adds to the inner drafter's tree, and the job runs end to end."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_bench import context_bound
+from dart_bench.context_bound import OracleContext, longest_copy, parse_config
+from dart_bench.replay import TuneConfigError
 from dart_train.replay import replay, target_references
 from dart_worker.engine_factory import build_drafter
 from dart_worker.sampling import SamplingParams
-from jobs import bench_context_bound
-from jobs.bench_context_bound import OracleContext, longest_copy, parse_config
-from jobs.tune_tree import TuneConfigError
+from jobs.bench import main as bench_main
 from ngram_native import TreeParams
 from tests.test_replay import parts, prompts  # noqa: F401 - the tiny target fixture
 
@@ -94,9 +95,9 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     art = save_tiny_artifacts(tmp_path / "art")
     args = [f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}", "dtype=fp32", "threads=1",
             "num_prompts=3", "check_prompts=1", "max_new_tokens=8", "budgets=[4]", f"output_dir={tmp_path / 'out'}"]
-    assert bench_context_bound.main(args) == 0
+    assert bench_main(["context_bound", *args]) == 0
     figures = json.loads((tmp_path / "out" / "context_bound.json").read_text())
-    assert [r["cell"] for r in figures["results"]] == list(bench_context_bound.CELLS)
+    assert [r["cell"] for r in figures["results"]] == list(context_bound.CELLS)
     assert all(r["tau"] >= 1.0 and len(r["per_prompt_tau"]) == 3 for r in figures["results"])
     text = (tmp_path / "out" / "context_bound.md").read_text()
     assert "sampled at T=1, seed 0" in text and "| 4 | dart + oracle context + job |" in text

@@ -1,4 +1,4 @@
-"""jobs.bench_job_ngram: earlier outputs are read from both job formats, configs fail clearly, and
+"""`jobs.bench job_ngram`: earlier outputs are read from both job formats, configs fail clearly, and
 the job runs end to end on a tiny model (the job n-gram warmed, the 'off' cell without one)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dart_bench.job_ngram import parse_config
+from dart_bench.replay import TuneConfigError
 from dart_train.corpus import job_output_documents
-from jobs import bench_job_ngram
-from jobs.bench_job_ngram import parse_config
-from jobs.tune_tree import TuneConfigError
+from jobs.bench import main as bench_main
 
 
 class WordTokenizer:
@@ -63,7 +63,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path):
     args = [f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}", "dtype=fp32", "threads=1",
             f"earlier_outputs={outputs}", "num_prompts=3", "check_prompts=1", "max_new_tokens=8",
             "budgets=[8]", "warm_rows=[0,10]", "priors=[1.0,4.0]", f"output_dir={tmp_path / 'out'}"]
-    assert bench_job_ngram.main(args) == 0
+    assert bench_main(["job_ngram", *args]) == 0
     figures = json.loads((tmp_path / "out" / "job_ngram.json").read_text())
     rows = figures["results"]
     assert [(r["job_ngram"], r["warm_rows"], r["prior"]) for r in rows] == \

@@ -158,7 +158,7 @@ def test_empty_split_is_an_error(tmp_path, tiny_tok):
 
 def test_bench_ngram_smoke_on_a_tiny_corpus(tmp_path, tiny_tok, monkeypatch):
     """The benchmark's plumbing (token cache, level index, draft inputs, shared-memory probe)."""
-    from jobs.bench_ngram import BenchNgramConfig, LevelIndex, run
+    from dart_bench.ngram import BenchNgramConfig, LevelIndex, run
 
     tok, tok_dir = tiny_tok
     monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))

@@ -9,10 +9,10 @@ import pytest
 import ray
 
 from dart_train.corpus import iter_conversations
+from dart_train.trainer import DataConfig, conversation_example
 from dart_worker.loading import load_target
 from jobs.distill_data import main as distill_main
-from jobs.distill_data import reply_text
-from jobs.train_draft import DataConfig, conversation_example
+from pipeline.distill import reply_text
 from pipeline.outputs import read_output
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 

@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_bench.gpu_acceptance.correctness import first_two_tokens_p_value
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine import DecodingEngine
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
-from jobs.gpu_acceptance.correctness import first_two_tokens_p_value
 from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
@@ -251,7 +251,7 @@ def test_seeded_sampling_commits_the_tokens_of_plain_sampling(models, self_trie,
 
 def assert_first_two_tokens_follow_the_target(model, prompt, params, results) -> None:
     """Chi-square of the sampled (y1, y2) cells against the exact warped target distribution
-    (the acceptance run's check, jobs.gpu_acceptance.correctness; cross-checked with scipy there)."""
+    (the acceptance run's check, dart_bench.gpu_acceptance.correctness; cross-checked with scipy there)."""
     p_value = first_two_tokens_p_value(model, prompt, params, [r.token_ids for r in results])
     assert p_value > 1e-3, p_value
 

@@ -1,7 +1,7 @@
 """Fuzzing the engine and writer side: every row handed to a worker comes back as exactly one written row.
 
 The worker (pipeline.worker.GenerationWorker, built here in-process on the tiny artifacts, as
-jobs.bench_pipeline builds one) gets batches of hostile rows: prompts of special tokens only,
+`jobs.bench pipeline` builds one) gets batches of hostile rows: prompts of special tokens only,
 prompts at and around the target's context limit, chat prompts with odd roles, rows that are
 already errors; with stop strings that are odd or hold surrogates, stop token ids, one-token
 limits, greedy and sampled decoding in every mode, and a tokenizer whose decoding yields text

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from dart_bench.gpu_acceptance.correctness import chi_square_p_value
 from dart_worker.target import TargetAdapter
 from jobs.gpu_acceptance.__main__ import main
-from jobs.gpu_acceptance.correctness import chi_square_p_value
 
 SMALL = ["device=cpu", "prompts=2", "new_tokens=12", "chi_square_draws=400", "context=24", "generate_tokens=6",
          "repeats=1", "verify_batches=[1,2]", "verify_rows=[1,4]", "drafting_tokens=6", "throughput_batch=2",

@@ -1,4 +1,4 @@
-"""The job's own machinery at scale (issue #32): the pieces `jobs.bench_load` measured and mended.
+"""The job's own machinery at scale (issue #32): the pieces `jobs.bench load` measured and mended.
 
 - The duplicate-id pass counts sorted runs of keys with pyarrow and merges the runs' edges on the
   driver: exact whatever the cut into runs (a key's rows may span any number of them).
@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipeline.outputs as outputs_module
-from jobs.bench_load import growth, operator_figures, write_inputs
+from dart_bench.load import growth, operator_figures, write_inputs
 from pipeline.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
 from pipeline.outputs import part_name, resume_progress, sample_key, split_sample_key
 from pipeline.summary import MAX_SETTING_GROUPS, RunTally, build_summary, tau_distribution

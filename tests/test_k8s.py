@@ -24,9 +24,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from jobs.nightly import load_night
-from jobs.nightly_submit import render_rayjob
 from pipeline.config import load_config
+from pipeline.nightly import load_night
+from pipeline.nightly_submit import render_rayjob
 from tests.test_layering import installed_packages
 
 REPO = Path(__file__).resolve().parent.parent

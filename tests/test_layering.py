@@ -17,7 +17,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Lowest first: a package may import its own modules and those of the packages before it.
-LAYERS = ("ngram_native", "dart_worker", "dart_train", "pipeline", "jobs")
+LAYERS = ("ngram_native", "dart_worker", "dart_train", "pipeline", "dart_bench", "jobs")
+# The layer of entry points only: nothing but tests imports its modules (each is a thin `main`
+# over library code in the layers below it).
+ENTRY_POINTS = "jobs"
 # Third-party packages a layer must never import (docs/DESIGN.md).
 FORBIDDEN = {
     "ngram_native": {"torch", "transformers", "ray", "pyarrow", "fsspec"},
@@ -143,8 +146,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_scan_sees_the_packages():
-    assert {"ngram_native.trie", "dart_worker.loading", "dart_train.corpus", "pipeline.run", "jobs.build_ngram"} \
-        <= set(MODULES)
+    assert {"ngram_native.trie", "dart_worker.loading", "dart_train.corpus", "pipeline.run", "dart_bench.common",
+            "jobs.build_ngram"} <= set(MODULES)
     graph = _graph()
     assert "dart_worker.default_target" in graph["dart_worker.loading"]  # a lazy import counts
     assert "ngram_native.trie" in graph["pipeline.ngram_store"] or "ngram_native" in graph["pipeline.ngram_store"]
@@ -183,6 +186,19 @@ def test_forbidden_third_party_imports(layer):
             if imported.split(".")[0] in FORBIDDEN[layer]:
                 bad.append(f"{path.relative_to(REPO_ROOT)}:{line}: {imported}")
     assert not bad, f"{layer} must not import {sorted(FORBIDDEN[layer])}:\n" + "\n".join(bad)
+
+
+def test_entry_points_are_imported_by_tests_only():
+    """A module of jobs/ is a `main`: the code it runs lives in a library package, where other
+    code can import it (jobs/ importing jobs/ is caught here, anything below by the layering)."""
+    importers = []
+    for name, path in MODULES.items():
+        for imported, line in _imports(name, path):
+            target = _project_module(imported)
+            if target is not None and target != name and _layer(target) == ENTRY_POINTS:
+                importers.append(f"{path.relative_to(REPO_ROOT)}:{line}: imports {target}")
+    assert not importers, f"only tests may import modules of {ENTRY_POINTS}/ (move what is shared into a " \
+        "library package):\n" + "\n".join(dict.fromkeys(importers))
 
 
 def test_no_import_cycles_between_modules():

@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs import nightly
-from jobs.nightly import (
+from pipeline.config import ConfigError
+from pipeline.nightly import (
     REPORT_JSON,
     REPORT_MD,
     NightlyError,
@@ -26,7 +27,6 @@ from jobs.nightly import (
     load_night,
     parse_date,
 )
-from pipeline.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "configs" / "nightly.yaml"

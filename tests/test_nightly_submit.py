@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs import nightly_submit
-from jobs.nightly_submit import (
+from pipeline import nightly_submit
+from pipeline.nightly_submit import (
     ATTEMPT_LABEL,
     DATE_LABEL,
     PART_OF_LABEL,

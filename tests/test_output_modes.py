@@ -188,7 +188,7 @@ def test_config_refuses_unknown_modes_and_contradictions(tmp_path):
 
 
 def test_a_night_always_resumes_its_own_output(tmp_path):
-    from jobs.nightly import NightlyError, load_night
+    from pipeline.nightly import NightlyError, load_night
 
     path = tmp_path / "nightly.yaml"
     path.write_text(json.dumps({"pipeline": {"input": {"urls": [str(tmp_path / "in/{date}/*.jsonl")]},

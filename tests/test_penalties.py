@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from dart_bench.gpu_acceptance.correctness import chi_square_p_value
 from dart_worker.drafters import drafter_names
 from dart_worker.sampling import SamplingParams, TokenHistory, apply_penalties, warp_logits_to_probs
 from dart_worker.verification import path_tokens
-from jobs.gpu_acceptance.correctness import chi_square_p_value
 from ngram_native.trees import DraftTree
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.test_sampling import assert_same_distribution

@@ -1,4 +1,4 @@
-"""jobs/plot_training.py: records -> plot series (garbled lines, eval records, resumed runs), the
+"""dart_train/training_plots.py: records -> plot series (garbled lines, eval records, resumed runs), the
 error on a file with nothing usable, and a PNG drawn from a synthetic metrics.jsonl."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from jobs import plot_training as pt
+from dart_train import training_plots as pt
 
 
 def _train(step, loss, acc=(0.5, 0.3, 0.2, 0.1)):

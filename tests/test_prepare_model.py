@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from jobs import prepare_model
+from pipeline import prepare_model
 from tests.tiny_models import save_tiny_target
 
 SMALL = ["dtype=fp32", "device=cpu", "threads=1", "trie.order=3", "head.max_steps=3", "head.draft_length=3",

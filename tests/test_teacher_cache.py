@@ -1,4 +1,4 @@
-"""The teacher cache (jobs/teacher_cache.py, jobs/build_teacher_cache.py) and training from it.
+"""The teacher cache (dart_train/teacher_cache.py, dart_train/teacher_cache_build.py) and training from it.
 
 Tiny random fp32 targets saved as real model directories (config + weights + a word-level
 tokenizer), so the fingerprints, the loader and both command-line entry points run for real.
@@ -22,11 +22,7 @@ from dart_train.draft_training import (
     sample_anchors,
     top_k_teacher,
 )
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.loading import load_target
-from jobs import build_teacher_cache, train_draft
-from jobs.teacher_cache import (
+from dart_train.teacher_cache import (
     CachedExample,
     CachedExampleStream,
     TeacherCache,
@@ -38,7 +34,12 @@ from jobs.teacher_cache import (
     read_manifest,
     shard_name,
 )
-from jobs.train_draft import ExampleStream, checkpoint_dirs, collate, load_trainer_state, parse_config
+from dart_train.teacher_cache_build import build_teacher_cache
+from dart_train.trainer import ExampleStream, checkpoint_dirs, collate, load_trainer_state, parse_config
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.loading import load_target
+from jobs import train_draft
 from tests.tiny_models import TINY_VOCAB, tiny_model, tiny_tokenizer
 
 VD = 64  # draft vocabulary of the test heads
@@ -83,7 +84,7 @@ def args(setup, cache, *extra) -> list[str]:
 
 def build(setup, cache, *extra, **kwargs) -> dict:
     cfg = parse_config(args(setup, cache, *extra))
-    return build_teacher_cache.build_teacher_cache(cfg, progress=False, **kwargs)
+    return build_teacher_cache(cfg, progress=False, **kwargs)
 
 
 def cache_files(url) -> dict[str, bytes]:
@@ -340,10 +341,10 @@ def test_a_mixture_of_sources_is_interleaved_and_counted_per_source(setup, tmp_p
 def test_bench_teacher_cache_reports_both_runs_and_the_projection_a_b(setup, tmp_path):
     """The benchmark's JSON line: live and cached throughput, and the dense vs row-selected step
     (both timed, losses equal)."""
-    from jobs import bench_teacher_cache
+    from jobs.bench import main as bench_main
 
-    report = bench_teacher_cache.main([*args(setup, tmp_path / "unused"), "bench.steps=3",
-                                       "bench.projection_steps=2", f"bench.work_dir={tmp_path / 'w'}"])
+    report = bench_main(["teacher_cache", *args(setup, tmp_path / "unused"), "bench.steps=3",
+                         "bench.projection_steps=2", f"bench.work_dir={tmp_path / 'w'}"])
     assert report["live_tokens_per_s"] > 0 and report["cached_tokens_per_s"] > 0 and report["cache_examples"] == 6
     projection = report["projection"]
     assert projection["dense_step_s"] > 0 and projection["selected_step_s"] > 0

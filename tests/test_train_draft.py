@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_train import trainer
 from dart_train.corpus import Conversation, Turn
 from dart_train.draft_training import (
     TeacherPass,
@@ -27,13 +28,7 @@ from dart_train.draft_training import (
     sample_anchors,
     top_k_teacher,
 )
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
-from jobs import train_draft
-from jobs.train_draft import (
+from dart_train.trainer import (
     TrainConfig,
     WorkerContext,
     checkpoint_dirs,
@@ -44,6 +39,11 @@ from jobs.train_draft import (
     parse_config,
     train_loop,
 )
+from dart_worker.draft_checkpoint import load_draft_head
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.engine_factory import EngineParts, build_engine
+from dart_worker.sampling import SamplingParams
+from dart_worker.target import TargetAdapter
 from tests.tiny_models import TINY_VOCAB, tiny_model
 
 M = 3  # draft_length of the test heads
@@ -301,7 +301,7 @@ def test_most_frequent_ids_ties_and_forced():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from jobs.train_draft import OptimConfig
+    from dart_train.trainer import OptimConfig
 
     f = lr_lambda(OptimConfig(warmup_steps=4, min_lr_ratio=0.1), max_steps=20)
     assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
@@ -431,7 +431,7 @@ def test_training_tau_is_the_engines_greedy_tau(tmp_path):
     run(cfg, model, chats(6))
     cfg.eval.tau_prompts, cfg.eval.tau_max_new_tokens, cfg.eval.tau_modes = 3, 10, ["chain", "ddtree"]
     cache: dict = {}
-    got = train_draft.evaluate_tau(tmp_path / "export", model, ByteTokenizer(), cfg, cache)
+    got = trainer.evaluate_tau(tmp_path / "export", model, ByteTokenizer(), cfg, cache)
     tokenizer = ByteTokenizer()
     prompts = [tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"] for p in
                sharegpt_dev_prompts(12, dev_fraction=cfg.data.dev_fraction, max_chars=4 * cfg.data.max_prompt_tokens)]
@@ -455,13 +455,13 @@ def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tmp_path, monkeypa
     initial = load_draft_head(tmp_path / "export", model.config, model.get_input_embeddings())
 
     seen_kept = []
-    real_teacher = train_draft.TeacherPass
+    real_teacher = trainer.TeacherPass
 
     def recording_teacher(target, kept):
         seen_kept.append(kept.tolist())
         return real_teacher(target, kept)
 
-    monkeypatch.setattr(train_draft, "TeacherPass", recording_teacher)
+    monkeypatch.setattr(trainer, "TeacherPass", recording_teacher)
     other = [Conversation(f"o{i}", (Turn("user", "zzz yyy"), Turn("assistant", "QQQ WWW XXX " * 5)), f"o{i}")
              for i in range(6)]
     tuned = tiny_config(tmp_path / "tuned", 2)

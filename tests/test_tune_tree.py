@@ -1,4 +1,4 @@
-"""jobs.tune_tree: the coordinate search finds the best grid point of a known function, configs
+"""`jobs.bench tune_tree`: the coordinate search finds the best grid point of a known function, configs
 fail clearly, and the job runs end to end on a tiny model (replies reused on a second run)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jobs import tune_tree
-from jobs.tune_tree import DEFAULT_GRID, TuneConfigError, coordinate_search, parse_config, setting
+from dart_bench.tune_tree import DEFAULT_GRID, TuneConfigError, coordinate_search, parse_config, setting
+from jobs.bench import main as bench_main
 from ngram_native import TreeParams
 
 
@@ -69,7 +69,7 @@ def test_end_to_end_on_a_tiny_model_and_replies_are_reused(tmp_path, monkeypatch
     args = [f"target={art['target']}", f"head={art['head']}", f"trie={art['trie']}", "dtype=fp32", "threads=1",
             "num_prompts=3", "check_prompts=1", "max_new_tokens=8", "budgets=[4,8]",
             "grid={ngram_weight: [0.0, 1.0], top_k: [2, 8]}", f"output_dir={tmp_path / 'out'}"]
-    assert tune_tree.main(args) == 0
+    assert bench_main(["tune_tree", *args]) == 0
     figures = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert [r["budget"] for r in figures["results"]] == [4, 8]
     for row in figures["results"]:
@@ -84,7 +84,7 @@ def test_end_to_end_on_a_tiny_model_and_replies_are_reused(tmp_path, monkeypatch
         raise AssertionError("replies should come from replies.json")
 
     monkeypatch.setattr("dart_train.replay.target_replies", no_generation)
-    assert tune_tree.main(args) == 0
+    assert bench_main(["tune_tree", *args]) == 0
 
 
 def test_sampled_replies_are_replayed_and_cached_apart_from_greedy_ones(tmp_path, monkeypatch):
@@ -103,8 +103,8 @@ def test_sampled_replies_are_replayed_and_cached_apart_from_greedy_ones(tmp_path
         return real(*args, **kwargs)
 
     monkeypatch.setattr("dart_train.replay.target_replies", recording)
-    assert tune_tree.main(base) == 0
-    assert tune_tree.main([*base, "temperature=1.0", "seed=5"]) == 0  # another key: sampled anew
-    assert tune_tree.main([*base, "temperature=1.0", "seed=5"]) == 0  # the same: reused
+    assert bench_main(["tune_tree", *base]) == 0
+    assert bench_main(["tune_tree", *base, "temperature=1.0", "seed=5"]) == 0  # another key: sampled anew
+    assert bench_main(["tune_tree", *base, "temperature=1.0", "seed=5"]) == 0  # the same: reused
     assert [(p.temperature, p.seed) for p in made] == [(0.0, 0), (1.0, 5)]
     assert "sampled at T=1, seed 5" in (tmp_path / "out" / "tune.md").read_text()

@@ -47,7 +47,7 @@ class ContextIndexes:
             self.job_cache = JobCache(max_tokens=int(tree.lookup_cache_tokens), min_match=tree.lookup_min_match,
                                       max_match=max(tree.lookup_min_match, DEFAULT_JOB_MAX_MATCH))
         # Set to a list to record, per `propose`, {"batch", "context_s", "job_cache_s", "graft_s"}
-        # (jobs.bench_templated reads it); None: nothing recorded.
+        # (jobs.bench templated reads it); None: nothing recorded.
         self.profile: list[dict] | None = None
 
     def start(self, batch_size: int) -> None:

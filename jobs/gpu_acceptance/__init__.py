@@ -1,11 +1,6 @@
 """The GPU acceptance run: `python -m jobs.gpu_acceptance [device=cuda] [output_dir=...] [key=value ...]`.
 
-One command that proves the engine on a machine with a GPU, within what such a machine is lent
-for: a bare Python with torch and transformers, no model weights, minutes. It checks correctness
-on the device (`correctness`: every drafter against transformers' `generate` on tiny random-weight
-models, seeded sampling against `ar`, a chi-square test) and times real shapes with random weights
-(`speed`: a Gemma-3-270M and a Llama-3-8B shape on CUDA), then writes `acceptance.json` and
-`acceptance.md` under `output_dir` and exits 1 if any correctness check failed. The same command
-runs on a CPU (`device=cpu`, small shapes) in the test suite, so it cannot rot between GPU runs.
-How to run it on a bare GPU machine: docs/gpu.md.
+One command that proves the engine on a machine with a GPU (correctness against transformers'
+`generate`, speed of real shapes with random weights; no model weights). What it runs and why:
+dart_bench/gpu_acceptance/; on a bare GPU machine: docs/gpu.md (`python -m jobs.gpu_acceptance.bundle`).
 """

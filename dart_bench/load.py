@@ -1,8 +1,8 @@
-"""Load benchmark of the job's own machinery: `python -m jobs.bench_load [key=value ...]`.
+"""Load benchmark of the job's own machinery: `python -m jobs.bench load [key=value ...]`.
 
-    python -m jobs.bench_load                                   # 10k and 100k rows, then a resume of each
-    python -m jobs.bench_load 'rows=[2000]' mode=ar             # a quick look
-    python -m jobs.bench_load output=docs/benchmarks/load.json  # keep every figure
+    python -m jobs.bench load                                   # 10k and 100k rows, then a resume of each
+    python -m jobs.bench load 'rows=[2000]' mode=ar             # a quick look
+    python -m jobs.bench load output=docs/benchmarks/load.json  # keep every figure
 
 Generation is real but small: a tiny random-weight target (tests/tiny_models.py: a 6-layer,
 64-wide Llama with its own draft head and trie) and a few new tokens per row, so that what is
@@ -334,7 +334,7 @@ def run_in_subprocess(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     path = work / f"spec-{spec['rows']}-{'resume' if spec['resume'] else 'fresh'}.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run([sys.executable, "-m", "jobs.bench_load", "--one", str(path)], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "jobs.bench", "load", "--one", str(path)], check=True, env=env)
     return json.loads(path.with_suffix(".result.json").read_text())
 
 
@@ -399,8 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     cfg: LoadBenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LoadBenchConfig),
                                                                OmegaConf.from_dotlist(argv)))
-    from jobs.bench import machine_conditions
-    from jobs.bench_engine import write_report
+    from dart_bench.common import machine_conditions, write_report
     from tests.tiny_models import save_tiny_artifacts
 
     conditions = machine_conditions(threads=cfg.torch_threads) | {"dtype": "fp32", "device": "cpu"}
@@ -481,7 +480,3 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     header = ["| figure | " + " | ".join(f"{int(n):,} rows" for n in sizes) + " | growth |",
               "|---|" + "---:|" * (len(sizes) + 1)]
     return header + [f"| {name} | " + " | ".join(values) + " |" for name, values in figures.items()]
-
-
-if __name__ == "__main__":
-    main()

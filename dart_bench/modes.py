@@ -1,7 +1,7 @@
 """The modes the benchmarks know, from the drafter registry plus transformers' own baselines.
 
-A module of its own (torch-free, import-light) because the config check (`jobs.bench`), the
-measuring code and the report (`jobs.bench_report`) all order and select modes the same way.
+A module of its own (torch-free, import-light) because the config check (`jobs.bench report`), the
+measuring code and the report (dart_bench.report) all order and select modes the same way.
 """
 
 from __future__ import annotations

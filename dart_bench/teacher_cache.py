@@ -1,9 +1,9 @@
-"""Training throughput live vs from the teacher cache: `python -m jobs.bench_teacher_cache config.yaml [key=value]`.
+"""Training throughput live vs from the teacher cache: `python -m jobs.bench teacher_cache config.yaml [key=value]`.
 
-    python -m jobs.bench_teacher_cache configs/train_default_head.yaml bench.steps=30
-    python -m jobs.bench_teacher_cache my.yaml bench.steps=10 bench.work_dir=/tmp/btc target=/models/x
+    python -m jobs.bench teacher_cache configs/train_default_head.yaml bench.steps=30
+    python -m jobs.bench teacher_cache my.yaml bench.steps=10 bench.work_dir=/tmp/btc target=/models/x
 
-Takes a training config (jobs.train_draft.TrainConfig) plus `bench.*` keys, loads the target
+Takes a training config (dart_train.trainer.TrainConfig) plus `bench.*` keys, loads the target
 once, then
   1. builds a teacher cache of `bench.examples` examples (default: steps x batch_size, so both
      runs see the same examples: the cache's epoch 0 is the training stream's) under work_dir,
@@ -31,9 +31,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dart_train.teacher_cache_build import build_teacher_cache
+from dart_train.trainer import WorkerContext, parse_config, train_loop
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from jobs.build_teacher_cache import build_teacher_cache
-from jobs.train_draft import WorkerContext, parse_config, train_loop
 
 
 @dataclass
@@ -62,8 +62,8 @@ def time_row_selection(cfg, model, device, steps: int) -> dict:
     import torch
 
     from dart_train.draft_training import dart_kl_loss, draft_training_logits, loss_rows, sample_anchors
-    from jobs.teacher_cache import CachedExampleStream, TeacherCache, collate_teacher
-    from jobs.train_draft import collate, make_head
+    from dart_train.teacher_cache import CachedExampleStream, TeacherCache, collate_teacher
+    from dart_train.trainer import collate, make_head
 
     cache = TeacherCache(cfg.data.teacher_cache)
     head = make_head(cfg, model, cache.kept_target_ids, device)
@@ -142,7 +142,3 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if not bench.keep and not bench.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

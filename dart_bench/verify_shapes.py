@@ -1,4 +1,4 @@
-"""Verify-forward cost by batch shape: `python -m jobs.bench_verify_shapes [key=value ...]`.
+"""Verify-forward cost by batch shape: `python -m jobs.bench verify_shapes [key=value ...]`.
 
 The cost model (dart_worker/cost_model.py) keeps one latency curve per live batch size because
 rows cost differently in different shapes: one sequence carrying a 17-row tree is not 16
@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
+from dart_bench.common import write_report
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.engine_factory import EngineParts, load_engine_parts
 from dart_worker.kernels import GQAS, forced
@@ -34,7 +35,6 @@ from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
 from dart_worker.random_models import random_model
 from dart_worker.target import TargetAdapter, TargetState
-from jobs.bench_engine import write_report
 
 
 @dataclass
@@ -205,7 +205,3 @@ def main(argv: list[str] | None = None) -> dict:
               "verify_ms_by_gqa_batch_and_rows": {g: {str(b): r for b, r in t.items()} for g, t in gqa.items()}}
     write_report(cfg.output, report)
     return report
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The most any context drafter could add: `python -m jobs.bench_context_bound [config.yaml] [key=value ...]`.
+"""The most any context drafter could add: `python -m jobs.bench context_bound [config.yaml] [key=value ...]`.
 
 `dart_lookup` grafts spans copied from the request's own text (the context index) and from the
 job's earlier rows (the job cache) into DART's tree. How much tau that can add depends on the
@@ -18,14 +18,13 @@ No context drafter that copies spans after a suffix match can accept more per ro
 bounds what the hybrid can reach on these prompts. The first `check_prompts` dev prompts are
 skipped (the benchmark's own), as in the other replay jobs.
 
-    python -m jobs.bench_context_bound temperature=1.0 'budgets=[16,60]'
+    python -m jobs.bench context_bound temperature=1.0 'budgets=[16,60]'
 
 Writes context_bound.json and context_bound.md under `output_dir`.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +32,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from dart_worker.drafters.base import Drafter
-from jobs.tune_tree import (
+from dart_bench.replay import (
     ReplayJobConfig,
     TuneConfigError,
     load_structured_config,
@@ -43,6 +41,7 @@ from jobs.tune_tree import (
     reply_sampling,
     setting,
 )
+from dart_worker.drafters.base import Drafter
 from ngram_native.merge import merge_trees
 from ngram_native.trees import SOURCE_CONTEXT, DraftTree
 
@@ -144,10 +143,10 @@ CELLS = ("dart", "dart_lookup", "dart + oracle context", "dart + oracle context 
 
 
 def measure(cfg: ContextBoundConfig) -> dict[str, Any]:
+    from dart_bench.common import machine_conditions
+    from dart_bench.replay import replay_setup
     from dart_train.replay import mean_tau, replay
     from dart_worker.engine_factory import build_drafter
-    from jobs.bench import machine_conditions
-    from jobs.tune_tree import replay_setup
 
     threads, parts, chosen, refs = replay_setup(cfg, ["dart_lookup"])
     refs = refs[cfg.check_prompts :]
@@ -191,9 +190,5 @@ def _header(cfg: ContextBoundConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return replay_job_main(argv, "jobs.bench_context_bound", __doc__, parse_config, measure, summary_lines,
+    return replay_job_main(argv, "jobs.bench context_bound", __doc__, parse_config, measure, summary_lines,
                            "context_bound", _header)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Side-by-side decoding benchmark of the engine: `python -m jobs.bench_engine [key=value ...]`.
+"""Side-by-side decoding benchmark of the engine: `python -m jobs.bench engine [key=value ...]`.
 
 Every mode decodes the same ShareGPT dev prompts in one process, interleaved prompt by prompt
 (so drift in machine load hits all modes alike) and repeated; figures are medians. Modes:
@@ -16,24 +16,25 @@ tokens and seconds each cell's prefill took, i.e. what sharing the prefill saves
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
-from dart_train.corpus import sharegpt_dev_prompts
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.drafters import drafter_names, drafter_spec
-from dart_worker.engine_factory import EngineParts, build_engine
+from dart_bench.common import (
+    CellsBenchConfig,
+    load_parts,
+    run_hf,
+    run_record,
+    select_prompts,
+    summarize,
+    write_report,
+)
+from dart_worker.device import configure_cpu_threads
+from dart_worker.drafters import drafter_names
+from dart_worker.engine_factory import build_engine
 from dart_worker.kernels import shapes_for
-from dart_worker.loading import load_target
-from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams, for_sample
-from dart_worker.stats import STAGES
 from ngram_native.trees import SOURCE_NAMES, TreeParams
 
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
@@ -43,26 +44,12 @@ JOB_NGRAM = "+job_ngram"
 
 
 @dataclass
-class BenchConfig:
-    target: str = "default"
-    head: str | None = None  # None: the shipped default head if any, else an untrained head
-    trie: str | None = None  # None: the default trie (built and cached on first use)
-    dtype: str = "bf16"
-    device: str = "auto"
-    threads: int | None = None
+class EngineBenchConfig(CellsBenchConfig):
     modes: list[str] = field(default_factory=lambda: [*drafter_names(), *HF_MODES])
-    num_prompts: int = 8
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
     temperature: float = 0.0
-    repeats: int = 1
     budget: int = 60
-    # The lookup modes' job cache: off, because the cells decode the same prompts at every batch
-    # size and repeat, so a cache would draft each prompt from its own earlier answer
-    # (jobs.bench_templated measures the cache on distinct rows).
-    lookup_cache_tokens: int = 0
     # DART's job n-gram (decoding.tree.job_ngram_tokens) learns from finished rows too: off in the
-    # cells for the same reason. `job_ngram_modes` also run with it on (label "<mode>+job_ngram"),
+    # cells (as the lookup cache: CellsBenchConfig). `job_ngram_modes` also run with it on (label "<mode>+job_ngram"),
     # first fed the first `warm_rows` outputs of `warm_outputs` (an earlier job's JSONL or Parquet,
     # dart_train.corpus.job_output_documents), as a worker that far into a job; with repeats 1 and one
     # batch size it then also learns from the bench's own finished prompts, as in a job.
@@ -85,7 +72,6 @@ class BenchConfig:
     # A batch sweep in one process (same engines, same prompts): every cell at each batch size,
     # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
     batch_sizes: list[int] = field(default_factory=list)
-    seed: int = 0
     # Sampling filters and penalties of every cell (vLLM's meanings; dart_worker.sampling).
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -100,125 +86,6 @@ class BenchConfig:
     # (the pipeline's workers do not: only the verification transfer waits there).
     sync_timing: bool = True
     output: str | None = None  # JSON file for all figures
-
-
-def load_parts(cfg, modes) -> EngineParts:
-    """The target of `cfg` (target, dtype, device, head, trie), with the head and the trie loaded
-    only if one of `modes` needs them. Shared by jobs.bench_engine and jobs.bench."""
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
-    specs = [drafter_spec(m) for m in modes if m in drafter_names()]
-    head = head_of(cfg, model) if any(s.needs_head for s in specs) else None
-    trie = trie_path_of(cfg) if any(s.needs_trie for s in specs) else None
-    return EngineParts.from_model(model, tokenizer, head=head, trie=trie)
-
-
-def head_of(cfg, model):
-    """The head directory to load: cfg.head, else the shipped default; else an untrained head."""
-    from dart_worker import default_head
-
-    path = cfg.head or default_head.default_head_dir()
-    if path is not None:
-        return path
-    print("no trained draft head available: using an untrained (random) head; tau will be low")
-    torch.manual_seed(cfg.seed)
-    return DartDraftHead.random_init(model.config, model.get_input_embeddings(),
-                                     draft_length=7).to(model.device, model.dtype)
-
-
-def trie_path_of(cfg) -> str:
-    from dart_train.ngram_build import default_trie_path
-
-    return cfg.trie or str(default_trie_path())
-
-
-def run_hf(model, prompt_ids: list[int], mode: str, max_new_tokens: int, eos: list[int],
-           temperature: float = 0.0, seed: int = 0) -> tuple[list[int], float]:
-    """transformers' own generate on one prompt: (generated ids, seconds).
-
-    temperature 0 is greedy; above 0 it samples (`do_sample=True`, plain temperature sampling with
-    top-k/top-p off, like the engine's defaults). Prompt lookup (`hf_prompt_lookup`) is greedy only.
-    """
-    extra: dict = {"prompt_lookup_num_tokens": 10} if mode == "hf_prompt_lookup" else {}
-    if temperature > 0:
-        if mode == "hf_prompt_lookup":
-            raise ValueError("hf_prompt_lookup is greedy only; run it at temperature 0")
-        torch.manual_seed(seed)
-        extra |= {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    else:
-        extra["do_sample"] = False
-    ids = torch.tensor([prompt_ids], device=model.device)
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
-    elapsed = time.perf_counter() - start
-    return out[0, len(prompt_ids):].tolist(), elapsed
-
-
-def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    """The first `num_prompts` ShareGPT dev prompts that fit `max_prompt_tokens`: (id, token ids)."""
-    prompts = []
-    for p in sharegpt_dev_prompts(num_prompts * 3, max_chars=4 * max_prompt_tokens):
-        ids = tokenizer(format_user_prompt(tokenizer, p.text))["input_ids"]
-        if len(ids) <= max_prompt_tokens:
-            prompts.append((p.id, ids))
-        if len(prompts) == num_prompts:
-            break
-    return prompts
-
-
-def run_record(prompt_id: str, repeat: int, result, group: int = 0) -> dict:
-    """One engine run as a benchmark record: the request's stats row plus what the summary pairs on.
-    `seconds` is the wall time of the whole batch the prompt was decoded in (`group`)."""
-    return {"prompt": prompt_id, "repeat": repeat, "group": group, "tokens": len(result.token_ids),
-            "seconds": result.stats.wall_seconds, "token_ids": result.token_ids, **result.stats.to_row()}
-
-
-def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
-    """Medians per mode; speedup = median over runs of (ar seconds per token / mode seconds per token).
-
-    Each run is paired with the `ar` run of the same prompt and repeat (runs of one repeat are
-    interleaved, so they saw the same machine load).
-    """
-    ar = {_run_key(r): r for r in records.get("ar", [])}
-    summary = {}
-    for mode, rows in records.items():
-        tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
-        ratios = [(ar[_run_key(r)]["seconds"] / ar[_run_key(r)]["tokens"]) / (r["seconds"] / r["tokens"])
-                  for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
-                  and ar[_run_key(r)]["tokens"]]
-        agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
-        walls = {(r.get("group", 0), r.get("repeat", 0)): r["seconds"] for r in rows}
-        entry = {
-            "tokens_per_second": statistics.median(tps) if tps else 0.0,
-            # Whole-run throughput: every token over the wall time of every batch.
-            "throughput": sum(r["tokens"] for r in rows) / sum(walls.values()) if sum(walls.values()) else 0.0,
-            "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
-            "agreement_with_ar": sum(agree) / len(agree) if agree else None,
-            "runs": len(rows),
-        }
-        taus = [r["tau"] for r in rows if r.get("tau")]
-        if taus:
-            entry["tau"] = statistics.mean(taus)
-            rounds = sum(r["rounds"] for r in rows)
-            entry["ms_per_round"] = {
-                stage: 1000 * sum(r[f"{stage}_s"] for r in rows) / max(rounds, 1) for stage in STAGES
-            }
-            entry["mean_tree_size"] = statistics.mean(r["mean_tree_size"] for r in rows)
-            # Accepted draft tokens by the source that proposed them (records of older runs lack them).
-            entry["accepted_tokens_by_source"] = {
-                source: sum(r.get(f"accepted_{source}", 0) for r in rows) for source in SOURCE_NAMES.values()}
-            depth = max(len(r["per_position_acceptance"]) for r in rows)
-            entry["per_position_acceptance"] = [
-                statistics.mean(r["per_position_acceptance"][d] for r in rows if len(r["per_position_acceptance"]) > d)
-                for d in range(depth)
-            ]
-        summary[mode] = entry
-    return summary
-
-
-def _run_key(record: dict) -> tuple:
-    return record["prompt"], record.get("repeat", 0)
 
 
 def print_table(summary: dict[str, dict]) -> None:
@@ -354,7 +221,7 @@ def print_sweep(sweeps: dict[int, dict[str, dict]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig),
+    cfg: EngineBenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineBenchConfig),
                                                            OmegaConf.from_cli(argv)))
     if cfg.temperature > 0 and "hf_prompt_lookup" in cfg.modes:
         print("hf_prompt_lookup is greedy only: skipped at temperature > 0")
@@ -441,15 +308,3 @@ def main(argv: list[str] | None = None) -> dict:
               "sweep": {str(b): v["summary"] for b, v in sweep.items()}}
     write_report(cfg.output, report)
     return report
-
-
-def write_report(output: str | None, report: dict) -> None:
-    """The benchmarks' JSON report at `output` (a local path; nothing when None)."""
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1))
-        print(f"wrote {output}")
-
-
-if __name__ == "__main__":
-    main()

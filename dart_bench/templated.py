@@ -1,4 +1,4 @@
-"""Job-cache benchmark on a templated job: `python -m jobs.bench_templated [key=value ...]`.
+"""Job-cache benchmark on a templated job: `python -m jobs.bench templated [key=value ...]`.
 
 Builds a templated job by itself - `rows` prompts from one template with different slot values,
 the kind of dataset-generation job where row 10,000 looks like rows 1..9,999 - and decodes it with
@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass, field
 
 from omegaconf import OmegaConf
 
+from dart_bench.common import load_parts, write_report
 from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
-from jobs.bench_engine import load_parts, write_report
 from ngram_native.trees import SOURCE_NAMES, TreeParams
 
 DEFAULT_TEMPLATE = ("Write a product listing for a {0} in the {1} category. Use exactly this format:\n"
@@ -188,7 +188,3 @@ def main(argv: list[str] | None = None) -> dict:
                              for i, r in enumerate(results[arm])] for arm in ARMS}}
     write_report(cfg.output, report)
     return report
-
-
-if __name__ == "__main__":
-    main()

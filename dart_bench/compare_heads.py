@@ -1,21 +1,21 @@
-"""Draft heads side by side: `python -m jobs.compare_heads [bench.yaml] 'heads=[default,<dir>]' [key=value ...]`.
+"""Draft heads side by side: `python -m jobs.bench compare_heads [bench.yaml] 'heads=[default,<dir>]' [key=value ...]`.
 
 A new default head ships only if it beats the current one, so both must be measured on the same
 data in the same run. For every head, in one process:
 
 1. **Dev accuracy**: top-1 accuracy against the target's full-vocabulary argmax per draft position,
    per-position KL and the weighted dev loss, on the same `dev_sequences` dev-split sequences of
-   `dev_source` (jobs.train_draft.evaluate_dev: the figures training logs, anchors sampled with
+   `dev_source` (dart_train.trainer.evaluate_dev: the figures training logs, anchors sampled with
    the same fixed seeds for every head).
 2. **Tau by replay** (`replay_prompts` > 0): every tree cell's tau on that many dev prompts for
    every head at every configured temperature, from the same target replies (dart_train.replay:
    no verification forwards, so many more prompts than the decoding runs afford), with the
    per-prompt paired difference to the first head and its standard error.
-3. **Decoding**: the jobs.bench cells (modes x temperatures x budgets on the same ShareGPT dev
+3. **Decoding**: the `jobs.bench report` cells (modes x temperatures x budgets on the same ShareGPT dev
    prompts; tau, tokens/s, speedup against `ar` measured in the same sub-run, per-position
    acceptance).
 
-`heads` are head directories; `default` is the shipped one. All jobs.bench keys apply (use
+`heads` are head directories; `default` is the shipped one. All `jobs.bench report` keys apply (use
 `dtype=fp32` on CPUs without bf16 units). Writes compare.json and compare.md (side-by-side
 tables) under `output_dir` and prints the tables.
 """
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from jobs.bench import BenchConfigError, BenchReportConfig, load_bench_config
+from dart_bench.matrix import BenchConfigError, BenchReportConfig, load_bench_config
 
 
 @dataclass
@@ -39,7 +39,7 @@ class CompareHeadsConfig(BenchReportConfig):
     heads: list[str] = field(default_factory=lambda: ["default"])  # head directories; "default" = shipped
     dev_sequences: int = 32  # dev-split sequences scored per head (0: skip the dev accuracy)
     dev_anchors_per_sequence: int = 64
-    dev_source: str = "default"  # corpus whose dev split is scored (any jobs.train_draft data.source)
+    dev_source: str = "default"  # corpus whose dev split is scored (any training data.source)
     dev_fraction: float = 0.02  # its train/dev split, as in training
     replay_prompts: int = 0  # dev prompts for the greedy replay tau of every tree cell (0: skip)
     output_dir: str = "compare_heads"
@@ -61,7 +61,7 @@ def head_dir(name: str) -> str:
 
 def dev_examples(tokenizer, source: str, dev_fraction: float, n: int) -> list:
     """The first `n` usable dev-split examples of `source`, framed as training frames them."""
-    from jobs.train_draft import DataConfig, dev_split_examples
+    from dart_train.trainer import DataConfig, dev_split_examples
 
     return dev_split_examples(DataConfig(source=source, dev_fraction=dev_fraction), tokenizer, n)
 
@@ -71,9 +71,9 @@ def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:
     import torch
 
     from dart_train.draft_training import TeacherPass
+    from dart_train.trainer import EvalConfig, TrainConfig, evaluate_dev, head_vocab
     from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.loading import load_target
-    from jobs.train_draft import EvalConfig, TrainConfig, evaluate_dev, head_vocab
 
     model, tokenizer = load_target(cfg.target, dtype="fp32", device="cpu")
     examples = dev_examples(tokenizer, cfg.dev_source, cfg.dev_fraction, cfg.dev_sequences)
@@ -98,12 +98,12 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
     every configured temperature (sampled replies seeded with cfg.seed: dart_train.replay)."""
     import statistics
 
+    from dart_bench.common import load_parts, select_prompts
+    from dart_bench.matrix import cells_of
     from dart_train.replay import paired_difference, replay, target_references
     from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.engine_factory import build_drafter
     from dart_worker.sampling import SamplingParams
-    from jobs.bench import cells_of
-    from jobs.bench_engine import load_parts, select_prompts
     from ngram_native.trees import TreeParams
 
     cells = [c for c in cells_of(cfg) if c.budget is not None]
@@ -137,7 +137,7 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
 
 
 def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
-    from jobs.bench import measure
+    from dart_bench.matrix import measure
 
     heads = [head_dir(h) for h in cfg.heads]
     if cfg.omp_wait_policy is not None and "torch" not in sys.modules:  # read once, when torch starts OpenMP
@@ -145,7 +145,7 @@ def compare(cfg: CompareHeadsConfig) -> dict[str, Any]:
     dev = dev_accuracy(cfg, heads) if cfg.dev_sequences > 0 else {}
     replayed = replay_taus(cfg, heads) if cfg.replay_prompts > 0 else {}
     runs = {}
-    for path in heads:  # one jobs.bench measurement per head, each with its own `ar` baseline
+    for path in heads:  # one `jobs.bench report` measurement per head, each with its own `ar` baseline
         print(f"decoding with head {path}", flush=True)
         base = {k: v for k, v in asdict(cfg).items() if k in BenchReportConfig.__dataclass_fields__}
         runs[path] = measure(replace(BenchReportConfig(**base), head=path))
@@ -203,7 +203,7 @@ def comparison_tables(figures: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.compare_heads", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench compare_heads", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="YAML config (e.g. configs/bench.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. 'heads=[default,out/export]'")
     args = parser.parse_args(argv)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     figures = compare(cfg)
-    figures["command"] = "python -m jobs.compare_heads " + shlex.join([a for a in (config, *overrides) if a])
+    figures["command"] = "python -m jobs.bench compare_heads " + shlex.join([a for a in (config, *overrides) if a])
     tables = comparison_tables(figures)
     print("\n".join(tables))
     out = Path(cfg.output_dir)
@@ -232,7 +232,3 @@ def main(argv: list[str] | None = None) -> int:
     (out / "compare.md").write_text(header + "\n".join(tables) + "\n")
     print(f"wrote {out / 'compare.md'} and {out / 'compare.json'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,11 @@
-"""Plots and the Markdown report of the benchmark (jobs/bench.py), and plots of a real pipeline job.
+"""Plots and the Markdown report of the benchmark (`jobs.bench report`: dart_bench/matrix.py), and plots
+of a real pipeline job (`jobs.bench plots --job`).
 
 Kept apart from the measuring code so that it needs only matplotlib (Agg: no display) and plain
 dicts: the tests feed it synthetic figures, and the pipeline's job summary can call
 `render_job_plots` without loading a model.
 
-Figures dict (what jobs.bench.measure returns and bench.json holds):
+Figures dict (what dart_bench.matrix.measure returns and bench.json holds):
   config      the benchmark config
   conditions  machine, dtype, threads, prompts, max_new_tokens, head/trie fingerprints, date, ...
   summary     one entry per cell: mode, temperature, budget (None for ar/hf), headline (bool),
@@ -25,7 +26,7 @@ from typing import Any
 
 import matplotlib
 
-from jobs.bench_modes import all_modes
+from dart_bench.modes import all_modes
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     """Re-render a report from its bench.json, or plot a pipeline job (--job)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench_report", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench plots", description=main.__doc__)
     parser.add_argument("source", help="bench.json of a benchmark run, or with --job a job summary / output URL")
     parser.add_argument("out_dir", nargs="?", help="where to write (default: the folder of bench.json)")
     parser.add_argument("--job", action="store_true", help="plot a pipeline job instead of a benchmark")
@@ -497,7 +498,3 @@ def main(argv: list[str] | None = None) -> int:
     figures = json.loads(Path(args.source).read_text())
     print(f"wrote {render_report(figures, args.out_dir or Path(args.source).parent)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Pipeline benchmark: `python -m jobs.bench_pipeline [key=value ...]`.
+"""Pipeline benchmark: `python -m jobs.bench pipeline [key=value ...]`.
 
 Measures, in one run on the same ShareGPT dev prompts:
 - rows/s and tokens/s of the whole pipeline (`python -m pipeline.run` in-process) per cell: a
@@ -41,10 +41,9 @@ import pyarrow as pa
 import ray
 from omegaconf import OmegaConf
 
+from dart_bench.common import machine_conditions, write_report
 from dart_train.corpus import sharegpt_dev_prompts, write_prompts_jsonl
 from dart_worker.device import resolve_device, resolve_dtype
-from jobs.bench import machine_conditions
-from jobs.bench_engine import write_report
 from pipeline.config import load_config
 from pipeline.ngram_store import trie_memory_usage
 from pipeline.outputs import read_output
@@ -261,7 +260,3 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps({k: report[k] for k in ("pipeline", "engine_direct", "memory")}, indent=1))
     write_report(cfg.output, report)
     return report
-
-
-if __name__ == "__main__":
-    main()

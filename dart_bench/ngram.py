@@ -1,7 +1,7 @@
-"""N-gram side benchmark on the real corpus: `python -m jobs.bench_ngram [key=value ...]`.
+"""N-gram side benchmark on the real corpus: `python -m jobs.bench ngram [key=value ...]`.
 
-    python -m jobs.bench_ngram                       # ShareGPT train split, Gemma-3 tokenizer, order 3
-    python -m jobs.bench_ngram limit=2000 output=/tmp/quick.json   # a quick run
+    python -m jobs.bench ngram                       # ShareGPT train split, Gemma-3 tokenizer, order 3
+    python -m jobs.bench ngram limit=2000 output=/tmp/quick.json   # a quick run
 
 Measures, on the trie the project actually ships by default:
 
@@ -537,7 +537,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def parse_config(argv: list[str] | None = None) -> BenchNgramConfig:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench_ngram", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench ngram", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. limit=2000")
     args = parser.parse_args(argv)
     merged = OmegaConf.merge(OmegaConf.structured(BenchNgramConfig), OmegaConf.from_dotlist(args.overrides))
@@ -552,7 +552,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(cfg.output).write_text(json.dumps(results, indent=2, default=float) + "\n")
         print(f"figures written to {cfg.output}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

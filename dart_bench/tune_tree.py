@@ -1,4 +1,4 @@
-"""Tree settings that draft the most per round: `python -m jobs.tune_tree [config.yaml] [key=value ...]`.
+"""Tree settings that draft the most per round: `python -m jobs.bench tune_tree [config.yaml] [key=value ...]`.
 
 DART's beam search has five knobs besides the budget (`decoding.tree`: top_k, beam_width,
 depth_decay, draft_decay, ngram_weight); their defaults are the DART reference's, chosen for other
@@ -11,14 +11,14 @@ Every tau is measured without verification forwards (`dart_train.replay`: the ta
 replies and their taps are computed once; a drafter setting then costs only its own head
 forwards and tree builds, milliseconds per round instead of seconds on a CPU), and equals the
 engine's `fixed`-sizing tau (tests/test_replay.py). The first `check_prompts` dev prompts (the
-benchmark's, jobs.bench) are held out: the search runs on the next `num_prompts`, and the table
+benchmark's, `jobs.bench report`) are held out: the search runs on the next `num_prompts`, and the table
 reports the default and the best setting on both sets, so overfitting the search set shows.
 Drafters are built as a job builds them (`base` may change that): with DART's job n-gram on, which
-here learns only from the replies that finish first within the lockstep batch (jobs.bench_job_ngram
+here learns only from the replies that finish first within the lockstep batch (`jobs.bench job_ngram`
 measures it warmed by earlier rows).
 
-    python -m jobs.tune_tree mode=dart 'budgets=[16,32,60]' num_prompts=32
-    python -m jobs.tune_tree head=outputs/my_head/export 'grid={ngram_weight: [0, 0.5, 1]}'
+    python -m jobs.bench tune_tree mode=dart 'budgets=[16,32,60]' num_prompts=32
+    python -m jobs.bench tune_tree head=outputs/my_head/export 'grid={ngram_weight: [0, 0.5, 1]}'
 
 Writes tune.json (every setting measured) and tune.md under `output_dir`; the replies are kept in
 replies.json there and reused while target, dtype, prompts and max_new_tokens are unchanged.
@@ -26,25 +26,27 @@ replies.json there and reused while target, dtype, prompts and max_new_tokens ar
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import hashlib
 import json
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from dart_worker.sampling import SamplingParams
+from dart_bench.common import machine_conditions
+from dart_bench.replay import (
+    KNOBS,
+    ReplayJobConfig,
+    TuneConfigError,
+    load_structured_config,
+    replay_job_main,
+    replay_kind,
+    replay_setup,
+    reply_sampling,
+    setting,
+)
 from ngram_native.trees import TreeParams
-
-# The knobs the search may move, and their types (budget is swept, not searched).
-KNOBS = {"top_k": int, "beam_width": int, "depth_decay": float, "draft_decay": float, "ngram_weight": float}
-
 
 # The grid searched when the config names none (a `grid` given replaces it whole).
 DEFAULT_GRID = {
@@ -57,31 +59,6 @@ DEFAULT_GRID = {
 
 
 @dataclass
-class ReplayJobConfig:
-    """What every replay job (this one, jobs.bench_job_ngram, jobs.bench_context_bound) reads:
-    the target and drafting artifacts, the dev prompts, and how the replayed replies are decoded."""
-
-    target: str = "default"
-    head: str | None = None  # None: the shipped default head
-    trie: str | None = None  # None: the default ShareGPT trie
-    dtype: str = "auto"
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0
-    budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
-    num_prompts: int = 48  # dev prompts measured on
-    check_prompts: int = 8  # the first dev prompts (the benchmark's): held out
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 128
-    # How the replayed replies are decoded: greedy at temperature 0; otherwise sampled with `seed`
-    # (replay is exact for sampled replies too: dart_train.replay), so tau is measured at that warp.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    output_dir: str = "replay"
-
-
-@dataclass
 class TuneTreeConfig(ReplayJobConfig):
     mode: str = "dart"  # any registered tree drafter (dart, ddtree, dart_lookup, ...)
     base: dict[str, Any] = field(default_factory=dict)  # starting setting (TreeParams fields); {} = defaults
@@ -89,37 +66,6 @@ class TuneTreeConfig(ReplayJobConfig):
     passes: int = 2
     num_prompts: int = 32  # dev prompts searched on (the check prompts are reported only)
     output_dir: str = "tune_tree"
-
-
-class TuneConfigError(ValueError):
-    pass
-
-
-def load_structured_config(schema: type, argv: list[str], error: type[Exception]):
-    """`[config.yaml] key=value ...` -> an instance of the dataclass `schema` (pipeline.config.load_structured)."""
-    from pipeline.config import load_structured
-
-    path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
-    return load_structured(schema, path, overrides, error)
-
-
-def reply_sampling(cfg) -> SamplingParams:
-    """How a replay job's replies are decoded (cfg.temperature, top_p, top_k; sampled with cfg.seed)."""
-    try:
-        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
-                              max_new_tokens=cfg.max_new_tokens)
-    except (TypeError, ValueError) as exc:
-        raise TuneConfigError(f"reply sampling: {exc}") from None
-
-
-def replay_kind(cfg) -> str:
-    """How a replay job's replies were decoded, for report titles."""
-    params = reply_sampling(cfg)
-    if params.is_greedy:
-        return "greedy replay"
-    warp = f", top_p {params.top_p:g}" if params.top_p < 1 else ""
-    warp += f", top_k {params.top_k}" if params.top_k else ""
-    return f"replay of replies sampled at T={params.temperature:g}{warp}, seed {params.seed}"
 
 
 def parse_config(argv: list[str]) -> TuneTreeConfig:
@@ -148,12 +94,6 @@ def parse_config(argv: list[str]) -> TuneTreeConfig:
         if problems:
             raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
     return cfg
-
-
-def setting(base: dict[str, Any], **changes) -> TreeParams:
-    """TreeParams with the defaults, then `base`, then `changes` (knob values cast to their type)."""
-    values = {**base, **changes}
-    return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
 
 
 def knobs_of(params: TreeParams) -> dict[str, Any]:
@@ -197,51 +137,7 @@ def coordinate_search(measure: Replayer, start: TreeParams, grid: dict[str, list
     return best
 
 
-def references(cfg: ReplayJobConfig, parts, prompts: list[list[int]], out: Path) -> list:
-    """The references of `prompts`, their replies (decoded as `reply_sampling(cfg)` says) reused from
-    replies.json when it matches."""
-    from dart_train.replay import target_references
-
-    params = reply_sampling(cfg)
-    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed]
-    key = hashlib.sha256(json.dumps([cfg.target, cfg.dtype, str(parts.target.dtype), cfg.max_new_tokens,
-                                     prompts, *sampled]).encode()).hexdigest()
-    path = out / "replies.json"
-    replies = None
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            replies = saved["replies"]
-    if replies is None:
-        start = time.perf_counter()
-        refs = target_references(parts, prompts, cfg.max_new_tokens, params=params)
-        kind = "greedy" if params.is_greedy else "sampled"
-        print(f"{kind} replies of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
-        path.write_text(json.dumps({"key": key, "replies": [r.reply for r in refs]}))
-        return refs
-    return target_references(parts, prompts, cfg.max_new_tokens, replies=replies)
-
-
-def replay_setup(cfg: ReplayJobConfig, modes: list[str]):
-    """A replay job's common start: torch threads, the output directory, the target with what
-    `modes` need, the check + measured dev prompts ((id, token ids), in order) and their
-    references (replies cached in output_dir). Returns (threads, parts, chosen, refs)."""
-    from dart_worker.device import configure_cpu_threads
-    from jobs.bench_engine import load_parts, select_prompts
-
-    threads = configure_cpu_threads(cfg.threads)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    parts = load_parts(cfg, modes)
-    chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
-    if len(chosen) < cfg.check_prompts + 1:
-        raise TuneConfigError(f"only {len(chosen)} dev prompts fit max_prompt_tokens={cfg.max_prompt_tokens}")
-    return threads, parts, chosen, references(cfg, parts, [ids for _, ids in chosen], out)
-
-
 def tune(cfg: TuneTreeConfig) -> dict[str, Any]:
-    from jobs.bench import machine_conditions
-
     threads, parts, chosen, refs = replay_setup(cfg, [cfg.mode])
     search = Replayer(parts, cfg.mode, refs[cfg.check_prompts :], cfg.max_new_tokens)
     check = Replayer(parts, cfg.mode, refs[: cfg.check_prompts], cfg.max_new_tokens) if cfg.check_prompts else None
@@ -273,30 +169,6 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measure, summarize, name: str,
-                    header) -> int:
-    """The command line of a replay job (this one, jobs.bench_job_ngram): parse `[config.yaml]
-    key=value ...` (errors: exit 2), `measure(cfg)` -> figures with "results", then write
-    <output_dir>/<name>.json and <name>.md (`header(cfg, figures)` + `summarize(figures["results"])`)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
-    parser.add_argument("args", nargs="*", help="[config.yaml] key=value ...")
-    args = parser.parse_args(argv)
-    try:
-        cfg = parse(list(args.args))
-    except TuneConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    figures = measure(cfg)
-    table = summarize(figures["results"])
-    figures["command"] = f"python -m {module} " + shlex.join(args.args)
-    out = Path(cfg.output_dir)
-    (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
-    (out / f"{name}.md").write_text(header(cfg, figures) + "\n".join(table) + "\n")
-    print("\n".join(table))
-    print(f"wrote {out / (name + '.md')} and {out / (name + '.json')}")
-    return 0
-
-
 def _header(cfg: TuneTreeConfig, figures: dict) -> str:
     cond = figures["conditions"]
     return (f"# Tree settings searched ({cfg.mode}, {replay_kind(cfg)})\n\n    {figures['command']}\n\n"
@@ -305,8 +177,4 @@ def _header(cfg: TuneTreeConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return replay_job_main(argv, "jobs.tune_tree", __doc__, parse_config, tune, summary_lines, "tune", _header)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return replay_job_main(argv, "jobs.bench tune_tree", __doc__, parse_config, tune, summary_lines, "tune", _header)

@@ -1,8 +1,9 @@
 """The teacher cache: the frozen target's taps and top-k teacher over the training examples, on disk.
 
-Built once by `python -m jobs.build_teacher_cache` (jobs/build_teacher_cache.py), streamed by
-`jobs.train_draft` with `data.teacher_cache=<url>` for as many epochs as wanted without running
-the target. The format is documented in docs/training.md ("Teacher cache"); in short:
+Built once by `python -m jobs.build_teacher_cache` (dart_train/teacher_cache_build.py), streamed by
+the training loop (`python -m jobs.train_draft`, dart_train/trainer.py) with `data.teacher_cache=<url>`
+for as many epochs as wanted without running the target. The format is documented in
+docs/training.md ("Teacher cache"); in short:
 
     <url>/manifest.json          format, fingerprint, build settings, the complete shards in order
     <url>/shard-000000.safetensors ...
@@ -22,7 +23,7 @@ object stores, where an object appears whole or not at all). The manifest lists 
 that were complete before it was written, so a build that was killed resumes after its last
 listed shard; files not listed are ignored and overwritten.
 
-This module is the format only: it does not import the training job (which imports it).
+This module is the format only: it does not import the training loop (which imports it).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from dart_train.draft_training import TopKTeacher
-from pipeline.storage import StorageError, describe_error, filesystem_for, is_local
+from dart_worker.url_filesystem import StorageError, describe_error, filesystem_for, is_local
 
 FORMAT = "dart-batch/teacher-cache/v1"
 MANIFEST_NAME = "manifest.json"

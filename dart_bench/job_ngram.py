@@ -1,4 +1,4 @@
-"""What the job n-gram is worth as a job warms up: `python -m jobs.bench_job_ngram [config.yaml] [key=value ...]`.
+"""What the job n-gram is worth as a job warms up: `python -m jobs.bench job_ngram [config.yaml] [key=value ...]`.
 
 DART's beam re-scores the head's candidates with an N-gram estimate; `decoding.tree.job_ngram_*`
 mixes the counts of the rows a worker has finished into the static trie's (ngram_native.job_ngram).
@@ -10,18 +10,17 @@ the same replies, so every difference is the drafter's.
 
 Tau is measured by replay (`dart_train.replay`: the target's greedy replies and taps computed
 once, then only the drafter runs; it equals the engine's fixed-sizing tau, tests/test_replay.py).
-The replies are cached in `output_dir`/replies.json as jobs.tune_tree does (same key), so a
+The replies are cached in `output_dir`/replies.json as `jobs.bench tune_tree` does (same key), so a
 tune_tree output dir can be reused. The first `check_prompts` dev prompts are skipped (the
 benchmark's own, kept out of every tuning).
 
-    python -m jobs.bench_job_ngram earlier_outputs=outputs/distill/sharegpt_self.jsonl 'warm_rows=[0,300,3000]'
+    python -m jobs.bench job_ngram earlier_outputs=outputs/distill/sharegpt_self.jsonl 'warm_rows=[0,300,3000]'
 
 Writes job_ngram.json and job_ngram.md under `output_dir`.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from jobs.tune_tree import (
+from dart_bench.replay import (
     ReplayJobConfig,
     TuneConfigError,
     load_structured_config,
@@ -67,11 +66,11 @@ def parse_config(argv: list[str]) -> JobNgramBenchConfig:
 
 
 def measure(cfg: JobNgramBenchConfig) -> dict[str, Any]:
+    from dart_bench.common import machine_conditions
+    from dart_bench.replay import replay_setup
     from dart_train.corpus import job_output_documents
     from dart_train.replay import mean_tau, replay
     from dart_worker.engine_factory import build_drafter
-    from jobs.bench import machine_conditions
-    from jobs.tune_tree import replay_setup
 
     threads, parts, chosen, refs = replay_setup(cfg, [cfg.mode])
     refs = refs[cfg.check_prompts :]
@@ -130,9 +129,5 @@ def _header(cfg: JobNgramBenchConfig, figures: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return replay_job_main(argv, "jobs.bench_job_ngram", __doc__, parse_config, measure, summary_lines,
+    return replay_job_main(argv, "jobs.bench job_ngram", __doc__, parse_config, measure, summary_lines,
                            "job_ngram", _header)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
