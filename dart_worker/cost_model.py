@@ -232,6 +232,11 @@ class TreeSizer:
     # Bucketed verify shapes (`dart_worker.shape_buckets`): rows per sequence -> the rows the
     # forward actually runs, so a size is priced at its bucket's cost. None: exact shapes.
     rows_bucket: Callable[[np.ndarray], np.ndarray] | None = None
+    # What the model predicted for the rounds it sized against what they did (`describe`'s
+    # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
+    _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("rounds", "expected_accepted", "accepted", "predicted_verify_s", "verify_s"), 0.0))
+    _last_fit: tuple[float, float] | None = None  # (expected accepted nodes, predicted verify s)
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The verify cost curve of forwards over `batch` sequences. Batch shapes differ in more than
@@ -308,6 +313,7 @@ class TreeSizer:
                 self._pause_length = min(2 * self._pause_length, _MAX_PAUSE_ROUNDS)
             else:
                 self._pause_length = 1
+        self._last_fit = (gain - len(trees), seconds - self.overhead_seconds)
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
@@ -315,6 +321,12 @@ class TreeSizer:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
         curve of this batch size; a batch size without one gets a copy of the nearest curve, its
         level set by this first round and its shape kept until rounds of other sizes correct it)."""
+        if self._last_fit is not None:  # the round `fit` sized last
+            expected, predicted = self._last_fit
+            self._last_fit = None
+            for key, value in (("rounds", 1), ("expected_accepted", expected), ("predicted_verify_s", predicted),
+                               ("accepted", sum(len(a) for a in accepted)), ("verify_s", verify_seconds)):
+                self._check[key] += value
         for tree, nodes, band in zip(trees, accepted, bands or [GREEDY] * len(trees), strict=True):
             self.acceptance.update(tree, nodes, band)
         batch = len(trees)
@@ -339,7 +351,8 @@ class TreeSizer:
         return {"latency_ms_by_rows": self.latency.describe(),
                 "latency_ms_by_batch_and_rows": {b: c.describe() for b, c in sorted(self._latency_by_batch.items())},
                 "acceptance_by_band_and_source": self.acceptance.describe(),
-                "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2)}
+                "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2),
+                "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()}}
 
 
 def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.ndarray]:

@@ -324,3 +324,19 @@ def test_a_sources_misses_in_observed_bins_lower_its_unobserved_bins():
     for _ in range(400):
         model.update(confident, np.array([0], dtype=np.int64), "1.0")
     assert model.probabilities(confident, "1.0")[0] > 0.95
+
+
+def test_describe_compares_what_the_sizer_predicted_with_what_its_rounds_did():
+    """Each sized round adds its expected accepted nodes and predicted verify seconds, and the
+    round's observation what happened: a model that expects 3x the accepted nodes it gets shows it."""
+    sizer = TreeSizer(LatencyModel([1, 2, 128], [0.1, 0.12, 1.4]), max_budget=4)
+    chain = _chain([-0.01, -0.02])
+    for _ in range(3):
+        sized = sizer.fit([chain], model_ran=False)
+        assert sized.trees[0].size == 2
+        sizer.observe(sized.trees, [np.zeros(0, np.int64)], rows=3, verify_seconds=0.2)
+    sizer.observe([chain], [np.arange(2)], rows=3, verify_seconds=0.2)  # not sized by fit: not counted
+    check = sizer.describe()["predicted_vs_observed"]
+    assert check["rounds"] == 3 and check["accepted"] == 0 and check["verify_s"] == pytest.approx(0.6)
+    assert check["expected_accepted"] > 3 * 0.5
+    assert check["predicted_verify_s"] == pytest.approx(3 * float(sizer.latency.predict(3)), rel=0.5)
