@@ -80,7 +80,7 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
     `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows."""
-    tree = (tree or TreeParams()).check()
+    tree = tree or TreeParams()  # checked when it was built
     drafter = build_drafter(parts, mode, tree)
     if defer_logits is None:  # the device's strategy, its CPU measurement read from the cache
         defer_logits = logits_for(parts.target.device, lambda: deferral_pays(parts.target)) == "deferred"
@@ -101,7 +101,7 @@ def build_drafter(parts: EngineParts, mode: str, tree: TreeParams | None = None)
         raise ValueError(f"mode {mode!r} needs a draft head")
     resources = DrafterResources(head=parts.head, trie=parts.trie, eos_token_ids=parts.eos_token_ids,
                                  vocab_size=parts.target.vocab_size, device=parts.target.device)
-    return spec.build(resources, (tree or TreeParams()).check())
+    return spec.build(resources, tree or TreeParams())
 
 
 def _head(head, target: TargetAdapter):

@@ -40,7 +40,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dart_worker.sampling import SamplingParams
-from ngram_native.trees import TreeParams
+from ngram_native.trees import InvalidTreeParams, TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
 KNOBS = {"top_k": int, "beam_width": int, "depth_decay": float, "draft_decay": float, "ngram_weight": float}
@@ -142,18 +142,21 @@ def parse_config(argv: list[str]) -> TuneTreeConfig:
         raise TuneConfigError(f"budgets: {cfg.budgets}: expected one or more budgets >= 1")
     if cfg.num_prompts < 1 or cfg.check_prompts < 0 or cfg.passes < 1:
         raise TuneConfigError("num_prompts >= 1, check_prompts >= 0 and passes >= 1 are needed")
-    for params in [setting(cfg.base, budget=b) for b in cfg.budgets] + [
-            setting(cfg.base, **{n: v}) for n, vs in cfg.grid.items() for v in vs]:
-        problems = params.problems()
-        if problems:
-            raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
+    for b in cfg.budgets:  # each raises TuneConfigError naming a bad field
+        setting(cfg.base, budget=b)
+    for n, vs in cfg.grid.items():
+        for v in vs:
+            setting(cfg.base, **{n: v})
     return cfg
 
 
 def setting(base: dict[str, Any], **changes) -> TreeParams:
     """TreeParams with the defaults, then `base`, then `changes` (knob values cast to their type)."""
     values = {**base, **changes}
-    return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
+    try:
+        return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
+    except InvalidTreeParams as exc:
+        raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in exc.problems)) from None
 
 
 def knobs_of(params: TreeParams) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
-from ngram_native.trees import TreeParams
+from ngram_native.trees import InvalidTreeParams, TreeParams
 from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
 
 T = TypeVar("T")
@@ -164,7 +164,10 @@ class PipelineConfig:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PipelineConfig:
     """Schema <- YAML file <- dotlist overrides, then `validate`; raises ConfigError."""
-    cfg = load_structured(PipelineConfig, path, overrides, ConfigError)
+    try:
+        cfg = load_structured(PipelineConfig, path, overrides, ConfigError)
+    except InvalidTreeParams as exc:
+        raise _tree_error(exc) from None
     validate(cfg)
     return cfg
 
@@ -196,7 +199,17 @@ def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+    except InvalidTreeParams as exc:
+        raise _tree_error(exc) from None
+
+
+def _tree_error(exc: InvalidTreeParams) -> ConfigError:
+    """`decoding.tree` is a TreeParams, which checks itself as OmegaConf builds it (the one check
+    of the tree parameters): its problems, under their config keys."""
+    return ConfigError("invalid config:\n  " + "\n  ".join(
+        f"decoding.tree.{name}: {message}" for name, message in exc.problems))
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
@@ -250,8 +263,6 @@ def validate(cfg: PipelineConfig) -> None:
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")
     check(d.sizing in SIZING_MODES, "decoding.sizing", f"must be one of {list(SIZING_MODES)}, got {d.sizing!r}")
-    for name, message in d.tree.problems():
-        check(name == "budget", f"decoding.tree.{name}", message)  # budget: the stricter rule above
     check(m.tap_layers is None or len(m.tap_layers) == 3, "model.tap_layers", "must list 3 layer indices")
     check(r.num_workers >= 1, "resources.num_workers", "must be >= 1")
     check((r.min_workers is None) == (r.max_workers is None), "resources.min_workers",
