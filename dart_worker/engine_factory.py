@@ -1,7 +1,7 @@
 """One way to make a decoding engine, for the pipeline, the benchmarks and training alike.
 
     parts = load_engine_parts("default", dtype="auto", device="auto", head=head_dir, trie=trie)
-    engine = build_engine(parts, "dart", TreeParams(budget=32))
+    engine = build_engine(parts, "dart_lookup", TreeParams(budget=32))
 
 `EngineParts` is what is loaded once and shared by every engine over the same target (the
 benchmarks build one engine per mode and budget over one model): the target adapter, its
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dart_worker.calibration import deferral_pays, make_sizer
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
 from dart_worker.kernels import logits_for
@@ -57,7 +58,7 @@ class EngineParts:
                    eos_token_ids=eos_ids_of(model, tokenizer))
 
 
-def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto", tap_layers=None,
+def load_engine_parts(target: str, *, dtype: str = DEFAULT_DTYPE, device: str = "auto", tap_layers=None,
                       head=None, trie=None) -> EngineParts:
     """Load the target (`dart_worker.loading.load_target` spec) and wrap it with head and trie."""
     from dart_worker.device import resolve_device, resolve_dtype

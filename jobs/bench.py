@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import cpu_model_name
 from dart_worker.drafters import drafter_names, drafter_spec
 from jobs.bench_modes import GREEDY_ONLY, HF_MODES, all_modes, tree_modes
@@ -40,7 +41,7 @@ class BenchReportConfig:
     target: str = "default"
     head: str | None = None  # None: the shipped default head if any, else an untrained head (said so)
     trie: str | None = None  # None: the default trie (built and cached on first use)
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE  # configs/bench.yaml sets bf16, the dtype of the figures the docs quote
     device: str = "auto"
     threads: int | None = 2
     # OpenMP idle threads sleep instead of spinning. On a machine shared with other jobs, spinning

@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dart_train.corpus import sharegpt_dev_prompts
+from dart_worker.defaults import DEFAULT_BUDGET, DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import drafter_names, drafter_spec
@@ -47,7 +48,7 @@ class BenchConfig:
     target: str = "default"
     head: str | None = None  # None: the shipped default head if any, else an untrained head
     trie: str | None = None  # None: the default trie (built and cached on first use)
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     modes: list[str] = field(default_factory=lambda: [*drafter_names(), *HF_MODES])
@@ -56,7 +57,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     repeats: int = 1
-    budget: int = 60
+    budget: int = DEFAULT_BUDGET
     # The lookup modes' job cache: off, because the cells decode the same prompts at every batch
     # size and repeat, so a cache would draft each prompt from its own earlier answer
     # (jobs.bench_templated measures the cache on distinct rows).

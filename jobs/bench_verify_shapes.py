@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.engine_factory import EngineParts, load_engine_parts
 from dart_worker.kernels import GQAS, forced
@@ -40,7 +41,7 @@ from jobs.bench_engine import write_report
 @dataclass
 class ShapesConfig:
     target: str = "default"
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     context: int = 300

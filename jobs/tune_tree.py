@@ -39,6 +39,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.sampling import SamplingParams
 from ngram_native.trees import InvalidTreeParams, TreeParams
 
@@ -64,7 +65,7 @@ class ReplayJobConfig:
     target: str = "default"
     head: str | None = None  # None: the shipped default head
     trie: str | None = None  # None: the default ShareGPT trie
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     seed: int = 0

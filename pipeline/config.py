@@ -20,6 +20,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
 from ngram_native.trees import InvalidTreeParams, TreeParams
 from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
@@ -61,7 +62,7 @@ class ModelConfig:
     # dart_worker/draft_checkpoint.py), or null (mode ar)
     draft_head: str | None = "default"
     trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
-    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
+    dtype: str = DEFAULT_DTYPE  # auto | bf16 | fp16 | fp32 (auto: bf16 where the device computes it natively)
     # auto | cpu | cuda | cuda:N. Workers follow their Ray reservation: auto is CUDA when
     # resources.num_gpus_per_worker > 0 and the CPU otherwise; a worker holding GPUs that torch
     # cannot use stops the job at start-up (pipeline/device_check.py), never falls back to the CPU.
@@ -71,7 +72,9 @@ class ModelConfig:
 
 @dataclass
 class DecodingConfig:
-    mode: str = "dart"  # a registered drafter: ar | chain | ddtree | dart (dart_worker.drafters)
+    # A registered drafter: any name in dart_worker.drafters.drafter_names() (docs/config.md lists the
+    # built-ins, checked against the registry by tests/test_defaults.py).
+    mode: str = DEFAULT_MODE
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
