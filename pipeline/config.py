@@ -6,7 +6,8 @@ OmegaConf merges the YAML and the overrides onto the structured schema below, wh
 rejects unknown keys and wrong types; `validate` then checks values and cross-field rules. All
 of it happens on the driver before any Ray work starts, and every problem comes back as one
 `ConfigError` naming the key. Credentials never appear here: object-storage endpoints and
-keys come from the environment or the standard credential chain.
+keys come from the environment or the standard credential chain. Every key, its default and what
+it does: docs/config.md (tests/test_defaults.py holds it to this schema).
 """
 
 from __future__ import annotations
