@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
 from dart_worker.drafters import drafter_names, drafter_spec
 from dart_worker.stats import STAGES
@@ -40,7 +41,7 @@ class TargetBenchConfig:
     target: str = "default"
     head: str | None = None  # None: the shipped default head if any, else an untrained head (said so)
     trie: str | None = None  # None: the default trie (built and cached on first use)
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE  # configs/bench.yaml sets bf16, the dtype of the figures the docs quote
     device: str = "auto"
     threads: int | None = None
     seed: int = 0
@@ -212,7 +213,7 @@ def machine_conditions(threads: int) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "cpu": cpu,
         "cpus_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -60,9 +60,7 @@ def parse_config(argv: list[str]) -> ContextBoundConfig:
     if cfg.min_match < 1 or cfg.num_prompts < 1 or not cfg.budgets:
         raise TuneConfigError("min_match >= 1, num_prompts >= 1 and one or more budgets are needed")
     for budget in cfg.budgets:
-        problems = setting({}, budget=budget).problems()
-        if problems:
-            raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
+        setting({}, budget=budget)  # TuneConfigError naming a bad field
     return cfg
 
 

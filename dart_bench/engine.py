@@ -30,6 +30,7 @@ from dart_bench.common import (
     summarize,
     write_report,
 )
+from dart_worker.defaults import DEFAULT_BUDGET
 from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
@@ -47,7 +48,7 @@ JOB_NGRAM = "+job_ngram"
 class EngineBenchConfig(CellsBenchConfig):
     modes: list[str] = field(default_factory=lambda: [*drafter_names(), *HF_MODES])
     temperature: float = 0.0
-    budget: int = 60
+    budget: int = DEFAULT_BUDGET
     # DART's job n-gram (decoding.tree.job_ngram_tokens) learns from finished rows too: off in the
     # cells (as the lookup cache: CellsBenchConfig). `job_ngram_modes` also run with it on (label "<mode>+job_ngram"),
     # first fed the first `warm_rows` outputs of `warm_outputs` (an earlier job's JSONL or Parquet,

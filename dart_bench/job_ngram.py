@@ -59,9 +59,7 @@ def parse_config(argv: list[str]) -> JobNgramBenchConfig:
     if not cfg.warm_rows or min(cfg.warm_rows) < 0 or not cfg.priors or min(cfg.priors) < 0:
         raise TuneConfigError("warm_rows and priors: one or more values >= 0 each")
     for budget in cfg.budgets:
-        problems = setting(cfg.base, budget=budget).problems()
-        if problems:
-            raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
+        setting(cfg.base, budget=budget)  # TuneConfigError naming a bad field
     return cfg
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from dart_worker.defaults import DEFAULT_MODE
+
 VOCAB_WORDS = (4, 96)  # the tiny tokenizer's words w4..w95
 
 
@@ -48,7 +50,7 @@ VOCAB_WORDS = (4, 96)  # the tiny tokenizer's words w4..w95
 class LoadBenchConfig:
     rows: list[int] = field(default_factory=lambda: [10_000, 100_000])
     files: int = 4  # input JSONL files the rows are spread over
-    mode: str = "dart_lookup"  # the default mode: head, trie, context lookup, job cache and job n-gram
+    mode: str = DEFAULT_MODE  # the default mode: head, trie, context lookup, job cache and job n-gram
     max_new_tokens: int = 4
     batch_size: int = 64  # rows per engine call (the cluster config's)
     max_live: int = 16

@@ -48,6 +48,7 @@ from dart_train.corpus import (
 )
 from dart_train.ngram_build import count_documents, vocab_size_of
 from dart_worker.cache_dir import build_atomically, cache_dir
+from dart_worker.defaults import DEFAULT_BUDGET
 from dart_worker.fingerprint import tokenizer_fingerprint
 from dart_worker.loading import load_tokenizer
 
@@ -69,7 +70,7 @@ class BenchNgramConfig:
     num_sequences: int = 400  # tree-build latency samples
     top_k: int = 25
     positions: int = 8
-    budget: int = 60
+    budget: int = DEFAULT_BUDGET
     beam_width: int = 20
     processes: int = 4  # processes mapping one trie for the memory figure
     open_repeats: int = 20

@@ -20,7 +20,7 @@ from typing import Any
 
 from dart_bench.common import TargetBenchConfig, load_parts, select_prompts
 from dart_worker.sampling import SamplingParams
-from ngram_native.trees import TreeParams
+from ngram_native.trees import InvalidTreeParams, TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
 KNOBS = {"top_k": int, "beam_width": int, "depth_decay": float, "draft_decay": float, "ngram_weight": float}
@@ -31,7 +31,6 @@ class ReplayJobConfig(TargetBenchConfig):
     """What every replay job (`tune_tree`, `job_ngram`, `context_bound`) reads: the target and
     drafting artifacts, the dev prompts, and how the replayed replies are decoded."""
 
-    dtype: str = "auto"
     budgets: list[int] = field(default_factory=lambda: [16, 32, 60])
     num_prompts: int = 48  # dev prompts measured on
     check_prompts: int = 8  # the first dev prompts (the benchmark's): held out
@@ -145,4 +144,7 @@ def replay_job_main(argv: list[str] | None, module: str, doc: str, parse, measur
 def setting(base: dict[str, Any], **changes) -> TreeParams:
     """TreeParams with the defaults, then `base`, then `changes` (knob values cast to their type)."""
     values = {**base, **changes}
-    return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
+    try:
+        return TreeParams(**{k: KNOBS[k](v) if k in KNOBS else v for k, v in values.items()})
+    except InvalidTreeParams as exc:
+        raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in exc.problems)) from None

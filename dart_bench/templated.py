@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import OmegaConf
 
 from dart_bench.common import load_parts, write_report
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
@@ -48,7 +49,7 @@ class TemplatedConfig:
     target: str = "default"
     head: str | None = None  # dart_lookup / ddtree_lookup only: None = the shipped default head
     trie: str | None = None  # dart_lookup only: None = the default trie
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     mode: str = "lookup"

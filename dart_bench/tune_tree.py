@@ -88,11 +88,11 @@ def parse_config(argv: list[str]) -> TuneTreeConfig:
         raise TuneConfigError(f"budgets: {cfg.budgets}: expected one or more budgets >= 1")
     if cfg.num_prompts < 1 or cfg.check_prompts < 0 or cfg.passes < 1:
         raise TuneConfigError("num_prompts >= 1, check_prompts >= 0 and passes >= 1 are needed")
-    for params in [setting(cfg.base, budget=b) for b in cfg.budgets] + [
-            setting(cfg.base, **{n: v}) for n, vs in cfg.grid.items() for v in vs]:
-        problems = params.problems()
-        if problems:
-            raise TuneConfigError("; ".join(f"{n}: {m}" for n, m in problems))
+    for b in cfg.budgets:  # each raises TuneConfigError naming a bad field
+        setting(cfg.base, budget=b)
+    for n, vs in cfg.grid.items():
+        for v in vs:
+            setting(cfg.base, **{n: v})
     return cfg
 
 

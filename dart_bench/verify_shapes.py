@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from dart_bench.common import write_report
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.engine_factory import EngineParts, load_engine_parts
 from dart_worker.kernels import GQAS, forced
@@ -40,7 +41,7 @@ from dart_worker.target import TargetAdapter, TargetState
 @dataclass
 class ShapesConfig:
     target: str = "default"
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     context: int = 300

@@ -330,7 +330,7 @@ def _build(
             "count_tokens_per_s": round(result.tokens / max(1e-9, count_seconds)),
             "count_cpu_s": round(result.count_cpu_seconds, 3),
         },
-        "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
     }
     write_text_atomically(Path(str(local_trie) + ".json"), json.dumps(sidecar, indent=2) + "\n")

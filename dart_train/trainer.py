@@ -53,6 +53,7 @@ from dart_train.draft_training import (
     tap_rms,
 )
 from dart_train.teacher_cache import CacheConfig, CachedExample, CachedExampleStream, TeacherCache, collate_teacher
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
 from dart_worker.draft_head import DartDraftHead
@@ -135,7 +136,7 @@ class TrainerConfig:
     use_gpu: bool = False  # ray: one GPU per worker
     cpus_per_worker: int = 1
     device: str = "auto"  # local backend; ray workers use the device Ray assigns
-    target_dtype: str = "auto"  # frozen target
+    target_dtype: str = DEFAULT_DTYPE  # frozen target
     amp: bool = True  # bf16 autocast for the head where the device computes bf16 natively
     threads: int | None = None
     batch_size: int = 2  # sequences per worker per step

@@ -23,7 +23,7 @@ import json
 import logging
 import shutil
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -178,7 +178,7 @@ def _convert_into(out_dir: Path) -> None:
         "dtype": str(CONVERTED_DTYPE).removeprefix("torch."),
         "eos_token_ids": eos_ids,
         "versions": _versions(),
-        "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": {p.name: p.stat().st_size for p in sorted(out_dir.iterdir()) if p.is_file()},
     }
     # Written last: its presence marks the conversion as complete.

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dart_worker.defaults import DEFAULT_DTYPE
+
 log = logging.getLogger(__name__)
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -167,7 +169,7 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
-def resolve_dtype(spec: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> torch.dtype:
+def resolve_dtype(spec: str | torch.dtype = DEFAULT_DTYPE, device: torch.device | str = "cpu") -> torch.dtype:
     """"auto" | "bf16"/"bfloat16" | "fp16"/"float16" | "fp32"/"float32" (or a torch.dtype) -> torch.dtype.
 
     "auto" follows the policy in the module docstring for `device`.

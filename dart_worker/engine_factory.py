@@ -1,7 +1,7 @@
 """One way to make a decoding engine, for the pipeline, the benchmarks and training alike.
 
     parts = load_engine_parts("default", dtype="auto", device="auto", head=head_dir, trie=trie)
-    engine = build_engine(parts, "dart", TreeParams(budget=32))
+    engine = build_engine(parts, "dart_lookup", TreeParams(budget=32))
 
 `EngineParts` is what is loaded once and shared by every engine over the same target (the
 benchmarks build one engine per mode and budget over one model): the target adapter, its
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dart_worker.calibration import deferral_pays, make_sizer
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.engine import DecodingEngine
 from dart_worker.kernels import logits_for
@@ -57,7 +58,7 @@ class EngineParts:
                    eos_token_ids=eos_ids_of(model, tokenizer))
 
 
-def load_engine_parts(target: str, *, dtype: str = "auto", device: str = "auto", tap_layers=None,
+def load_engine_parts(target: str, *, dtype: str = DEFAULT_DTYPE, device: str = "auto", tap_layers=None,
                       head=None, trie=None) -> EngineParts:
     """Load the target (`dart_worker.loading.load_target` spec) and wrap it with head and trie."""
     from dart_worker.device import resolve_device, resolve_dtype
@@ -80,7 +81,7 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
     `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows."""
-    tree = (tree or TreeParams()).check()
+    tree = tree or TreeParams()  # checked when it was built
     drafter = build_drafter(parts, mode, tree)
     if defer_logits is None:  # the device's strategy, its CPU measurement read from the cache
         defer_logits = logits_for(parts.target.device, lambda: deferral_pays(parts.target)) == "deferred"
@@ -101,7 +102,7 @@ def build_drafter(parts: EngineParts, mode: str, tree: TreeParams | None = None)
         raise ValueError(f"mode {mode!r} needs a draft head")
     resources = DrafterResources(head=parts.head, trie=parts.trie, eos_token_ids=parts.eos_token_ids,
                                  vocab_size=parts.target.vocab_size, device=parts.target.device)
-    return spec.build(resources, (tree or TreeParams()).check())
+    return spec.build(resources, tree or TreeParams())
 
 
 def _head(head, target: TargetAdapter):

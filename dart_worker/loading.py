@@ -45,6 +45,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import resolve_device, resolve_dtype
 from dart_worker.fingerprint import model_files_fingerprint
 from dart_worker.gguf import load_gguf, load_gguf_tokenizer
@@ -258,7 +259,7 @@ def describe_placement(model: PreTrainedModel) -> str:
     return ", ".join(parts)
 
 
-def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype = "auto",
+def load_target(spec: str | os.PathLike = DEFAULT_SPEC, dtype: str | torch.dtype = DEFAULT_DTYPE,
                 device: str | torch.device = "auto", trust_remote_code: bool = False,
                 devices=None, device_map: dict | None = None, max_memory: dict | None = None,
                 offload_folder: str | os.PathLike | None = None,

@@ -13,7 +13,9 @@ outputs' n-grams as a second N-gram scorer for DART's beam, mixed into the trie'
 from ngram_native.context import ContextIndex, JobCache, build_job_cache_trees, build_lookup_trees
 from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import (
+    DEFAULT_BUDGET,
     DraftTree,
+    InvalidTreeParams,
     NgramScorer,
     TreeParams,
     ancestor_mask,
@@ -40,10 +42,12 @@ from ngram_native.trie import (
 )
 
 __all__ = [
+    "DEFAULT_BUDGET",
     "DEFAULT_ORDER",
     "TRIE_HEADER_SIZE",
     "ContextIndex",
     "DraftTree",
+    "InvalidTreeParams",
     "JobCache",
     "JobNgram",
     "NgramScorer",

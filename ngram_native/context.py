@@ -44,6 +44,7 @@ import numpy as np
 
 from ngram_native import _core
 from ngram_native.trees import (
+    DEFAULT_BUDGET,
     DraftTree,
     TreeParams,
     _check_int,
@@ -220,7 +221,7 @@ def build_job_cache_trees(
     indexes: Sequence[ContextIndex],
     max_depths: Sequence[int] | np.ndarray,
     *,
-    budget: int = 60,
+    budget: int = DEFAULT_BUDGET,
     depth_factor: float = DEFAULT_DEPTH_FACTOR,
     max_occurrences: int = DEFAULT_MAX_OCCURRENCES,
     eos_ids: int | Iterable[int] = (),
@@ -245,7 +246,7 @@ def build_lookup_trees(
     indexes: Sequence[ContextIndex],
     max_depths: Sequence[int] | np.ndarray,
     *,
-    budget: int = 60,
+    budget: int = DEFAULT_BUDGET,
     depth_factor: float = DEFAULT_DEPTH_FACTOR,
     max_occurrences: int = DEFAULT_MAX_OCCURRENCES,
     eos_ids: int | Iterable[int] = (),

@@ -165,6 +165,26 @@ def _first_bad(message: str, bad: np.ndarray, offset: int = 0) -> None:
 
 
 _NATIVE_DEFAULTS = _core.DartParams()
+# Draft nodes per tree (root excluded) wherever none is given: the C++ reference value, so every
+# builder, `TreeParams` and the jobs share one number (dart_worker.defaults re-exports it).
+DEFAULT_BUDGET = _NATIVE_DEFAULTS.budget
+
+
+class InvalidTreeParams(ValueError):
+    """A `TreeParams` with bad fields, raised as it is built (a config loads, `TreeParams(...)`,
+    `dataclasses.replace`). `problems` lists every bad field as (name, what is wrong); the message
+    names them all."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__(problems)
+        self.problems = problems
+
+    def __str__(self) -> str:
+        return "; ".join(f"{name} {message}" for name, message in self.problems)
+
+
+class TreeParamsTypeError(InvalidTreeParams, TypeError):
+    """An `InvalidTreeParams` where some field has the wrong type (a count that is no integer)."""
 
 
 @dataclass(frozen=True)
@@ -175,15 +195,21 @@ class TreeParams:
     implementation), read from the extension, so they are written down once. `budget` and
     `max_depth` apply to every builder, `top_k` to DART and DDTree, `lookup_*` to the context
     lookup trees (`ngram_native.context`), the rest to DART's n-gram beam search only.
+
+    Checked once, when built: bad fields raise `InvalidTreeParams` naming each of them, so an
+    instance is always usable and nothing downstream checks it again. The fields marked
+    *expert* in docs/config.md (`keep_pruned`, `prune`, `ngram_first_level`) exist for the
+    reference tests and for studies; the shipped configs leave them alone.
     """
 
-    budget: int = _NATIVE_DEFAULTS.budget  # draft nodes per tree, root excluded
+    budget: int = DEFAULT_BUDGET  # draft nodes per tree, root excluded
     top_k: int = _NATIVE_DEFAULTS.top_k  # candidates per draft position
     beam_width: int = _NATIVE_DEFAULTS.beam_width  # beam nodes kept per level
     depth_decay: float = _NATIVE_DEFAULTS.depth_decay  # level weight (l + 1) ** -depth_decay
     draft_decay: float = _NATIVE_DEFAULTS.draft_decay  # draft log-prob weight decay per level
     ngram_weight: float = _NATIVE_DEFAULTS.ngram_weight  # weight of the n-gram log-prob
     max_depth: int | None = None  # deepest draft level; None = every position the drafter predicts
+    # Expert (docs/config.md): the reference's choices, switched only by tests and studies.
     keep_pruned: bool = _NATIVE_DEFAULTS.keep_pruned  # beam-pruned children may still be leaves
     prune: bool = _NATIVE_DEFAULTS.prune  # skip provably hopeless children (exact; False for tests)
     ngram_first_level: bool = _NATIVE_DEFAULTS.ngram_first_level  # n-gram term at depth 1 too (reference: no)
@@ -203,49 +229,11 @@ class TreeParams:
     job_ngram_order: int = 4
     job_ngram_prior: float = 4.0
 
-    def problems(self) -> list[tuple[str, str]]:
-        """Every invalid field as (name, what is wrong); empty when the parameters are usable."""
-        out = []
-        for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
-                              ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0),
-                              ("job_ngram_tokens", 0), ("job_ngram_order", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-                out.append((name, f"must be an integer, got {type(value).__name__}"))
-            elif value < minimum:
-                out.append((name, f"must be >= {minimum}, got {value}"))
-        for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0),
-                              ("job_ngram_prior", 0.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
-                    or not math.isfinite(float(value)):
-                out.append((name, f"must be finite, got {value!r}"))
-            elif minimum is not None and value < minimum:
-                out.append((name, f"must be >= {minimum}, got {value}"))
-        factor = self.lookup_depth_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) \
-                or not math.isfinite(float(factor)) or factor <= 0:
-            out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
-        if isinstance(self.lookup_cache_tokens, (int, np.integer)) and self.lookup_cache_tokens > 2**28:
-            out.append(("lookup_cache_tokens", f"must be <= 2**28 (268435456), got {self.lookup_cache_tokens}"))
-        if isinstance(self.job_ngram_tokens, (int, np.integer)) and self.job_ngram_tokens > 2**28:
-            out.append(("job_ngram_tokens", f"must be <= 2**28 (268435456), got {self.job_ngram_tokens}"))
-        if isinstance(self.job_ngram_order, (int, np.integer)) and self.job_ngram_order > 6:
-            out.append(("job_ngram_order", f"must be <= 6, got {self.job_ngram_order}"))
-        if not isinstance(self.lookup_cache_prompts, (bool, np.bool_)):
-            out.append(("lookup_cache_prompts", f"must be true or false, got {self.lookup_cache_prompts!r}"))
-        depth = self.max_depth
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
-            out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))
-        return out
-
-    def check(self) -> TreeParams:
-        """Raise (TypeError for a non-integer count, else ValueError) naming the first bad field."""
-        bad = self.problems()
+    def __post_init__(self) -> None:
+        bad = _problems(self)
         if bad:
-            name, message = bad[0]
-            raise (TypeError if "integer" in message else ValueError)(f"{name} {message}")
-        return self
+            wrong_type = any(message.startswith("must be an integer") for _, message in bad)
+            raise (TreeParamsTypeError if wrong_type else InvalidTreeParams)(bad)
 
     def to_native(self) -> _core.DartParams:
         """The C++ struct the DART builder reads."""
@@ -257,6 +245,43 @@ class TreeParams:
         native.keep_pruned, native.prune = bool(self.keep_pruned), bool(self.prune)
         native.ngram_first_level = bool(self.ngram_first_level)
         return native
+
+
+def _problems(params: TreeParams) -> list[tuple[str, str]]:
+    """Every invalid field of `params` as (name, what is wrong); empty when they are usable."""
+    out = []
+    for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
+                          ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0),
+                          ("job_ngram_tokens", 0), ("job_ngram_order", 1)):
+        value = getattr(params, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            out.append((name, f"must be an integer, got {type(value).__name__}"))
+        elif value < minimum:
+            out.append((name, f"must be >= {minimum}, got {value}"))
+    for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0),
+                          ("job_ngram_prior", 0.0)):
+        value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                or not math.isfinite(float(value)):
+            out.append((name, f"must be finite, got {value!r}"))
+        elif minimum is not None and value < minimum:
+            out.append((name, f"must be >= {minimum}, got {value}"))
+    factor = params.lookup_depth_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) \
+            or not math.isfinite(float(factor)) or factor <= 0:
+        out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
+    if isinstance(params.lookup_cache_tokens, (int, np.integer)) and params.lookup_cache_tokens > 2**28:
+        out.append(("lookup_cache_tokens", f"must be <= 2**28 (268435456), got {params.lookup_cache_tokens}"))
+    if isinstance(params.job_ngram_tokens, (int, np.integer)) and params.job_ngram_tokens > 2**28:
+        out.append(("job_ngram_tokens", f"must be <= 2**28 (268435456), got {params.job_ngram_tokens}"))
+    if isinstance(params.job_ngram_order, (int, np.integer)) and params.job_ngram_order > 6:
+        out.append(("job_ngram_order", f"must be <= 6, got {params.job_ngram_order}"))
+    if not isinstance(params.lookup_cache_prompts, (bool, np.bool_)):
+        out.append(("lookup_cache_prompts", f"must be true or false, got {params.lookup_cache_prompts!r}"))
+    depth = params.max_depth
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
+        out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,8 +436,7 @@ def build_dart_trees(
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TreeParams)})
         if unknown:
             raise TypeError(f"unknown tree parameter(s) {unknown}")
-        params = dataclasses.replace(params, **overrides)
-    params.check()
+        params = dataclasses.replace(params, **overrides)  # checked as it is built
     batch = values.shape[0]
     ctx_tokens = ctx_offsets = None
     if scorer is not None:
@@ -435,7 +459,7 @@ def build_ddtree_trees(
     *,
     logits: np.ndarray | None = None,
     values: ValuesKind = "logprobs",
-    budget: int = 60,
+    budget: int = DEFAULT_BUDGET,
     top_k: int | None = None,
     eos_ids: int | Iterable[int] = (),
     max_depths: Sequence[int] | np.ndarray | None = None,
@@ -479,7 +503,7 @@ def build_chain_trees(
     *,
     logits: np.ndarray | None = None,
     values: ValuesKind = "logits",
-    budget: int = 60,
+    budget: int = DEFAULT_BUDGET,
     eos_ids: int | Iterable[int] = (),
     max_depths: Sequence[int] | np.ndarray | None = None,
     vocab_size: int | None = None,

@@ -6,7 +6,8 @@ OmegaConf merges the YAML and the overrides onto the structured schema below, wh
 rejects unknown keys and wrong types; `validate` then checks values and cross-field rules. All
 of it happens on the driver before any Ray work starts, and every problem comes back as one
 `ConfigError` naming the key. Credentials never appear here: object-storage endpoints and
-keys come from the environment or the standard credential chain.
+keys come from the environment or the standard credential chain. Every key, its default and what
+it does: docs/config.md (tests/test_defaults.py holds it to this schema).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
-from ngram_native.trees import TreeParams
+from ngram_native.trees import InvalidTreeParams, TreeParams
 from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
 
 T = TypeVar("T")
@@ -61,7 +63,7 @@ class ModelConfig:
     # dart_worker/draft_checkpoint.py), or null (mode ar)
     draft_head: str | None = "default"
     trie: str | None = "default"  # "default" (built from ShareGPT on first use), a URL, or null
-    dtype: str = "auto"  # auto | bf16 | fp16 | fp32
+    dtype: str = DEFAULT_DTYPE  # auto | bf16 | fp16 | fp32 (auto: bf16 where the device computes it natively)
     # auto | cpu | cuda | cuda:N. Workers follow their Ray reservation: auto is CUDA when
     # resources.num_gpus_per_worker > 0 and the CPU otherwise; a worker holding GPUs that torch
     # cannot use stops the job at start-up (pipeline/device_check.py), never falls back to the CPU.
@@ -71,7 +73,9 @@ class ModelConfig:
 
 @dataclass
 class DecodingConfig:
-    mode: str = "dart"  # a registered drafter: ar | chain | ddtree | dart (dart_worker.drafters)
+    # A registered drafter: any name in dart_worker.drafters.drafter_names() (docs/config.md lists the
+    # built-ins, checked against the registry by tests/test_defaults.py).
+    mode: str = DEFAULT_MODE
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
@@ -164,7 +168,10 @@ class PipelineConfig:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> PipelineConfig:
     """Schema <- YAML file <- dotlist overrides, then `validate`; raises ConfigError."""
-    cfg = load_structured(PipelineConfig, path, overrides, ConfigError)
+    try:
+        cfg = load_structured(PipelineConfig, path, overrides, ConfigError)
+    except InvalidTreeParams as exc:
+        raise _tree_error(exc) from None
     validate(cfg)
     return cfg
 
@@ -196,7 +203,17 @@ def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), data))
+    except InvalidTreeParams as exc:
+        raise _tree_error(exc) from None
+
+
+def _tree_error(exc: InvalidTreeParams) -> ConfigError:
+    """`decoding.tree` is a TreeParams, which checks itself as OmegaConf builds it (the one check
+    of the tree parameters): its problems, under their config keys."""
+    return ConfigError("invalid config:\n  " + "\n  ".join(
+        f"decoding.tree.{name}: {message}" for name, message in exc.problems))
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
@@ -250,8 +267,6 @@ def validate(cfg: PipelineConfig) -> None:
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")
     check(d.sizing in SIZING_MODES, "decoding.sizing", f"must be one of {list(SIZING_MODES)}, got {d.sizing!r}")
-    for name, message in d.tree.problems():
-        check(name == "budget", f"decoding.tree.{name}", message)  # budget: the stricter rule above
     check(m.tap_layers is None or len(m.tap_layers) == 3, "model.tap_layers", "must list 3 layer indices")
     check(r.num_workers >= 1, "resources.num_workers", "must be >= 1")
     check((r.min_workers is None) == (r.max_workers is None), "resources.min_workers",

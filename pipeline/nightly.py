@@ -83,8 +83,8 @@ def parse_date(text: str) -> dt.date:
 
 def default_date(settings: NightlySettings, now: dt.datetime | None = None) -> dt.date:
     """Today in UTC (never the machine's local zone) shifted by date_offset_days."""
-    now = now or dt.datetime.now(dt.UTC)
-    return now.astimezone(dt.UTC).date() + dt.timedelta(days=settings.date_offset_days)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return now.astimezone(dt.timezone.utc).date() + dt.timedelta(days=settings.date_offset_days)
 
 
 def date_fields(day: dt.date) -> dict[str, str]:

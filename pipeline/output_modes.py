@@ -102,9 +102,9 @@ def _modified(entry: dict[str, Any]) -> dt.datetime | None:
     """A listing entry's modification time: `mtime` (local, seconds) or `LastModified` (object stores)."""
     value = entry.get("mtime", entry.get("LastModified", entry.get("last_modified", entry.get("updated"))))
     if isinstance(value, (int, float)):
-        return dt.datetime.fromtimestamp(value, dt.UTC)
+        return dt.datetime.fromtimestamp(value, dt.timezone.utc)
     if isinstance(value, dt.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
     return None
 
 
@@ -263,7 +263,7 @@ def plan_output(cfg: PipelineConfig, run_id: str, state: OutputState | None = No
         return OutputPlan(mode, url, url, run_id, state)
     if mode == "beside":
         if run_id in state.rows_by_run:
-            run_id = f"{run_id}-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S')}"
+            run_id = f"{run_id}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}"
         target = beside_url(url, run_id)
         try:
             there = inspect_output(target)
@@ -312,7 +312,7 @@ def commit_output(plan: OutputPlan) -> dict[str, Any] | None:
     fs, staging = filesystem_for(plan.write_url)
     names = [posixpath.basename(p) for p in list_parts(fs, staging, plan.write_url)]
     marker = {"run_id": plan.run_id, "parts": names, "replaces": plan.state.rows_by_run,
-              "committed_at": dt.datetime.now(dt.UTC).isoformat()}
+              "committed_at": dt.datetime.now(dt.timezone.utc).isoformat()}
     fs.pipe_file(posixpath.join(staging, COMMIT_MARKER), json.dumps(marker).encode())  # the commit point
     finish_replacement(plan.url, staging)
     logger.info("replaced %s under %s with run %r (%d parts)", plan.state.describe(), plan.url, plan.run_id,

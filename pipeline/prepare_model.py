@@ -37,6 +37,8 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
+from dart_worker.defaults import DEFAULT_DTYPE
+
 STEPS = ("check", "trie", "head", "bench", "config")
 STATE_NAME = "prepare_state.json"
 
@@ -74,7 +76,7 @@ class PrepareConfig:
     target: str = MISSING
     output_dir: str | None = None  # default: outputs/prepare/<target's name>
     corpus: str = "default"  # conversations for the trie, the head and the bench prompts (any fsspec URL)
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     threads: int | None = None
     skip: list[str] = field(default_factory=list)

@@ -17,7 +17,7 @@ import os
 import re
 import socket
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
@@ -167,10 +167,10 @@ class GenerationWorker:
                 # Each row's own finish (rows of one batch finish at different rounds, and with
                 # continuous batching start at different ones too); rows that never ran: the batch's end.
                 if result.finished_unix is not None:
-                    out["finished_at"] = datetime.fromtimestamp(result.finished_unix, UTC)
+                    out["finished_at"] = datetime.fromtimestamp(result.finished_unix, timezone.utc)
                 outputs[k].append(out)
         outputs = [out for per_row in outputs for out in per_row]
-        batch_end = datetime.now(UTC)
+        batch_end = datetime.now(timezone.utc)
         for out in outputs:
             out.setdefault("finished_at", batch_end)
         resources = self.cfg.resources

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -213,7 +213,7 @@ def test_throughput_timeline_groups_batches_by_worker_and_wall_time():
 
 
 def test_throughput_timeline_on_the_jobs_clock_with_finished_at():
-    t = datetime(2026, 11, 22, 3, 0, 0, tzinfo=UTC)
+    t = datetime(2026, 11, 22, 3, 0, 0, tzinfo=timezone.utc)
     rows = [{"row_key": "k1", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 10, "finished_at": t},
             {"row_key": "k2", "worker": "w0", "wall_s": 2.0, "num_generated_tokens": 30, "finished_at": t},
             # the same wall time, finished later: its rate counts from w0's previous point

@@ -14,13 +14,13 @@ import hashlib
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
 from dart_worker.cache_dir import cache_dir, file_lock
+from tests.pyproject import pyproject
 
 REPO = Path(__file__).resolve().parents[1]
 FLOORED = ("torch", "transformers", "ray")
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 def declared_floors() -> dict[str, tuple[str, str]]:
     """name -> (requirement with extras, floor version) for FLOORED, from pyproject.toml."""
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    dependencies = pyproject()["project"]["dependencies"]
     floors = {}
     for requirement in dependencies:
         found = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?>=([0-9][0-9.]*)", requirement.replace(" ", ""))

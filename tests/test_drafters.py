@@ -5,6 +5,7 @@ do not fit (a head trained on other taps) are refused; one stats row behind the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,8 +20,9 @@ from dart_worker.engine_factory import EngineParts, build_engine, eos_ids_of
 from dart_worker.sampling import SamplingParams
 from dart_worker.stats import STAT_COLUMNS, RequestStats
 from dart_worker.target import TargetAdapter
-from ngram_native import DraftTree, TreeParams
+from ngram_native import DraftTree, InvalidTreeParams, TreeParams
 from ngram_native import _core as native
+from ngram_native import trees as tree_module
 from pipeline.config import ConfigError, load_config
 from pipeline.outputs import OUTPUT_SCHEMA
 from tests.tiny_models import tiny_model
@@ -156,8 +158,6 @@ def test_registry_refuses_duplicates_and_bad_names():
 def test_build_engine_needs_a_head_where_the_drafter_does(parts):
     with pytest.raises(ValueError, match="mode 'chain' needs a draft head"):
         build_engine(parts, "chain")
-    with pytest.raises(ValueError, match="budget must be >= 0"):
-        build_engine(parts, "ar", TreeParams(budget=-1))
 
 
 def test_tree_params_have_one_set_of_defaults_the_native_ones():
@@ -168,9 +168,36 @@ def test_tree_params_have_one_set_of_defaults_the_native_ones():
         assert getattr(params, name) == pytest.approx(getattr(native_defaults, name)), name
     round_trip = TreeParams(budget=7, top_k=3, ngram_weight=0.25, keep_pruned=False).to_native()
     assert (round_trip.budget, round_trip.top_k, round_trip.ngram_weight, round_trip.keep_pruned) == (7, 3, 0.25, False)
-    assert TreeParams(top_k=0, draft_decay=-1.0, max_depth=0).problems() == [
+
+
+def test_bad_tree_params_fail_when_built_naming_every_bad_field(tmp_path):
+    with pytest.raises(InvalidTreeParams, match="top_k must be >= 1, got 0; draft_decay must be") as caught:
+        TreeParams(top_k=0, draft_decay=-1.0, max_depth=0)
+    assert caught.value.problems == [
         ("top_k", "must be >= 1, got 0"), ("draft_decay", "must be >= 0.0, got -1.0"),
         ("max_depth", "must be >= 1 or None, got 0")]
+    with pytest.raises(ValueError, match="budget must be >= 0, got -1"):
+        dataclasses.replace(TreeParams(), budget=-1)
+    with pytest.raises(TypeError, match="beam_width must be an integer, got float"):
+        TreeParams(beam_width=2.5)
+    path = tmp_path / "c.yaml"  # a config: the same check, under the config's keys, before any work
+    path.write_text("input:\n  urls: [prompts.jsonl]\noutput:\n  url: out/\n")
+    with pytest.raises(ConfigError, match=r"decoding\.tree\.top_k: must be >= 1, got 0\n  "
+                                          r"decoding\.tree\.beam_width: must be >= 1, got 0"):
+        load_config(path, ["decoding.tree.top_k=0", "decoding.tree.beam_width=0"])
+
+
+def test_tree_params_are_not_checked_again_per_round(monkeypatch):
+    model = tiny_model("llama", vocab_size=VOCAB)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=3)
+    parts = EngineParts(target=TargetAdapter(model), head=head, eos_token_ids=(2,))
+    engines = {mode: build_engine(parts, mode, TreeParams(budget=6, top_k=4)) for mode in ("dart", "dart_lookup")}
+    checks = []
+    monkeypatch.setattr(tree_module, "_problems", lambda params: checks.append(params) or [])
+    for engine in engines.values():
+        results = engine.generate(prompts(seed=3), SamplingParams(temperature=0.0, max_new_tokens=12))
+        assert all(r.stats.mean_tree_size > 0 for r in results)
+    assert checks == []
 
 
 def test_a_head_trained_on_other_taps_is_refused(tmp_path):

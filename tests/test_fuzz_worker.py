@@ -210,7 +210,7 @@ def test_rows_carry_their_own_start_and_finish(workers):
     """With max_live 1 the rows decode one after another: each row's `finished_at - wall_s` (its
     start) is at or after the previous row's finish, all inside the worker call; an error row
     gets the batch's end."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import datetime, timedelta, timezone
 
     worker = workers["lookup"]
     d = worker.cfg.decoding
@@ -221,9 +221,9 @@ def test_rows_carry_their_own_start_and_finish(workers):
     rows.append({"row_key": "row:e", "id": None, "prompt": None, "prompt_kind": "text",
                  "source": "file:///t.jsonl", "error": "malformed JSON"})
     worker.cfg.resources.max_live = 1
-    called = datetime.now(UTC)
+    called = datetime.now(timezone.utc)
     out = worker(pa.Table.from_pylist(rows, schema=INPUT_SCHEMA)).to_pylist()
-    returned = datetime.now(UTC)
+    returned = datetime.now(timezone.utc)
     worker.cfg.resources.max_live = None
     done = [r for r in out if r["error"] is None]
     assert len(done) == 3

@@ -79,7 +79,7 @@ def test_default_date_is_utc_today_plus_offset():
     evening_ny = dt.datetime(2026, 11, 20, 21, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5)))
     assert default_date(NightlySettings(), evening_ny) == dt.date(2026, 11, 21)
     assert default_date(NightlySettings(date_offset_days=-1), evening_ny) == dt.date(2026, 11, 20)
-    assert default_date(NightlySettings()) == dt.datetime.now(dt.UTC).date()
+    assert default_date(NightlySettings()) == dt.datetime.now(dt.timezone.utc).date()
 
 
 @given(st.dates(min_value=dt.date(1970, 1, 1), max_value=dt.date(9999, 12, 31)))
@@ -112,7 +112,7 @@ def test_load_night_rewrites_the_pipeline_config_for_the_date(config_path, tmp_p
 
 
 def test_load_night_defaults_to_utc_today_and_explicit_date_ignores_offset(config_path):
-    now = dt.datetime(2026, 1, 1, 0, 30, tzinfo=dt.UTC)
+    now = dt.datetime(2026, 1, 1, 0, 30, tzinfo=dt.timezone.utc)
     assert load_night(config_path, [], now=now).date == dt.date(2026, 1, 1)
     assert load_night(config_path, ["nightly.date_offset_days=-1"], now=now).date == dt.date(2025, 12, 31)
     assert load_night(config_path, ["nightly.date_offset_days=-1", "date=2026-05-05"], now=now).date == \

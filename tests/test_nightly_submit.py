@@ -172,9 +172,9 @@ def test_main_print_needs_no_cluster(capsys):
 
 
 def test_main_default_date_comes_from_the_nightly_config(capsys):
-    before = dt.datetime.now(dt.UTC).date()
+    before = dt.datetime.now(dt.timezone.utc).date()
     code = nightly_submit.main([str(TEMPLATE_PATH), "--config", str(REPO / "configs" / "nightly.yaml"), "--print"])
-    after = dt.datetime.now(dt.UTC).date()
+    after = dt.datetime.now(dt.timezone.utc).date()
     assert code == 0
     name = yaml.safe_load(capsys.readouterr().out)["metadata"]["name"]
     assert name in {f"dart-batch-nightly-{d.isoformat()}-1" for d in (before, after)}

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +86,7 @@ def test_rows_to_table_full_row_and_nulls():
         "commit_s": 0.001,
         "wall_s": 0.4,
         "tokens_per_s": 7.5,
-        "finished_at": datetime(2026, 11, 22, 3, 0, 1, 250000, tzinfo=UTC),
+        "finished_at": datetime(2026, 11, 22, 3, 0, 1, 250000, tzinfo=timezone.utc),
         "mode": "dart",
         "temperature": 0,  # an int where a float is expected is fine
         "top_p": 1.0,
@@ -330,7 +330,7 @@ def ray_session(s3):
 def test_parts_of_schema_version_1_read_back_with_null_added_columns(tmp_path):
     """A run resumed after an upgrade finds parts without `finished_at`: they still count."""
     out = tmp_path / "out"
-    now = datetime(2026, 11, 22, 3, 0, tzinfo=UTC)
+    now = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
     write_part(rows_to_table([output_row("a", finished_at=now)]), str(out), RUN)
     old = table_of("b", "c").drop_columns(["finished_at"])
     (out / part_name(["b", "c"])).write_bytes(pq_bytes(old))

@@ -17,6 +17,7 @@ import torch
 from dart_bench.gpu_acceptance.correctness import run_correctness
 from dart_bench.gpu_acceptance.report import markdown
 from dart_bench.gpu_acceptance.speed import run_shape
+from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
 
 
@@ -38,10 +39,10 @@ class AcceptanceConfig:
     prompts: int = 5
     new_tokens: int = 24
     chi_square_draws: int = 4000
-    chi_square_mode: str = "dart_lookup"
+    chi_square_mode: str = DEFAULT_MODE
     # speed (random weights at real shapes)
     shapes: list[str] | None = None  # null: gemma3-270m and llama3-8b on CUDA; small-llama on a CPU
-    dtype: str = "auto"  # of the timed models (auto: bf16 where the device computes it natively)
+    dtype: str = DEFAULT_DTYPE  # of the timed models (auto: bf16 where the device computes it natively)
     context: int = 256  # prompt tokens before every timed step
     generate_tokens: int = 64
     repeats: int = 5

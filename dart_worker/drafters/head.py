@@ -194,9 +194,9 @@ class DartDrafter(HeadDrafter):
         self.warm([seq[int(p):] for seq, p in zip(tokens, num_prompt, strict=True)])
 
     def build(self, logits, tokens, caps):
-        top_k = min(self.tree.top_k, logits.shape[-1])
-        ids, values = self.candidates(*logits.float().topk(top_k, dim=-1))
+        ids, values = self.candidates(*logits.float().topk(min(self.tree.top_k, logits.shape[-1]), dim=-1))
         contexts = [t[-NGRAM_CONTEXT_TOKENS:] for t in tokens]
         scorer = self.job_ngram if self.job_ngram is not None else self.trie
-        return build_dart_trees(ids, values, contexts, scorer,
-                                params=self.tree, top_k=top_k, eos_ids=self.eos_ids, max_depths=caps)
+        # self.tree as built (checked once); the builder reads at most the K candidates given
+        return build_dart_trees(ids, values, contexts, scorer, params=self.tree, eos_ids=self.eos_ids,
+                                max_depths=caps)
