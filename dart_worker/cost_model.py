@@ -138,6 +138,7 @@ class AcceptanceModel:
         self.offered: dict[tuple[str, int], np.ndarray] = {}
         # Per (band, source): nodes accepted and their summed unscaled prior, over all bins.
         self._scale_evidence: dict[tuple[str, int], list[float]] = {}
+        self._band_evidence: dict[str, list[float]] = {}  # the same, summed over sources
         centers = np.concatenate([[SCORE_EDGES[0] - 2.0], (SCORE_EDGES[:-1] + SCORE_EDGES[1:]) / 2,
                                   [SCORE_EDGES[-1] / 2]])
         self.prior = np.exp(centers)
@@ -157,9 +158,13 @@ class AcceptanceModel:
 
     def scale(self, band: str, source: int) -> float:
         """How much more (> 1) or less (< 1) often the source's nodes were accepted in `band` than
-        exp(score) says, over all its bins; 1 before any evidence."""
+        exp(score) says, over all its bins. Shrunk toward the band's scale over every source (a
+        source seldom seen, such as nodes both the head and the lookup proposed while the head is
+        mostly paused, borrows what the band's other sources showed), and that toward 1."""
+        band_accepted, band_expected = self._band_evidence.get(band, (0.0, 0.0))
+        band_scale = (band_accepted + SCALE_WEIGHT) / (band_expected + SCALE_WEIGHT)
         accepted, expected = self._scale_evidence.get((band, source), (0.0, 0.0))
-        return (accepted + SCALE_WEIGHT) / (expected + SCALE_WEIGHT)
+        return (accepted + SCALE_WEIGHT * band_scale) / (expected + SCALE_WEIGHT)
 
     def _rates(self, band: str, source: int) -> np.ndarray:
         """The calibrated rate of every score bin of one (band, source) table."""
@@ -192,9 +197,11 @@ class AcceptanceModel:
             rows = sources == source
             np.add.at(offered, bins[rows], 1.0)
             np.add.at(accepted, bins[rows & hit], 1.0)
-            evidence = self._scale_evidence.setdefault((band, int(source)), [0.0, 0.0])
-            evidence[0] += float((rows & hit).sum())
-            evidence[1] += float(self.prior[bins[rows]].sum())
+            hits, expected = float((rows & hit).sum()), float(self.prior[bins[rows]].sum())
+            for evidence in (self._scale_evidence.setdefault((band, int(source)), [0.0, 0.0]),
+                             self._band_evidence.setdefault(band, [0.0, 0.0])):
+                evidence[0] += hits
+                evidence[1] += expected
 
     def describe(self) -> dict[str, dict[str, list[float]]]:
         """Per band and source bits, the calibrated rate of each score bin (logs, job summary)."""

@@ -303,8 +303,8 @@ def test_acceptance_is_calibrated_per_temperature_band():
 def test_a_sources_misses_in_observed_bins_lower_its_unobserved_bins():
     """The winner's curse: a sizer picks the nodes it rates highest, and unobserved bins are rated
     by their prior. A source whose -1.2 nodes (prior ~0.29) are right one time in ten is
-    overconfident; its unobserved most confident bin must not keep the unscaled 0.975 (nor must
-    another source's or another band's)."""
+    overconfident; its unobserved most confident bin must not keep the unscaled 0.975, nor must a
+    source not seen yet in that band; another band's table is untouched."""
     model = AcceptanceModel()
     middling = _chain([-1.2])
     confident = _chain([-0.02])
@@ -318,8 +318,9 @@ def test_a_sources_misses_in_observed_bins_lower_its_unobserved_bins():
     untouched = AcceptanceModel().probabilities(confident, "1.0")[0]
     assert untouched > 0.95
     assert model.probabilities(confident, "greedy")[0] == pytest.approx(untouched)
+    # A source never seen in the band borrows the band's scale (pooled over its sources).
     other = _chain([-0.02], source=SOURCE_CONTEXT)
-    assert model.probabilities(other, "1.0")[0] == pytest.approx(untouched)
+    assert model.probabilities(other, "1.0")[0] < 0.45
     # Evidence in the bin itself still wins over the scaled prior.
     for _ in range(400):
         model.update(confident, np.array([0], dtype=np.int64), "1.0")
@@ -328,15 +329,19 @@ def test_a_sources_misses_in_observed_bins_lower_its_unobserved_bins():
 
 def test_describe_compares_what_the_sizer_predicted_with_what_its_rounds_did():
     """Each sized round adds its expected accepted nodes and predicted verify seconds, and the
-    round's observation what happened: a model that expects 3x the accepted nodes it gets shows it."""
+    round's observation what happened: a model that expects more accepted nodes than it gets shows it."""
     sizer = TreeSizer(LatencyModel([1, 2, 128], [0.1, 0.12, 1.4]), max_budget=4)
     chain = _chain([-0.01, -0.02])
+    expected = predicted = 0.0
     for _ in range(3):
         sized = sizer.fit([chain], model_ran=False)
-        assert sized.trees[0].size == 2
-        sizer.observe(sized.trees, [np.zeros(0, np.int64)], rows=3, verify_seconds=0.2)
+        expected += sized.expected_tokens - 1
+        predicted += sized.predicted_seconds
+        accepted = np.arange(min(1, sized.trees[0].size))  # the first node right, the second never
+        sizer.observe(sized.trees, [accepted], rows=1 + sized.trees[0].size, verify_seconds=0.2)
     sizer.observe([chain], [np.arange(2)], rows=3, verify_seconds=0.2)  # not sized by fit: not counted
     check = sizer.describe()["predicted_vs_observed"]
-    assert check["rounds"] == 3 and check["accepted"] == 0 and check["verify_s"] == pytest.approx(0.6)
-    assert check["expected_accepted"] > 3 * 0.5
-    assert check["predicted_verify_s"] == pytest.approx(3 * float(sizer.latency.predict(3)), rel=0.5)
+    assert check["rounds"] == 3 and check["verify_s"] == pytest.approx(0.6)
+    assert check["expected_accepted"] == pytest.approx(expected, abs=1e-3) and expected > 3 * 0.9
+    assert check["predicted_verify_s"] == pytest.approx(predicted, abs=1e-3)
+    assert 1 <= check["accepted"] <= 3
