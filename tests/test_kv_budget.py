@@ -26,16 +26,7 @@ def test_an_engine_never_holds_more_cache_than_the_bound():
     model = tiny_model("llama")
     target = TargetAdapter(model)
     engine = build_engine(EngineParts(target=target), "ar")
-    allocated = []
-    original = target.verify
-
-    def verify(state, *args, **kwargs):
-        out = original(state, *args, **kwargs)
-        allocated.append(sum(layer._key_buffer.numel() * layer._key_buffer.element_size() * 2
-                             for layer in state.cache.layers))
-        return out
-
-    target.verify = verify
+    allocated = _record_allocations(target)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (int(n),), generator=gen).tolist() for n in (40, 3, 17, 40, 9, 33, 1)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -55,16 +46,7 @@ def test_bucketed_shapes_stay_within_their_bound_and_outgrow_the_exact_one():
     target = TargetAdapter(model)
     tree = TreeParams(budget=8)
     engine = build_engine(EngineParts(target=target), "lookup", tree, sizing="fixed", shapes="bucketed")
-    allocated = []
-    original = target.verify
-
-    def verify(state, *args, **kwargs):
-        out = original(state, *args, **kwargs)
-        allocated.append(sum(layer._key_buffer.numel() * layer._key_buffer.element_size() * 2
-                             for layer in state.cache.layers))
-        return out
-
-    target.verify = verify
+    allocated = _record_allocations(target)
     gen = torch.Generator().manual_seed(1)
     # Repetitive prompts, so prompt lookup drafts trees and the block is padded too.
     prompts = [(torch.randint(3, 9, (int(n) // 2,), generator=gen).tolist() * 2)[:n] for n in (2050, 7, 2050, 61)]
@@ -75,3 +57,18 @@ def test_bucketed_shapes_stay_within_their_bound_and_outgrow_the_exact_one():
     exact = kv_budget(model.config, torch.float32, **args)
     assert max(allocated) <= bucketed.bound_bytes
     assert max(allocated) > exact.bound_bytes
+
+
+def _record_allocations(target: TargetAdapter) -> list[int]:
+    """After every verify forward of `target`, the bytes its cache's K and V buffers hold."""
+    allocated = []
+    original = target.verify
+
+    def verify(state, *args, **kwargs):
+        out = original(state, *args, **kwargs)
+        allocated.append(sum(layer._key_buffer.numel() * layer._key_buffer.element_size() * 2
+                             for layer in state.cache.layers))
+        return out
+
+    target.verify = verify
+    return allocated
