@@ -192,6 +192,27 @@ class DecodingEngine:
             self._decode(waiting, limit, results)
         return results
 
+    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
+        """Load earlier outputs (token ids) into the job-level drafting state of the `kinds` named
+        ("job_ngram", "job_cache"), as if this engine had finished those rows (a drafter without
+        that state ignores them)."""
+        self.drafter.warm(documents, kinds)
+
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        """What this engine learnt from finished rows, by kind ("job_ngram", "job_cache"): (tokens
+        held, bytes of memory). Empty when its drafter keeps no job-level state."""
+        return self.drafter.job_state()
+
+    def sizing_calibration(self) -> str | None:
+        """One line for a log: the cost model's measured forward costs and where trees stop paying
+        (`TreeSizer.calibration_line`); None when trees are not sized (`sizing: fixed`, `ar`)."""
+        return None if self.sizer is None else self.sizer.calibration_line()
+
+    def cost_model(self) -> dict | None:
+        """The cost model as it stands (measured latencies, calibrated acceptance, model and
+        overhead seconds: `TreeSizer.describe`), for a report; None when trees are not sized."""
+        return None if self.sizer is None else self.sizer.describe()
+
     def _result(self, seq: _Sequence) -> GenerationResult:
         seq.stats.wall_seconds = time.perf_counter() - seq.started
         seq.stats.num_generated_tokens = len(seq.generated)
