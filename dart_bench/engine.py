@@ -257,12 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in cfg.job_ngram_modes:
             on = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens)
             engine = build_engine(parts, mode, on, sizing=cfg.sizing, batches=live)
-            job = engine.drafter.job_ngram
-            if job is None:
+            if "job_ngram" not in engine.job_state():
                 raise ValueError(f"job_ngram_modes: {mode!r} has no job n-gram (dart and dart_lookup with a trie do)")
-            for doc in documents:
-                job.add(doc)
-            print(f"{mode}{JOB_NGRAM}: {job!r}")
+            engine.warm(documents, ("job_ngram",))
+            tokens, nbytes = engine.job_state()["job_ngram"]
+            print(f"{mode}{JOB_NGRAM}: job n-gram warmed with {len(documents)} outputs: {tokens} tokens, {nbytes} B")
             engines[f"{mode}{JOB_NGRAM}"] = engine
     cfg.modes = [*cfg.modes, *(f"{m}{FULL_LOGITS}" for m in cfg.full_logits_modes),
                  *(f"{m}+{other_shapes}" for m in cfg.bucketed_modes), *(f[0] for f in fixed),
@@ -297,9 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
         sweep[batch_size] = {"summary": summarize(records), "records": records}
     records, summary = sweep[batch_sizes[-1]]["records"], sweep[batch_sizes[-1]]["summary"]
     for mode in cfg.modes:
-        sizer = getattr(engines.get(mode), "sizer", None)
-        if sizer is not None:
-            print(f"{mode} cost model after the run: {json.dumps(sizer.describe())}")
+        cost_model = engines[mode].cost_model() if mode in engines else None
+        if cost_model is not None:
+            print(f"{mode} cost model after the run: {json.dumps(cost_model)}")
     for batch_size in batch_sizes:
         print(f"batch {batch_size}:")
         print_table(sweep[batch_size]["summary"])

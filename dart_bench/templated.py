@@ -29,7 +29,7 @@ from dart_bench.common import load_parts, write_report
 from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
-from dart_worker.engine_factory import build_engine
+from dart_worker.engine_factory import build_drafter, build_engine
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
 from ngram_native.trees import SOURCE_NAMES, TreeParams
@@ -152,14 +152,15 @@ def main(argv: list[str] | None = None) -> dict:
     base = TreeParams(budget=cfg.budget, lookup_cache_prompts=cfg.cache_prompts)
     # Off: no job-level state at all (for dart_lookup, its job n-gram is off too).
     off = {"lookup_cache_tokens": 0, "job_ngram_tokens": 0}
-    engines = {"cache_off": build_engine(parts, cfg.mode, TreeParams(**{**asdict(base), **off}),
-                                         sizing=cfg.sizing),
-               "cache_on": build_engine(parts, cfg.mode, TreeParams(**{**asdict(base),
-                                                                       "lookup_cache_tokens": cfg.cache_tokens}),
-                                        sizing=cfg.sizing)}
+    trees = {"cache_off": TreeParams(**{**asdict(base), **off}),
+             "cache_on": TreeParams(**{**asdict(base), "lookup_cache_tokens": cfg.cache_tokens})}
+    # Each arm's drafter is built here and kept: its context indexes record a profile per round.
+    drafters = {arm: build_drafter(parts, cfg.mode, tree) for arm, tree in trees.items()}
+    engines = {arm: build_engine(parts, cfg.mode, tree, sizing=cfg.sizing, drafter=drafters[arm])
+               for arm, tree in trees.items()}
     profiles: dict[str, list[dict]] = {}
-    for arm, engine in engines.items():
-        profiles[arm] = engine.drafter.context.profile = []
+    for arm, drafter in drafters.items():
+        profiles[arm] = drafter.context.profile = []
     print(f"templated job: {cfg.rows} rows ({statistics.mean(map(len, prompts)):.0f} prompt tokens on average), "
           f"{cfg.max_new_tokens} new tokens, mode {cfg.mode}, batch {cfg.batch_size}, budget {cfg.budget}, "
           f"sizing {cfg.sizing}, T={cfg.temperature:g}, cache {cfg.cache_tokens} tokens"
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.temperature == 0:
         same = [a.token_ids == b.token_ids for a, b in zip(results["cache_off"], results["cache_on"])]
         agreement = sum(same) / len(same)
-    cache = engines["cache_on"].drafter.context.job_cache
+    cache = drafters["cache_on"].context.job_cache
     summary["cache_on"]["cache"] = {"documents": cache.num_documents, "tokens": len(cache),
                                     "evicted_documents": cache.evicted_documents, "memory_bytes": cache.memory_bytes}
     print_summary(summary, agreement)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +90,25 @@ class _Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt :]
+
+
+class _RoundClock:
+    """One round's record: times its stages (each charged to every live sequence's stats as it
+    ends) and holds what the sizer learns from the round."""
+
+    def __init__(self, engine: DecodingEngine, live: list[_Sequence]):
+        self.engine, self.live = engine, live
+        self.started = engine._now()
+        self.seconds: dict[str, float] = {}  # per stage timed here
+        self.model_seconds = 0.0  # the drafter's model (and its trees when it ran): `_draft`
+        self.verified_seconds = 0.0  # the verify forward until its verdict is on the host
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[float]:
+        """Time the block as stage `name`; yields its start (perf_counter seconds)."""
+        started = self.engine._now()
+        yield started
+        self.seconds[name] = self.seconds.get(name, 0.0) + self.engine._charge(self.live, name, started)
 
 
 class DecodingEngine:
@@ -192,6 +212,27 @@ class DecodingEngine:
             self._decode(waiting, limit, results)
         return results
 
+    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
+        """Load earlier outputs (token ids) into the job-level drafting state of the `kinds` named
+        ("job_ngram", "job_cache"), as if this engine had finished those rows (a drafter without
+        that state ignores them)."""
+        self.drafter.warm(documents, kinds)
+
+    def job_state(self) -> dict[str, tuple[int, int]]:
+        """What this engine learnt from finished rows, by kind ("job_ngram", "job_cache"): (tokens
+        held, bytes of memory). Empty when its drafter keeps no job-level state."""
+        return self.drafter.job_state()
+
+    def sizing_calibration(self) -> str | None:
+        """One line for a log: the cost model's measured forward costs and where trees stop paying
+        (`TreeSizer.calibration_line`); None when trees are not sized (`sizing: fixed`, `ar`)."""
+        return None if self.sizer is None else self.sizer.calibration_line()
+
+    def cost_model(self) -> dict | None:
+        """The cost model as it stands (measured latencies, calibrated acceptance, model and
+        overhead seconds: `TreeSizer.describe`), for a report; None when trees are not sized."""
+        return None if self.sizer is None else self.sizer.describe()
+
     def _result(self, seq: _Sequence) -> GenerationResult:
         seq.stats.wall_seconds = time.perf_counter() - seq.started
         seq.stats.num_generated_tokens = len(seq.generated)
@@ -275,49 +316,53 @@ class DecodingEngine:
             if not live:
                 continue
 
-            round_start = self._now()
-            trees, model_seconds, model_ran = self._draft(live, state)
-            t0 = self._now()
-            pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
-            batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
-                                         vocab_size=target.vocab_size, pad_to=pad_rows)
-            self._charge(live, "tree", t0)
+            clock = _RoundClock(self, live)
+            trees, clock.model_seconds, model_ran = self._draft(live, state)
+            with clock.stage("tree"):
+                pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
+                batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
+                                             vocab_size=target.vocab_size, pad_to=pad_rows)
+            with clock.stage("verify"):
+                deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
+                                                     and not s.params.logprobs for s in live)
+                out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred,
+                                    bucketed=self.bucketed)
+                block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
+                if deferred:  # the walk's vocabulary projections are part of verifying
+                    acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
+            with clock.stage("commit") as started:
+                if not deferred:
+                    acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.key for s in live],
+                                               [len(s.tokens) - s.num_prompt for s in live], _histories(live))
+                # The forward until its verdict is on the host: what the sizer learns the cost of (on a
+                # GPU without sync_timing, the verify stage alone would be the launch time only).
+                clock.verified_seconds = clock.seconds["verify"] + (self._now() - started if not deferred else 0.0)
+                if any(s.params.logprobs for s in live):
+                    for seq, lp in zip(live, committed_logprobs(trees, out.logits, acceptances,
+                                                                [s.params for s in live], _histories(live))):
+                        if lp is not None:
+                            seq.logprobs.append(lp)
+                for seq, tree, acc in zip(live, trees, acceptances):
+                    seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
+                                           accepted_sources(tree, acc.accepted), live=len(live), model_ran=model_ran)
+                    self._append(seq, acc.tokens.tolist())
+                rows = [acc.committed_rows.tolist() for acc in acceptances]
+                target.commit(state, block_start, rows)
+                self._finish_at_context_limit(live, state)
+            if not all(s.finish_reason for s in live):  # hand the drafter the rows just committed
+                with clock.stage("draft"):
+                    drafter.observe(CommittedBlock(taps=out.taps, rows=rows, tokens=[s.tokens for s in live]))
+            self._learn(clock, trees, acceptances, batch.batch_size * batch.seq_len, live)
 
-            t0 = self._now()
-            deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
-                                                 and not s.params.logprobs for s in live)
-            out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred,
-                                bucketed=self.bucketed)
-            block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
-            if deferred:  # the walk's vocabulary projections are part of verifying
-                acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
-            verify_seconds = self._charge(live, "verify", t0)
-
-            t0 = self._now()
-            if not deferred:
-                acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.key for s in live],
-                                           [len(s.tokens) - s.num_prompt for s in live], _histories(live))
-            # The forward until its verdict is on the host: what the sizer learns the cost of (on a
-            # GPU without sync_timing, `verify_seconds` alone would be the launch time only).
-            verified_seconds = verify_seconds + (self._now() - t0 if not deferred else 0.0)
-            if any(s.params.logprobs for s in live):
-                for seq, lp in zip(live, committed_logprobs(trees, out.logits, acceptances, [s.params for s in live],
-                                                            _histories(live))):
-                    if lp is not None:
-                        seq.logprobs.append(lp)
-            for seq, tree, acc in zip(live, trees, acceptances):
-                seq.stats.record_round(len(acc.accepted), tree.size, int(tree.depths.max(initial=0)),
-                                       accepted_sources(tree, acc.accepted), live=len(live), model_ran=model_ran)
-                self._append(seq, acc.tokens.tolist())
-            rows = [acc.committed_rows.tolist() for acc in acceptances]
-            target.commit(state, block_start, rows)
-            self._finish_at_context_limit(live, state)
-            self._charge(live, "commit", t0)
-            self._observe(live, out.taps, rows)
-            if self.sizer is not None:
-                self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
-                                   verified_seconds, bands=[s.params.band for s in live])
-                self.sizer.record_overhead(self._now() - round_start - verified_seconds - model_seconds)
+    def _learn(self, clock: _RoundClock, trees: list[DraftTree], acceptances: list[Acceptance], rows: int,
+               live: list[_Sequence]) -> None:
+        """The sizer's feedback from one round: what was accepted of its trees, what the verify
+        forward of `rows` rows cost, and the round's time outside the forward and the model."""
+        if self.sizer is None:
+            return
+        self.sizer.observe(trees, [acc.accepted for acc in acceptances], rows, clock.verified_seconds,
+                           bands=[s.params.band for s in live])
+        self.sizer.record_overhead(self._now() - clock.started - clock.verified_seconds - clock.model_seconds)
 
     def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
         """Prefill the groups' prompts (once per group: its sequences are completions of one
@@ -367,14 +412,6 @@ class DecodingEngine:
             drafter.observe(block)
         self._charge(joining, "draft", t0)
         return state
-
-    def _observe(self, live: list[_Sequence], taps: torch.Tensor, rows) -> None:
-        """Hand the drafter the rows just committed, unless every sequence is done."""
-        if all(s.finish_reason for s in live):
-            return
-        t0 = self._now()
-        self.drafter.observe(CommittedBlock(taps=taps, rows=rows, tokens=[s.tokens for s in live]))
-        self._charge(live, "draft", t0)
 
     def _draft(self, live: list[_Sequence], state) -> tuple[list[DraftTree], float, bool]:
         """This round's trees, the seconds the drafter's model took (0 when it did not run) and

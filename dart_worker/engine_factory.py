@@ -20,6 +20,7 @@ from typing import Any
 from dart_worker.calibration import deferral_pays, make_sizer
 from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.drafters import DrafterResources, drafter_spec
+from dart_worker.drafters.base import Drafter
 from dart_worker.engine import DecodingEngine
 from dart_worker.kernels import logits_for
 from dart_worker.shape_buckets import rows_buckets
@@ -71,7 +72,7 @@ def load_engine_parts(target: str, *, dtype: str = DEFAULT_DTYPE, device: str = 
 
 def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
                  defer_logits: bool | None = None, sizing: str = "fixed", batches=(1,),
-                 shapes: str | None = None) -> DecodingEngine:
+                 shapes: str | None = None, drafter: Drafter | None = None) -> DecodingEngine:
     """An engine decoding with the drafter registered as `mode`; ValueError if it needs a head and
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
     one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
@@ -80,9 +81,12 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     verify costs are measured at build for each live batch size in `batches`, once per machine and
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
-    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows."""
+    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows.
+    `drafter`: one the caller built with `build_drafter(parts, mode, tree)` and keeps a hand on (a
+    benchmark reading the drafter's own records; nothing reaches it through the engine); None:
+    built here."""
     tree = tree or TreeParams()  # checked when it was built
-    drafter = build_drafter(parts, mode, tree)
+    drafter = drafter or build_drafter(parts, mode, tree)
     if defer_logits is None:  # the device's strategy, its CPU measurement read from the cache
         defer_logits = logits_for(parts.target.device, lambda: deferral_pays(parts.target)) == "deferred"
     engine = DecodingEngine(parts.target, drafter, tokenizer=parts.tokenizer, eos_token_ids=parts.eos_token_ids,

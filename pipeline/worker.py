@@ -127,13 +127,14 @@ class GenerationWorker:
         warm = resolved.get("warm_documents")
         if warm:  # an earlier run's outputs, as if this worker had finished those rows itself
             kinds = ("job_ngram", "job_cache") if decoding.warm_job_cache else ("job_ngram",)
-            self.engine.drafter.warm(warm, kinds)
+            self.engine.warm(warm, kinds)
             log.info("worker %s warmed from %d rows of %s: %s", self.worker_name, len(warm), decoding.warm_from,
-                     self.engine.drafter.job_state())
+                     self.engine.job_state())
         log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode,
                  ", ".join(str(d) for d in devices))
-        if self.engine.sizer is not None:
-            log.info("worker %s tree sizing calibrated: %s", self.worker_name, self.engine.sizer.calibration_line())
+        calibration = self.engine.sizing_calibration()
+        if calibration is not None:
+            log.info("worker %s tree sizing calibrated: %s", self.worker_name, calibration)
 
     # ------------------------------------------------------------------ batch
 
@@ -176,7 +177,7 @@ class GenerationWorker:
         resources = self.cfg.resources
         record_batch(outputs, run_id=self.resolved["run_id"], worker=self.worker_name, mode=self.cfg.decoding.mode,
                      batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started,
-                     job_state=self.engine.drafter.job_state())
+                     job_state=self.engine.job_state())
         return result_rows_to_table(outputs)
 
     def _generate(self, requests: list) -> list[list[GenerationResult]]:

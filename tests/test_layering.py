@@ -28,6 +28,10 @@ FORBIDDEN = {
 }
 # Modules a Ray Data generation worker runs; none of them may pull in training code or jobs.
 WORKER_MODULES = ("pipeline.worker",)
+# An engine's parts: only the engine and the factory that wires them touch them; everything else
+# uses the engine's public methods (warm, job_state, sizing_calibration, cost_model).
+ENGINE_PARTS = ("drafter", "sizer")
+ENGINE_MODULES = ("dart_worker.engine", "dart_worker.engine_factory")
 
 
 def _module_files() -> dict[str, Path]:
@@ -223,3 +227,43 @@ def test_workers_import_no_training_code_and_no_jobs():
 def test_cycle_finder_finds_a_loop():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _part_accesses(source: str) -> Iterator[tuple[int, str]]:
+    """(line, code) for every use of an attribute named in ENGINE_PARTS on anything but `self`
+    (`engine.drafter`, `self.engine.sizer`, `engines[m].drafter`, `getattr(e, "sizer")`): outside
+    the engine modules no object of the project has such an attribute but an engine. A class's
+    own `self.drafter` is its own."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                yield node.lineno, ast.unparse(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_PARTS:
+            yield node.lineno, ast.unparse(node)
+
+
+def test_no_code_reaches_into_an_engines_parts():
+    """Outside dart_worker.engine and its factory, nothing reaches a drafter or a sizer through an
+    engine: the engine says what callers may ask of it (a worker warms it and reads its job state
+    through public methods), so its parts can change without touching the pipeline or benchmarks."""
+    found = []
+    for name, path in MODULES.items():
+        if path.suffix != ".py" or name in ENGINE_MODULES:
+            continue
+        for line, code in sorted(_part_accesses(path.read_text(encoding="utf-8"))):
+            found.append(f"{path.relative_to(REPO_ROOT)}:{line}: {code}")
+    assert not found, "reaches into an engine's parts (give DecodingEngine a public method):\n" + "\n".join(found)
+
+
+def test_part_access_finder_finds_the_ways_in():
+    source = """
+engine.drafter.warm(docs)
+self.engine.sizer.describe()
+engines["on"].drafter.context.job_cache
+getattr(engines.get(mode), "sizer", None)
+self.drafter.propose(tokens)
+drafter.job_ngram
+"""
+    assert sorted(line for line, _ in _part_accesses(source)) == [2, 3, 4, 5]

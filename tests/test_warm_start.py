@@ -42,10 +42,10 @@ def test_workers_start_with_the_earlier_runs_outputs(earlier_run, tmp_path):
     expected = [r["token_ids"] for r in rows]
     assert resolved["warm_documents"] == expected
     worker = GenerationWorker(to_dict(cfg), resolved)
-    state = worker.engine.drafter.job_state()
+    state = worker.engine.job_state()
     assert state["job_ngram"][0] == sum(map(len, expected)) and state["job_cache"][0] == 0  # default: n-gram only
     cfg.decoding.warm_job_cache = True
-    state = GenerationWorker(to_dict(cfg), resolved).engine.drafter.job_state()
+    state = GenerationWorker(to_dict(cfg), resolved).engine.job_state()
     assert all(tokens == sum(map(len, expected)) for tokens, _ in state.values())
 
     cfg.decoding.warm_rows = 2  # the first part's rows suffice: no more is read
