@@ -58,7 +58,12 @@ class JobFailed(RuntimeError):
     """
 
 
-_REMOTE_FAILURE = re.compile(r"^pipeline\.(?:storage\.StorageError|inputs\.InputError): (.+)$", re.MULTILINE)
+# The line a remote traceback ends with, named from the classes (a class that moves modules must
+# still be found: StorageError moved to dart_worker.url_filesystem and this pattern, spelled out,
+# stopped matching).
+_REMOTE_FAILURE = re.compile(
+    "^(?:" + "|".join(re.escape(f"{cls.__module__}.{cls.__qualname__}") for cls in (StorageError, InputError))
+    + r"): (.+)$", re.MULTILINE)
 
 
 def storage_failure(exc: BaseException) -> str | None:

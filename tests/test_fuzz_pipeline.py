@@ -189,6 +189,17 @@ def test_unreadable_input_is_a_startup_error(tmp_path, artifacts, flaky_ray, cap
     assert not list((tmp_path / "out").glob("part-*"))
 
 
+def test_remote_traceback_text_names_the_classes_where_they_live_now():
+    """Ray's UserCodeException carries only the traceback's text, whose last line names the error
+    class by module: found whatever module StorageError and InputError live in."""
+    from pipeline.inputs import InputError
+
+    for cls in (StorageError, InputError):
+        text = f"Traceback (most recent call last):\n  ...\n{cls.__module__}.{cls.__name__}: cannot read s3://b/x\n"
+        assert storage_failure(RuntimeError(text)) == "cannot read s3://b/x"
+    assert storage_failure(RuntimeError("builtins.ValueError: cannot read s3://b/x")) is None
+
+
 def test_write_failure_is_found_behind_rays_wrapping(flaky_ray):
     """The writer's StorageError reaches the driver only as text inside a UserCodeException."""
 
