@@ -38,7 +38,7 @@ from dart_train.corpus import (
 )
 from dart_worker.cache_dir import announce, build_atomically, cache_dir, write_text_atomically
 from dart_worker.default_target import default_tokenizer
-from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+from dart_worker.fingerprint import cached_tokenizer_fingerprint, file_fingerprint, tokenizer_fingerprint
 from dart_worker.loading import load_tokenizer
 from ngram_native.trie import TrieBuilder
 
@@ -337,15 +337,20 @@ def _build(
     return sidecar
 
 
-def default_trie_path() -> Path:
+def default_trie_path(tokenizer=None) -> Path:
     """The embedded default trie (ShareGPT train split, default tokenizer, order 3), cached.
 
     Built on first use (about a minute, with progress) under the cache dir, once per machine
     even when several processes ask at the same time; the name carries the tokenizer
     fingerprint, so a different default tokenizer never picks up a stale trie.
+
+    `tokenizer`: the default tokenizer (`default_tokenizer()`), when the caller has loaded it
+    already: loading Gemma-3's 262k-token tokenizer again costs ~7 s on a 2-core CPU, and a
+    drafting job's driver used to pay that plus an uncached fingerprint (~6 s) on every start
+    where an `ar` job pays neither.
     """
-    tokenizer = default_tokenizer()
-    fingerprint = tokenizer_fingerprint(tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
+    fingerprint = cached_tokenizer_fingerprint(tokenizer)
     order = BuildNgramConfig.order
     final = cache_dir("tries") / f"sharegpt-train-{order}gram-{fingerprint[:16]}.ngram"
 

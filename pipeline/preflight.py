@@ -65,7 +65,8 @@ def resolve_artifacts(cfg: PipelineConfig, run_id: str, *, create_output: bool =
         resolved["head_dir"] = head_spec  # as given: each node fetches or maps a URL or a release itself
         resolved["head_fingerprint"] = file_fingerprint(head_dir / "model.safetensors")
     if spec.needs_trie:
-        resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(cfg.model.trie, tokenizer)
+        resolved["trie_url"], resolved["trie_fingerprint"] = _resolve_trie(
+            cfg.model.trie, tokenizer, tokenizer_is_default=cfg.model.target == "default")
     if cfg.decoding.warm_from:
         resolved["warm_documents"] = _warm_documents(cfg.decoding.warm_from, cfg.decoding.warm_rows,
                                                      resolved["target_fingerprint"], tokenizer)
@@ -132,12 +133,14 @@ def _check_head_fits_target(head_dir: Path, target_dir: Path, tap_layers: list[i
         raise StartupError(f"model.draft_head {str(head_dir)!r}: {exc}") from None
 
 
-def _resolve_trie(spec: str | None, tokenizer) -> tuple[str, str]:
-    """The trie URL and its fingerprint (the payload checksum from its header)."""
+def _resolve_trie(spec: str | None, tokenizer, tokenizer_is_default: bool) -> tuple[str, str]:
+    """The trie URL and its fingerprint (the payload checksum from its header). The default trie
+    is named after the default tokenizer: the target's tokenizer is handed over when it is that one
+    (`tokenizer_is_default`), so it is not loaded twice."""
     if spec == "default":
         from dart_train.ngram_build import default_trie_path
 
-        spec = str(default_trie_path())
+        spec = str(default_trie_path(tokenizer if tokenizer_is_default else None))
     try:
         header = check_trie_url(spec, cached_tokenizer_fingerprint(tokenizer))
     except (OSError, ValueError, TrieUnavailableError) as exc:

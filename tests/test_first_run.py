@@ -101,3 +101,37 @@ def test_default_trie_build_announces_itself_once(fresh_cache, monkeypatch, caps
     assert str(path) in lines[0] and "model.trie=default" in lines[0] and "about a minute" in lines[0]
     ngram_build.default_trie_path()
     assert first_run_lines(capsys.readouterr().err) == []
+
+
+def test_a_drafting_jobs_driver_loads_and_fingerprints_the_default_tokenizer_once(fresh_cache, monkeypatch, tmp_path):
+    """The driver of a job on the default target with the default trie has the default tokenizer
+    loaded already: finding the trie must not load it again (~7 s for Gemma-3's vocabulary) nor
+    fingerprint it afresh on every start (~6 s); that was most of a drafting job's extra start-up
+    against an `ar` job (+14.9 s on a 2-core EPYC)."""
+    from transformers import AutoTokenizer
+
+    import dart_worker.fingerprint as fingerprint
+    from pipeline import preflight
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))  # from a directory, as the default's is
+    fingerprints = []
+    real_fingerprint = fingerprint.tokenizer_fingerprint
+    monkeypatch.setattr(fingerprint, "tokenizer_fingerprint", lambda t: fingerprints.append(t) or real_fingerprint(t))
+
+    def fake_build(cfg, tokenizer):
+        build_trie([np.arange(4, TINY_VOCAB, dtype=np.int32)], cfg.output, order=3, vocab_size=TINY_VOCAB,
+                   tokenizer_fingerprint=real_fingerprint(tokenizer))
+        Path(cfg.output + ".json").write_text("{}")
+
+    def no_second_load():
+        raise AssertionError("the default tokenizer was loaded again")
+
+    monkeypatch.setattr(ngram_build, "default_tokenizer", no_second_load)
+    monkeypatch.setattr(ngram_build, "build_ngram", fake_build)
+    first = preflight._resolve_trie("default", tokenizer, tokenizer_is_default=True)
+    assert len(fingerprints) == 1  # computed once, then read from the cache by the trie check
+    assert preflight._resolve_trie("default", tokenizer, tokenizer_is_default=True) == first
+    assert len(fingerprints) == 1  # the next start computes none
+    with pytest.raises(AssertionError, match="loaded again"):  # another target's tokenizer is not used
+        preflight._resolve_trie("default", tokenizer, tokenizer_is_default=False)
