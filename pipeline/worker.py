@@ -33,7 +33,7 @@ from dart_worker.sampling import SamplingParams, for_sample
 from pipeline.config import PipelineConfig, from_dict
 from pipeline.device_check import assigned_gpus
 from pipeline.metrics import record_batch
-from pipeline.ngram_store import acquire_trie
+from pipeline.ngram_store import acquire_trie, start_store
 from pipeline.outputs import result_rows_to_table, sample_key, storable_text
 from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
@@ -94,12 +94,43 @@ def target_mismatch(exc: BaseException) -> str | None:
     return None
 
 
+def _show_worker_logs() -> None:
+    """INFO lines of this package in a Ray worker's log (`ray logs`, the dashboard; the driver's
+    terminal too with Ray's default log_to_driver): a Ray worker process configures no logging, so
+    the worker's start-up breakdown and calibration lines were dropped. Leaves a process that has
+    configured logging itself (a driver, a test) alone."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        for name in ("pipeline", "dart_worker", "ngram_native"):
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+class _StartupClock:
+    """Seconds of each step of a worker's start-up, for the log line that says where it went
+    (a drafting job's start-up against an `ar` job's is one of the pipeline's measured goals)."""
+
+    def __init__(self):
+        self.started = self._last = time.perf_counter()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((step, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in self.laps)
+        return f"{time.perf_counter() - self.started:.1f} s ({steps})"
+
+
 class GenerationWorker:
     """Callable class for `Dataset.map_batches`: one engine per actor."""
 
     def __init__(self, config: dict[str, Any], resolved: dict[str, Any]):
         """`resolved` carries what the driver already fixed: the head dir, the trie URL and the
         artifact fingerprints stamped on every output row."""
+        _show_worker_logs()
+        clock = _StartupClock()
         self.cfg: PipelineConfig = from_dict(config)
         self.resolved = {k: v for k, v in resolved.items() if k not in ("warm_documents", "written_samples")}
         # A resumed run's input rows with some samples written: {row_key: (their n, written indices)}.
@@ -113,16 +144,22 @@ class GenerationWorker:
         check_target_fingerprint(model_cfg.target, resolved.get("target_fingerprint"))  # the driver's bytes
         # A worker holding several GPUs (resources.num_gpus_per_worker > 1) spreads its target over them.
         devices = worker_devices(device, gpus)
+        spec = drafter_spec(decoding.mode)
+        if spec.needs_trie:
+            start_store(resolved["trie_url"])  # the node's shared copy is placed while the target loads
         model, self.tokenizer = load_target(model_cfg.target, dtype=resolve_dtype(model_cfg.dtype, device),
                                             device=device, devices=devices if len(devices) > 1 else None)
-        spec = drafter_spec(decoding.mode)
+        clock.lap("target")
         trie = None
         if spec.needs_trie:
             trie = acquire_trie(resolved["trie_url"], cached_tokenizer_fingerprint(self.tokenizer))
+            clock.lap("trie")
         parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
+        clock.lap("head" if spec.needs_head else "adapter")
         live = self.cfg.resources.max_live or self.cfg.resources.batch_size
         self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing, batches=(1, live))
+        clock.lap("engine")  # with the verify-cost calibration when it is not cached yet
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         warm = resolved.get("warm_documents")
         if warm:  # an earlier run's outputs, as if this worker had finished those rows itself
@@ -130,7 +167,7 @@ class GenerationWorker:
             self.engine.warm(warm, kinds)
             log.info("worker %s warmed from %d rows of %s: %s", self.worker_name, len(warm), decoding.warm_from,
                      self.engine.job_state())
-        log.info("worker %s ready: mode %s on %s", self.worker_name, decoding.mode,
+        log.info("worker %s ready in %s: mode %s on %s", self.worker_name, clock, decoding.mode,
                  ", ".join(str(d) for d in devices))
         calibration = self.engine.sizing_calibration()
         if calibration is not None:

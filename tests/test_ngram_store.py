@@ -38,6 +38,7 @@ from pipeline.ngram_store import (
     list_ngram_stores,
     redact_url,
     shutdown_ngram_stores,
+    start_store,
     store_actor_name,
     store_file_name,
     sweep_orphans,
@@ -299,6 +300,11 @@ def test_without_ray_there_are_no_stores_to_list_or_stop():
     assert shutdown_ngram_stores() == 0
 
 
+def test_starting_a_store_early_is_a_no_op_without_ray_and_never_raises(tmp_path):
+    start_store(str(tmp_path / "missing.trie"))  # acquire_trie is what reports a bad trie
+    assert list_ngram_stores() == []
+
+
 # ----- a local two-node Ray cluster --------------------------------------------------------
 
 
@@ -365,7 +371,7 @@ def cluster(tmp_path_factory):
         fs = fsspec.filesystem("s3")
         fs.mkdir("tries")
         urls = {}
-        for name, seed in (("main", 0), ("second", 1), ("third", 2), ("fourth", 5)):
+        for name, seed in (("main", 0), ("second", 1), ("third", 2), ("fourth", 5), ("early", 6)):
             urls[name] = f"s3://tries/{name}.trie"
             fs.put_file(str(make_trie(tmp / f"{name}.trie", seed=seed, num_tokens=400_000)), urls[name])
         # Corrupt a trie of its own: a corrupt copy of "main" has main's header, hence main's
@@ -400,6 +406,9 @@ def _user_class():
         def acquire(self, url, fingerprint):
             self.trie = acquire_trie(url, fingerprint, timeout_s=60)
             return {"path": self.trie.path, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+        def start(self, url):
+            start_store(url)
 
         def try_acquire(self, url, fingerprint, timeout_s=60):
             start = time.monotonic()
@@ -489,6 +498,26 @@ def test_store_outlives_the_worker_that_created_it(cluster):
     assert second["pid"] != first["pid"] and second["path"] == first["path"]
     assert _store_answer(first["node"], url) == store_before  # same store process, same file
     ray.kill(successor)
+
+
+@pytest.mark.integration
+def test_a_store_started_early_is_placing_the_trie_before_the_worker_asks(cluster):
+    """A worker starts its node's store before loading its target (the store's process start and
+    copy overlap the load); the acquire that follows finds that store and its file."""
+    import ray
+
+    url = cluster["urls"]["early"]
+    key = check_trie_url(url).content_key
+    (user,) = _users("node_a", 1)
+    ray.get(user.start.remote(url), timeout=60)  # returns at once: nothing waits for the store
+    deadline = time.monotonic() + 60
+    while not (started := [n for n in list_ngram_stores() if n.endswith(key)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(started) == 1, started
+    got = ray.get(user.acquire.remote(url, FP), timeout=120)
+    assert store_actor_name(got["node"], key) == started[0]
+    assert got["path"] == _store_answer(got["node"], url)["path"]
+    ray.kill(user)
 
 
 @pytest.mark.integration
