@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dart_worker.projection import project
+from dart_worker.shape_buckets import context_bucket, rows_bucket
 from dart_worker.target import default_tap_layers
 from dart_worker.transfer import to_device, to_device_packed
 
@@ -343,6 +344,20 @@ class DraftKVCache:
         self._used = max(self._used, new_max_length)
         self.lengths = self.lengths + num_new
 
+    def widened(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys and values over the first `slots` slots (>= the used ones), the buffers grown if
+        needed: a bucketed read-out attends over a bucket's slots, the ones past a sequence's
+        length masked out as stale slots always are."""
+        if slots < self._used:
+            raise ValueError(f"cannot view {slots} slots of a cache using {self._used}")
+        if slots > self._key_buffer.shape[2]:
+            grown_keys = self._key_buffer.new_zeros(*self._key_buffer.shape[:2], slots, self._key_buffer.shape[3])
+            grown_values = torch.zeros_like(grown_keys)
+            grown_keys[:, :, : self._used] = self.keys
+            grown_values[:, :, : self._used] = self.values
+            self._key_buffer, self._value_buffer = grown_keys, grown_values
+        return self._key_buffer[:, :, :slots], self._value_buffer[:, :, :slots]
+
     def append_index(self, num_new: np.ndarray) -> np.ndarray:
         """[3, sum(num_new)] int64: (sequence, row of the new block, destination slot) per new row."""
         num_new = np.asarray(num_new, dtype=np.int64)
@@ -557,7 +572,8 @@ class DartDraftHead(nn.Module):
         return DraftKVCache(keys, keys.clone(), np.zeros(batch_size, dtype=np.int64))
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor, next_tokens, num_new, cache: DraftKVCache) -> torch.Tensor:
+    def propose(self, features: torch.Tensor, next_tokens, num_new, cache: DraftKVCache,
+                bucketed: bool = False) -> torch.Tensor:
         """Commit new rows to the cache and return float32 draft logits [B, D, draft_vocab_size].
 
         features [B, n, 3*H_t] and next_tokens [B, n] hold, for sequence b, num_new[b] real rows
@@ -565,12 +581,23 @@ class DartDraftHead(nn.Module):
         the result comes from b's last real row, rows 1..m from m MASK rows at the following
         positions. Works for prefill (n = prompt length) and decoding rounds alike.
 
+        `bucketed` (the `shapes` strategy, `dart_worker.kernels`: on CUDA): the block's rows are
+        padded to `shape_buckets.rows_bucket(n)` and the read-out attends over
+        `context_bucket(slots)` cache slots, so the head's forwards take a few shapes a CUDA
+        graph can capture instead of a new one every round; padding rows are ignored and padded
+        slots masked like any stale slot, so the logits are those of the exact shapes.
+
         next_tokens and num_new are host data (numpy arrays or lists: the engine's drafters pass
         them so, and they are checked and turned into positions on the host, then uploaded in
         one non-blocking copy); tensors are accepted too and read back first.
         """
         next_tokens, num_new = _host_ints(next_tokens), _host_ints(num_new)
         batch, n = self._check_inputs(features, next_tokens, num_new, cache)
+        if bucketed and rows_bucket(n) > n:
+            pad = rows_bucket(n) - n
+            features = F.pad(features, (0, 0, 0, pad))
+            next_tokens = np.pad(next_tokens, ((0, 0), (0, pad)))
+            n += pad
         cfg, attn, device, dtype = self.config, self.midlayer.self_attn, self.device, self.dtype
         m = cfg.draft_length
         real = np.arange(n)[None, :] < num_new[:, None]  # [B, n]
@@ -604,12 +631,14 @@ class DartDraftHead(nn.Module):
 
         # Every read-out row sees all committed slots of its sequence; MASK row i also sees MASK
         # rows 1..i (causal inside the block); nothing sees stale slots or later rows.
-        slots = torch.arange(cache.keys.shape[2], device=device)
+        cached_keys, cached_values = (cache.widened(context_bucket(cache.keys.shape[2])) if bucketed
+                                      else (cache.keys, cache.values))
+        slots = torch.arange(cached_keys.shape[2], device=device)
         committed = (slots[None, :] < lengths[:, None])[:, None, :].expand(batch, m + 1, -1)
         in_block = torch.ones(m + 1, m, dtype=torch.bool, device=device).tril(-1)
         allowed = torch.cat((committed, in_block[None].expand(batch, -1, -1)), dim=-1)[:, None]
-        out = attn.attend(queries, torch.cat((cache.keys, mask_keys), dim=2),
-                          torch.cat((cache.values, mask_values), dim=2), allowed)
+        out = attn.attend(queries, torch.cat((cached_keys, mask_keys), dim=2),
+                          torch.cat((cached_values, mask_values), dim=2), allowed)
         return self.logits(self.midlayer.feed_forward(out, residual))
 
     def _check_inputs(self, features: torch.Tensor, next_tokens: np.ndarray, num_new: np.ndarray,

@@ -118,7 +118,7 @@ def reference_logits(head: DartDraftHead, features: torch.Tensor, tokens: torch.
     return h @ w["lm_head.weight"].T
 
 
-def run_batched(head: DartDraftHead, streams, schedule, pad_with_garbage: bool = True):
+def run_batched(head: DartDraftHead, streams, schedule, pad_with_garbage: bool = True, bucketed: bool = False):
     """Run `propose` round by round; schedule[r][b] = rows sequence b commits in round r.
 
     Padding rows get NaN features and token -1: they must be ignored, not merely down-weighted.
@@ -136,12 +136,36 @@ def run_batched(head: DartDraftHead, streams, schedule, pad_with_garbage: bool =
             features[b, :count] = streams[b][0][done[b] : done[b] + count]
             tokens[b, :count] = streams[b][1][done[b] : done[b] + count]
             done[b] += count
-        results.append(head.propose(features, tokens, torch.tensor(counts), cache))
+        results.append(head.propose(features, tokens, torch.tensor(counts), cache, bucketed=bucketed))
     return results, cache
 
 
 # ----------------------------------------------------------------------------------------------
 # Exactness of the cache and of ragged batching.
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bucketed_shapes_give_the_exact_logits(family):
+    """The `bucketed` shapes strategy (CUDA) pads a round's rows to their bucket and attends over
+    a bucket of cache slots (growing the buffers past what is used): the logits and the cache's
+    contents are those of the exact shapes, over ragged rounds that cross several buckets."""
+    head = make_head(family)
+    schedule = [[30, 7, 1], [1, 3, 2], [40, 1, 5], [3, 60, 1], [1, 1, 1]]
+    streams = [random_stream(head, sum(r[b] for r in schedule), seed=b) for b in range(3)]
+    exact, exact_cache = run_batched(head, streams, schedule)
+    seen = []
+    attend = head.midlayer.self_attn.attend
+    head.midlayer.self_attn.attend = lambda q, k, v, allowed: seen.append(k.shape[2] - DRAFT_LENGTH) or attend(
+        q, k, v, allowed)
+    try:
+        bucketed, bucketed_cache = run_batched(head, streams, schedule, bucketed=True)
+    finally:
+        del head.midlayer.self_attn.attend
+    for got, expected in zip(bucketed, exact, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert bucketed_cache.lengths.tolist() == exact_cache.lengths.tolist()
+    torch.testing.assert_close(bucketed_cache.keys, exact_cache.keys)
+    assert seen == [64, 64, 96, 96, 96]  # cache slots read: context buckets, not the used slots
 
 
 @pytest.mark.parametrize("family", FAMILIES)

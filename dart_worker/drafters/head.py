@@ -19,6 +19,7 @@ import torch
 
 from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from dart_worker.kernels import shapes_for
 from dart_worker.transfer import to_device, to_host
 from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import (
@@ -52,6 +53,8 @@ class HeadDrafter(Drafter):
         self.cache = None
         self.logits: torch.Tensor | None = None  # [B, D, draft vocab] after the last catch-up
         self.paused = False
+        # The head's forwards in bucket shapes where the verify forward's are (CUDA: graphs).
+        self.bucketed = shapes_for(head.device) == "bucketed"
         # Per live sequence: features [n, F] and next tokens of rows the head has not read yet.
         self._pending_features: list[list[torch.Tensor]] = []
         self._pending_tokens: list[list[int]] = []
@@ -118,7 +121,7 @@ class HeadDrafter(Drafter):
         flat = torch.cat([f for per_sequence in self._pending_features for f in per_sequence])
         padded = flat.new_zeros(batch, width, flat.shape[-1])
         padded[where[0], where[1]] = flat
-        self.logits = self.head.propose(padded, next_tokens, np.asarray(counts), self.cache)
+        self.logits = self.head.propose(padded, next_tokens, np.asarray(counts), self.cache, bucketed=self.bucketed)
         self._pending_features = [[] for _ in range(batch)]
         self._pending_tokens = [[] for _ in range(batch)]
 
