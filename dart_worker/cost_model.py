@@ -40,6 +40,11 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the (scaled) exp(score) prior per b
 SCALE_WEIGHT = 2.0  # pseudo-nodes at the unscaled prior in a source's scale (AcceptanceModel)
 LATENCY_STEP = 0.3  # weight of one observation in the online latency refinement
 _MAX_PAUSE_ROUNDS = 32
+# Probing a model that keeps failing (the draft head at T=1, where its nodes are rarely accepted)
+# costs its forward every probe: at batch 16 on a 2-core EPYC 234 ms against a 380 ms step, so
+# probes every 32 rounds alone took 2-3% of decoding. From its second failure in a row, a model
+# pauses at least long enough that its probes take at most this share of the decoding time.
+PROBE_SHARE = 0.01
 
 
 def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
@@ -233,6 +238,7 @@ class TreeSizer:
     overhead_seconds: float = 0.0  # EMA of a round's time outside verify and model drafting
     _pause_left: int = 0
     _pause_length: int = 1
+    _failed_probes: int = 0  # the model's failures in a row (see `fit`)
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
     _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
@@ -266,6 +272,12 @@ class TreeSizer:
             return False
         return True
 
+    def probe_pause(self, batch: int) -> int:
+        """Rounds of plain steps at `batch` over which one probe of the model (its forward, at the
+        model's measured seconds) is PROBE_SHARE of the time."""
+        step = float(self.latency_for(batch).predict(np.array([batch]))[0]) + self.overhead_seconds
+        return int(np.ceil(self.model_seconds / (PROBE_SHARE * max(step, 1e-9))))
+
     def record_model_seconds(self, seconds: float) -> None:
         self.model_seconds = seconds if not self.model_seconds else 0.8 * self.model_seconds + 0.2 * seconds
 
@@ -297,6 +309,8 @@ class TreeSizer:
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
+        From the second failure in a row the pause is also at least `probe_pause(batch)` rounds,
+        so probing a model that keeps failing costs at most PROBE_SHARE of the decoding time.
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
@@ -316,10 +330,12 @@ class TreeSizer:
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
             if without >= with_model:
-                self._pause_left = self._pause_length
-                self._pause_length = min(2 * self._pause_length, _MAX_PAUSE_ROUNDS)
+                self._failed_probes += 1
+                floor = self.probe_pause(len(trees)) if self._failed_probes >= 2 else 0
+                self._pause_left = max(self._pause_length, floor)
+                self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))
             else:
-                self._pause_length = 1
+                self._pause_length, self._failed_probes = 1, 0
         self._last_fit = (gain - len(trees), seconds - self.overhead_seconds)
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.calibration import make_sizer
-from dart_worker.cost_model import AcceptanceModel, LatencyModel, TreeSizer, subtree
+from dart_worker.cost_model import PROBE_SHARE, AcceptanceModel, LatencyModel, TreeSizer, subtree
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import DDTreeDrafter
@@ -167,6 +167,32 @@ def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dea
         pauses.append(waited)
         dear.fit(confident, model_ran=True)
     assert pauses == [1, 2, 4, 8]
+
+
+def test_a_model_that_keeps_failing_is_probed_at_most_a_share_of_the_time():
+    """A dear model (a probe costs 3 plain steps) that never pays: its first pause is the usual one
+    round (a one-off miss of a model that usually pays costs little), then every pause is long
+    enough that probes take at most PROBE_SHARE of the time, until the doubling back-off is longer
+    still; one round where it pays resets both."""
+    confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
+    step = 0.05
+    dear = TreeSizer(LatencyModel([1, 2, 128], [step, 0.5, 30.0]), max_budget=16)
+    dear.record_model_seconds(3 * step)
+    floor = dear.probe_pause(1)
+    assert abs(floor - 3 / PROBE_SHARE) <= 1  # ~300 rounds: a probe of 3 steps is 1% of 300 steps
+    pauses = []
+    for _ in range(3):
+        dear.fit(confident, model_ran=True)
+        waited = 0
+        while not dear.model_wanted():
+            waited += 1
+        pauses.append(waited)
+    assert pauses == [1, floor, floor]
+    cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
+    cheap.record_model_seconds(3 * step)
+    cheap._failed_probes, cheap._pause_length = 5, 8
+    cheap.fit(confident, model_ran=True)  # free rows: the model's deep tree pays
+    assert cheap.model_wanted() and cheap._failed_probes == 0 and cheap._pause_length == 1
 
 
 def test_sizer_keeps_context_nodes_when_only_they_pay():
