@@ -309,12 +309,15 @@ class TreeSizer:
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
-        From the second failure in a row the pause is also at least `probe_pause(batch)` rounds,
-        so probing a model that keeps failing costs at most PROBE_SHARE of the decoding time.
+        From the second failure in a row where its nodes would not have paid even had the model
+        cost nothing (sampled text its head cannot predict), the pause is also at least
+        `probe_pause(batch)` rounds, so probing such a model costs at most PROBE_SHARE of the
+        decoding time; a model that fails on its cost alone (timed under load, or its first call)
+        keeps the short back-off, so it is measured again soon.
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
-        _, size, gain, seconds = self._best(trees, probs, 0.0)
+        free_rate, size, gain, seconds = self._best(trees, probs, 0.0)
         out = []
         for tree, p in zip(trees, probs):
             if tree.size <= size:
@@ -330,7 +333,10 @@ class TreeSizer:
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
             if without >= with_model:
-                self._failed_probes += 1
+                # Worthless even free: its nodes are not worth their rows (T=1), not merely dearer
+                # than they gain (a model timed under load or in its first, warming-up call).
+                worthless = without >= free_rate
+                self._failed_probes = self._failed_probes + 1 if worthless else 0
                 floor = self.probe_pause(len(trees)) if self._failed_probes >= 2 else 0
                 self._pause_left = max(self._pause_length, floor)
                 self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))

@@ -170,10 +170,10 @@ def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dea
 
 
 def test_a_model_that_keeps_failing_is_probed_at_most_a_share_of_the_time():
-    """A dear model (a probe costs 3 plain steps) that never pays: its first pause is the usual one
-    round (a one-off miss of a model that usually pays costs little), then every pause is long
-    enough that probes take at most PROBE_SHARE of the time, until the doubling back-off is longer
-    still; one round where it pays resets both."""
+    """A model (a probe costs 3 plain steps) whose nodes are not worth their rows: its first pause
+    is the usual one round (a one-off miss of a model that usually pays costs little), then every
+    pause is long enough that probes take at most PROBE_SHARE of the time, until the doubling
+    back-off is longer still; one round where it pays resets both."""
     confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
     step = 0.05
     dear = TreeSizer(LatencyModel([1, 2, 128], [step, 0.5, 30.0]), max_budget=16)
@@ -188,6 +188,18 @@ def test_a_model_that_keeps_failing_is_probed_at_most_a_share_of_the_time():
             waited += 1
         pauses.append(waited)
     assert pauses == [1, floor, floor]
+    # A model whose nodes would pay were it free, timed dear (under load, a first call): it fails on
+    # its cost alone and keeps the short back-off, so it is measured again soon.
+    free_rows = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
+    free_rows.record_model_seconds(100 * step)
+    pauses = []
+    for _ in range(3):
+        free_rows.fit(confident, model_ran=True)
+        waited = 0
+        while not free_rows.model_wanted():
+            waited += 1
+        pauses.append(waited)
+    assert pauses == [1, 2, 4]
     cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
     cheap.record_model_seconds(3 * step)
     cheap._failed_probes, cheap._pause_length = 5, 8
