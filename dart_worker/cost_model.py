@@ -238,7 +238,8 @@ class TreeSizer:
     overhead_seconds: float = 0.0  # EMA of a round's time outside verify and model drafting
     _pause_left: int = 0
     _pause_length: int = 1
-    _failed_probes: int = 0  # the model's failures in a row (see `fit`)
+    _failed_probes: int = 0  # the model's failures in a row on sampled rows (see `fit`)
+    _model_calls: int = 0
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
     _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
@@ -279,6 +280,12 @@ class TreeSizer:
         return int(np.ceil(self.model_seconds / (PROBE_SHARE * max(step, 1e-9))))
 
     def record_model_seconds(self, seconds: float) -> None:
+        """The model's seconds this round, into the EMA; its first call is left out: it pays one-time
+        costs (a 2-core EPYC under load: 727 ms where later calls took a fraction), and an EMA
+        starting there made a head that pays look dear for its first dozen rounds."""
+        self._model_calls += 1
+        if self._model_calls == 1:
+            return
         self.model_seconds = seconds if not self.model_seconds else 0.8 * self.model_seconds + 0.2 * seconds
 
     def record_overhead(self, seconds: float) -> None:
@@ -309,15 +316,13 @@ class TreeSizer:
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
-        From the second failure in a row where its nodes would not have paid even had the model
-        cost nothing (sampled text its head cannot predict), the pause is also at least
-        `probe_pause(batch)` rounds, so probing such a model costs at most PROBE_SHARE of the
-        decoding time; a model that fails on its cost alone (timed under load, or its first call)
-        keeps the short back-off, so it is measured again soon.
+        From the second failure in a row on a batch of sampled rows only (T > 0, where a head's
+        nodes are seldom accepted), the pause is also at least `probe_pause(batch)` rounds, so
+        probing a model that keeps failing there costs at most PROBE_SHARE of the decoding time.
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
-        free_rate, size, gain, seconds = self._best(trees, probs, 0.0)
+        _, size, gain, seconds = self._best(trees, probs, 0.0)
         out = []
         for tree, p in zip(trees, probs):
             if tree.size <= size:
@@ -333,10 +338,10 @@ class TreeSizer:
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
             if without >= with_model:
-                # Worthless even free: its nodes are not worth their rows (T=1), not merely dearer
-                # than they gain (a model timed under load or in its first, warming-up call).
-                worthless = without >= free_rate
-                self._failed_probes = self._failed_probes + 1 if worthless else 0
+                # Only sampled rows: greedy text is where a head is usually right and a miss is
+                # a passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
+                sampled = all(band != GREEDY for band in bands)
+                self._failed_probes = self._failed_probes + 1 if sampled else 0
                 floor = self.probe_pause(len(trees)) if self._failed_probes >= 2 else 0
                 self._pause_left = max(self._pause_length, floor)
                 self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))

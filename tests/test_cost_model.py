@@ -21,7 +21,7 @@ from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import DDTreeDrafter
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling import GREEDY, SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
@@ -169,49 +169,60 @@ def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dea
     assert pauses == [1, 2, 4, 8]
 
 
-def test_a_model_that_keeps_failing_is_probed_at_most_a_share_of_the_time():
-    """A model (a probe costs 3 plain steps) whose nodes are not worth their rows: its first pause
-    is the usual one round (a one-off miss of a model that usually pays costs little), then every
-    pause is long enough that probes take at most PROBE_SHARE of the time, until the doubling
-    back-off is longer still; one round where it pays resets both."""
+def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of_the_time():
+    """A model (a probe costs 3 plain steps) that does not pay on sampled rows: its first pause is
+    the usual one round, then every pause is long enough that probes take at most PROBE_SHARE of
+    the time (until the doubling back-off is longer still). On greedy rows the same failures keep
+    the short back-off (a head that is usually right there misses only passingly), and one round
+    where the model pays resets both."""
     confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
     step = 0.05
-    dear = TreeSizer(LatencyModel([1, 2, 128], [step, 0.5, 30.0]), max_budget=16)
-    dear.record_model_seconds(3 * step)
-    floor = dear.probe_pause(1)
+
+    def pauses_of(sizer, bands, count=3):
+        pauses = []
+        for _ in range(count):
+            sizer.fit(confident, model_ran=True, bands=bands)
+            waited = 0
+            while not sizer.model_wanted():
+                waited += 1
+            pauses.append(waited)
+        return pauses
+
+    def dear_sizer():
+        sizer = TreeSizer(LatencyModel([1, 2, 128], [step, 0.5, 30.0]), max_budget=16)
+        for _ in range(2):  # the first call (one-time costs) is left out of the model's seconds
+            sizer.record_model_seconds(3 * step)
+        return sizer
+
+    sampled = dear_sizer()
+    floor = sampled.probe_pause(1)
     assert abs(floor - 3 / PROBE_SHARE) <= 1  # ~300 rounds: a probe of 3 steps is 1% of 300 steps
-    pauses = []
-    for _ in range(3):
-        dear.fit(confident, model_ran=True)
-        waited = 0
-        while not dear.model_wanted():
-            waited += 1
-        pauses.append(waited)
-    assert pauses == [1, floor, floor]
-    # A model whose nodes would pay were it free, timed dear (under load, a first call): it fails on
-    # its cost alone and keeps the short back-off, so it is measured again soon.
-    free_rows = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
-    free_rows.record_model_seconds(100 * step)
-    pauses = []
-    for _ in range(3):
-        free_rows.fit(confident, model_ran=True)
-        waited = 0
-        while not free_rows.model_wanted():
-            waited += 1
-        pauses.append(waited)
-    assert pauses == [1, 2, 4]
+    assert pauses_of(sampled, ["1.0"]) == [1, floor, floor]
+    assert pauses_of(dear_sizer(), [GREEDY]) == [1, 2, 4]
+
     cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
-    cheap.record_model_seconds(3 * step)
+    for _ in range(2):
+        cheap.record_model_seconds(3 * step)
     cheap._failed_probes, cheap._pause_length = 5, 8
-    cheap.fit(confident, model_ran=True)  # free rows: the model's deep tree pays
+    cheap.fit(confident, model_ran=True, bands=["1.0"])  # free rows: the model's deep tree pays
     assert cheap.model_wanted() and cheap._failed_probes == 0 and cheap._pause_length == 1
+
+
+def test_the_models_first_call_is_left_out_of_its_seconds():
+    sizer = TreeSizer(LatencyModel([1, 128], [0.05, 0.1]), max_budget=16)
+    sizer.record_model_seconds(5.0)  # the first call: one-time costs, a whole prompt's rows
+    assert sizer.model_seconds == 0.0
+    sizer.record_model_seconds(0.02)
+    sizer.record_model_seconds(0.03)
+    assert sizer.model_seconds == pytest.approx(0.8 * 0.02 + 0.2 * 0.03)
 
 
 def test_sizer_keeps_context_nodes_when_only_they_pay():
     head_only = _chain([-3.0 - d for d in range(8)])
     context = _chain([-0.01 * (d + 1) for d in range(8)], SOURCE_CONTEXT)
     sizer = TreeSizer(LatencyModel([1, 2, 128], [0.1, 0.11, 2.0]), max_budget=8)
-    sizer.record_model_seconds(0.2)  # the head costs twice a step: not worth it for its nodes
+    for _ in range(2):  # (the first call is left out as warm-up)
+        sizer.record_model_seconds(0.2)  # the head costs twice a step: not worth it for its nodes
     merged = sizer.fit([context], model_ran=True)
     assert merged.trees[0].size >= 4 and set(merged.trees[0].sources.tolist()) == {SOURCE_CONTEXT}
     sizer.fit([head_only], model_ran=True)
