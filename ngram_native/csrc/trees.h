@@ -191,12 +191,12 @@ struct MergeScratch {
   TreeBatch out;                 // one sequence: tokens, parents, depths, scores (the keys)
   std::vector<uint8_t> sources;  // [out size], aligned with `out`
   // The union trie, in creation order (parents first).
-  std::vector<int32_t> token, parent, depth, lex_rank;
+  std::vector<int32_t> token, parent, depth;
   std::vector<double> best, key;
   std::vector<uint8_t> origin;
   std::vector<int32_t> table;   // open addressing: (parent, token) -> trie node, -1 = empty
   std::vector<int32_t> to_trie;  // input node -> trie node, for the tree being read
-  std::vector<int32_t> order, kept_index;
+  std::vector<int32_t> order, kept_index;  // scratch; kept node -> its index among the kept
   std::vector<RawNode> kept;
   CanonicalScratch canonical;
 };

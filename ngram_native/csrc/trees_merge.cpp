@@ -64,7 +64,7 @@ void add_tree(const TreeView& tree, MergeScratch& s, uint64_t mask) {
 void merge_trees(const TreeView& first, const TreeView& second, int64_t budget,
                  MergeScratch& s) {
   if (budget < 0) throw std::invalid_argument("budget must be >= 0, got " + std::to_string(budget));
-  for (auto* v : {&s.token, &s.parent, &s.depth, &s.lex_rank, &s.order, &s.kept_index}) v->clear();
+  for (auto* v : {&s.token, &s.parent, &s.depth, &s.order, &s.kept_index}) v->clear();
   s.best.clear();
   s.key.clear();
   s.origin.clear();
@@ -92,45 +92,40 @@ void merge_trees(const TreeView& first, const TreeView& second, int64_t budget,
     s.key[i] = (p >= 0 && s.key[p] < s.best[i]) ? s.key[p] : s.best[i];
   }
 
-  // lex_rank: a node's place among the paths of its depth in lexicographic order, built level by
-  // level from (parent's rank, token); (parent, token) is unique, so there are no ties.
-  s.order.resize(n);
-  for (int32_t i = 0; i < n; ++i) s.order[i] = i;
-  std::sort(s.order.begin(), s.order.end(), [&](int32_t a, int32_t b) {
-    return s.depth[a] != s.depth[b] ? s.depth[a] < s.depth[b] : a < b;
-  });
-  s.lex_rank.assign(n, 0);
-  for (int32_t begin = 0; begin < n;) {
-    int32_t end = begin;
-    while (end < n && s.depth[s.order[end]] == s.depth[s.order[begin]]) ++end;
-    auto parent_rank = [&](int32_t i) { return s.parent[i] < 0 ? -1 : s.lex_rank[s.parent[i]]; };
-    std::sort(s.order.begin() + begin, s.order.begin() + end, [&](int32_t a, int32_t b) {
-      const int32_t ra = parent_rank(a), rb = parent_rank(b);
-      return ra != rb ? ra < rb : s.token[a] < s.token[b];
-    });
-    for (int32_t g = begin; g < end; ++g) s.lex_rank[s.order[g]] = g - begin;
-    begin = end;
-  }
-
   // The best `budget` nodes by (key desc, depth asc, path asc): prefix-closed, since a parent's
-  // key is >= its child's and its depth smaller. Scores are never NaN, so this order is total.
+  // key is >= its child's and its depth smaller. Scores are never NaN and (parent, token) is
+  // unique, so this order is total and the kept set well defined; only the set is needed here.
   const int32_t keep = static_cast<int32_t>(std::min<int64_t>(budget, n));
-  auto better = [&](int32_t a, int32_t b) {
-    if (s.key[a] != s.key[b]) return s.key[a] > s.key[b];
-    if (s.depth[a] != s.depth[b]) return s.depth[a] < s.depth[b];
-    return s.lex_rank[a] < s.lex_rank[b];
-  };
-  std::partial_sort(s.order.begin(), s.order.begin() + keep, s.order.end(), better);
-  // Back to creation order (topological), numbering the kept nodes for their children.
-  std::sort(s.order.begin(), s.order.begin() + keep);
-  s.kept_index.assign(n, -1);
+  s.kept_index.assign(n, keep < n ? -1 : 0);  // 0: kept (numbered below), -1: left out
+  if (keep < n) {
+    // Paths of one depth, lexicographically: climb both to the children of a common parent.
+    auto path_less = [&](int32_t a, int32_t b) {
+      while (s.parent[a] != s.parent[b]) {
+        a = s.parent[a];
+        b = s.parent[b];
+      }
+      return s.token[a] < s.token[b];
+    };
+    auto better = [&](int32_t a, int32_t b) {
+      if (s.key[a] != s.key[b]) return s.key[a] > s.key[b];
+      if (s.depth[a] != s.depth[b]) return s.depth[a] < s.depth[b];
+      return path_less(a, b);
+    };
+    s.order.resize(n);
+    for (int32_t i = 0; i < n; ++i) s.order[i] = i;
+    std::nth_element(s.order.begin(), s.order.begin() + keep, s.order.end(), better);
+    for (int32_t j = 0; j < keep; ++j) s.kept_index[s.order[j]] = 0;
+  }
+  // The kept nodes in creation order (topological), numbered for their children.
+  s.order.clear();
   s.kept.reserve(keep);
-  for (int32_t j = 0; j < keep; ++j) {
-    const int32_t i = s.order[j];
+  for (int32_t i = 0; i < n; ++i) {
+    if (s.kept_index[i] < 0) continue;
     const int32_t p = s.parent[i];
     const int32_t kept_parent = p < 0 ? -1 : s.kept_index[p];
     if (p >= 0 && kept_parent < 0) throw std::logic_error("merge_trees: kept a node without its parent");
-    s.kept_index[i] = j;
+    s.kept_index[i] = static_cast<int32_t>(s.kept.size());
+    s.order.push_back(i);
     s.kept.push_back(RawNode{s.token[i], kept_parent, s.depth[i], s.key[i]});
   }
   // Canonical order: by depth, then parent's new index, then key desc, then token asc.
