@@ -2,7 +2,7 @@
 
 `merge_trees_reference` is the merge as it was first written (ngram_native/merge.py, before it
 moved to C++): paths as tuple-keyed dicts, every rule spelled out in a line or two. It is slow
-(about a hundred times the C++ per round), so it is kept only as the definition the C++
+(13-19 times the C++ per round, docs/benchmarks.md), so it is kept only as the definition the C++
 `ngram_native.trees.merge_trees` must equal exactly (tests/test_tree_merge.py) and as the
 baseline of its micro-benchmark (`python -m jobs.bench tree_merge`).
 """
