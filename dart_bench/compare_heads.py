@@ -104,7 +104,7 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
     from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.engine_factory import build_drafter
     from dart_worker.sampling import SamplingParams
-    from ngram_native.trees import TreeParams
+    from ngram_native.builders import TreeParams
 
     cells = [c for c in cells_of(cfg) if c.budget is not None]
     parts = load_parts(replace(cfg, head=heads[0]), {c.mode for c in cells})

@@ -42,8 +42,7 @@ from dart_bench.replay import (
     setting,
 )
 from dart_worker.drafters.base import Drafter
-from ngram_native.merge import merge_trees
-from ngram_native.trees import SOURCE_CONTEXT, DraftTree
+from ngram_native.trees import SOURCE_CONTEXT, DraftTree, merge_trees
 
 
 @dataclass

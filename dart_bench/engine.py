@@ -36,7 +36,8 @@ from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
 from dart_worker.kernels import shapes_for
 from dart_worker.sampling import SamplingParams, for_sample
-from ngram_native.trees import SOURCE_NAMES, TreeParams
+from ngram_native.builders import TreeParams
+from ngram_native.trees import SOURCE_NAMES
 
 HF_MODES = ("hf_greedy", "hf_prompt_lookup")
 FULL_LOGITS = "+full_logits"

@@ -226,7 +226,7 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
     from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_engine
     from dart_worker.sampling import SamplingParams
-    from ngram_native.trees import TreeParams
+    from ngram_native.builders import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)
     conditions = machine_conditions(threads)

@@ -356,7 +356,7 @@ def shared_memory(path: str, processes: int) -> dict[str, Any]:
 
 
 def run(cfg: BenchNgramConfig) -> dict[str, Any]:
-    from ngram_native.trees import build_chain_trees, build_dart_trees, build_ddtree_trees
+    from ngram_native.builders import build_chain_trees, build_dart_trees, build_ddtree_trees
     from ngram_native.trie import NgramTrie
 
     rng = np.random.default_rng(cfg.seed)

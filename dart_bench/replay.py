@@ -20,7 +20,7 @@ from typing import Any
 
 from dart_bench.common import TargetBenchConfig, load_parts, select_prompts
 from dart_worker.sampling import SamplingParams
-from ngram_native.trees import InvalidTreeParams, TreeParams
+from ngram_native.builders import InvalidTreeParams, TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
 KNOBS = {"top_k": int, "beam_width": int, "depth_decay": float, "draft_decay": float, "ngram_weight": float}

@@ -32,7 +32,8 @@ from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_drafter, build_engine
 from dart_worker.prompt_format import format_user_prompt
 from dart_worker.sampling import SamplingParams
-from ngram_native.trees import SOURCE_NAMES, TreeParams
+from ngram_native.builders import TreeParams
+from ngram_native.trees import SOURCE_NAMES
 
 DEFAULT_TEMPLATE = ("Write a product listing for a {0} in the {1} category. Use exactly this format:\n"
                     "Name: <name>\nCategory: {1}\nPrice: <price in dollars>\nDescription: <two sentences>\n"

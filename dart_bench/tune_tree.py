@@ -46,7 +46,7 @@ from dart_bench.replay import (
     reply_sampling,
     setting,
 )
-from ngram_native.trees import TreeParams
+from ngram_native.builders import TreeParams
 
 # The grid searched when the config names none (a `grid` given replaces it whole).
 DEFAULT_GRID = {

@@ -501,7 +501,7 @@ def evaluate_tau(checkpoint: Path, model, tokenizer, cfg: TrainConfig, adapter_c
     from dart_train.replay import mean_tau, replay, target_references
     from dart_worker.drafters import drafter_spec
     from dart_worker.engine_factory import EngineParts, build_drafter
-    from ngram_native.trees import TreeParams
+    from ngram_native.builders import TreeParams
 
     ev = cfg.eval
     if ev.tau_prompts <= 0:

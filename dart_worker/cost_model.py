@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dart_worker.sampling import GREEDY
-from ngram_native.trees import SOURCE_HEAD, DraftTree
+from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
 
 # Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
 SCORE_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.15,
@@ -45,22 +45,6 @@ _MAX_PAUSE_ROUNDS = 32
 # probes every 32 rounds alone took 2-3% of decoding. From its second failure in a row, a model
 # pauses at least long enough that its probes take at most this share of the decoding time.
 PROBE_SHARE = 0.01
-
-
-def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
-    """The nodes where `keep` (bool [N]) is set, which must be prefix-closed, in canonical order.
-
-    A subset of a canonical tree, in its original order, is canonical: depths stay sorted,
-    parents keep their relative order and siblings their score order.
-    """
-    if keep.all():
-        return tree
-    new_index = np.cumsum(keep) - 1
-    parents = tree.parents[keep]
-    remapped = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
-    return DraftTree(tree.tokens[keep], remapped, tree.depths[keep],
-                     None if tree.scores is None else tree.scores[keep],
-                     None if tree.sources is None else tree.sources[keep])
 
 
 class LatencyModel:

@@ -9,7 +9,7 @@ that docs/config.md states them.
 
 from __future__ import annotations
 
-from ngram_native.trees import DEFAULT_BUDGET
+from ngram_native.builders import DEFAULT_BUDGET
 
 # A registered drafter (dart_worker/drafters/registry.py lists them all): the DART head + trie tree
 # with the request's own text grafted in, the fastest mode measured (docs/benchmarks.md).

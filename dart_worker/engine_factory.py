@@ -25,7 +25,7 @@ from dart_worker.engine import DecodingEngine
 from dart_worker.kernels import logits_for
 from dart_worker.shape_buckets import rows_buckets
 from dart_worker.target import TargetAdapter
-from ngram_native.trees import TreeParams
+from ngram_native.builders import TreeParams
 
 
 def eos_ids_of(model, tokenizer=None) -> tuple[int, ...]:

@@ -14,69 +14,21 @@ row has a padding row as an ancestor).
 
 Everything is built on the host with numpy (trees are small: N <= ~64, called every round)
 and moved to the device in one non-blocking copy (`transfer.to_device_packed`). This is where
-trees enter the engine, so it is also the one place they are checked (`check_tree`): a broken
-drafter fails loudly here, and nothing downstream (verification, KV compaction) checks them again.
+trees enter the engine, so it is also the one place they are checked
+(`ngram_native.trees.check_tree`, the structural level): a broken drafter fails loudly here, and
+nothing downstream (verification, KV compaction) checks them again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from dart_worker.transfer import to_device_packed
-from ngram_native.trees import ancestor_masks
-
-
-class TreeLike(Protocol):
-    """What the engine needs of a draft tree (ngram_native.trees.DraftTree satisfies it).
-
-    Arrays of length N in topological order: parents[i] < i, -1 for a child of the root;
-    depths are 1-based (a child of the root has depth 1).
-    """
-
-    tokens: np.ndarray
-    parents: np.ndarray
-    depths: np.ndarray
-
-
-def check_tree(tree: TreeLike, *, vocab_size: int | None = None, name: str = "tree") -> int:
-    """Validate the tree invariants the verifier relies on; returns the node count N.
-
-    Raises ValueError naming the first offending node, so a broken tree builder fails loudly
-    instead of producing a silently wrong mask or walk.
-    """
-    tokens, parents, depths = np.asarray(tree.tokens), np.asarray(tree.parents), np.asarray(tree.depths)
-    for label, arr in (("tokens", tokens), ("parents", parents), ("depths", depths)):
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"{name}.{label} must be a 1-D integer array, got {arr.dtype} shape {arr.shape}")
-    n = tokens.shape[0]
-    if parents.shape[0] != n or depths.shape[0] != n:
-        raise ValueError(
-            f"{name}: tokens/parents/depths lengths differ: {n}/{parents.shape[0]}/{depths.shape[0]}"
-        )
-    if n == 0:
-        return 0
-    # Called for every tree of every round: whole-array checks first, details only on failure.
-    topological = (parents >= -1) & (parents < np.arange(n))
-    if not topological.all():
-        i = int(np.argmin(topological))
-        raise ValueError(
-            f"{name}: node {i} has parent {int(parents[i])}; need -1 <= parent < {i} (topological)"
-        )
-    expected_depth = depths[parents] + 1  # parent -1 reads the last entry; fixed on the next line
-    expected_depth[parents < 0] = 1
-    depth_ok = depths == expected_depth
-    if not depth_ok.all():
-        i = int(np.argmin(depth_ok))
-        raise ValueError(f"{name}: node {i} has depth {int(depths[i])}, expected {int(expected_depth[i])}")
-    if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
-        i = int(np.argmax((tokens < 0) | (tokens >= (vocab_size if vocab_size is not None else np.inf))))
-        raise ValueError(f"{name}: node {i} has token {int(tokens[i])} outside [0, {vocab_size or 'inf'})")
-    return n
+from ngram_native.trees import TreeLike, ancestor_masks, check_tree
 
 
 @dataclass(frozen=True)

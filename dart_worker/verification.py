@@ -62,8 +62,7 @@ from dart_worker.sampling import (
     warp_logits_to_probs,
 )
 from dart_worker.transfer import to_device, to_host
-from dart_worker.tree_batch import TreeLike, check_tree
-from ngram_native.trees import SOURCE_COPIED, children
+from ngram_native.trees import SOURCE_COPIED, TreeLike, check_tree, children
 
 # Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
 # anything further off means non-finite or otherwise broken logits.

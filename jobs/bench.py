@@ -37,6 +37,7 @@ KINDS = {
     "context_bound": ("context_bound", "the most any context drafter could add, tau by replay"),
     "compare_heads": ("compare_heads", "draft heads side by side: dev accuracy, replay tau, decoding"),
     "teacher_cache": ("teacher_cache", "training throughput live vs from the teacher cache"),
+    "tree_merge": ("tree_merge", "the per-round tree merge (hybrid modes): C++ vs its Python definition"),
 }
 
 

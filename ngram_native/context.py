@@ -43,9 +43,8 @@ from typing import Any
 import numpy as np
 
 from ngram_native import _core
-from ngram_native.trees import (
+from ngram_native.builders import (
     DEFAULT_BUDGET,
-    DraftTree,
     TreeParams,
     _check_int,
     _document_array,
@@ -54,6 +53,7 @@ from ngram_native.trees import (
     _split,
     _token_array,
 )
+from ngram_native.trees import DraftTree
 
 # The lookup knobs users set live in TreeParams (the `decoding.tree` config section).
 DEFAULT_MIN_MATCH = TreeParams.lookup_min_match

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ngram_native import _core
-from ngram_native.trees import NgramScorer, _check_int, _document_array, _token_array
+from ngram_native.builders import NgramScorer, _check_int, _document_array, _token_array
 
 MAX_ORDER = 6  # csrc/job_ngram.h kMaxOrder
 MAX_TOKENS = 1 << 28

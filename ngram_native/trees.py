@@ -1,54 +1,43 @@
-"""Draft trees for tree speculative decoding: DART n-gram beam search, DDTree, chain.
+"""The draft tree of tree speculative decoding, and every operation on it.
 
-Every builder turns per-position draft scores of a batch into one `DraftTree` per
-sequence, in a single shared representation: flat arrays in canonical order - by depth,
-then by parent index, then siblings by score descending (ties: token id ascending). So the
-arrays are topological, each node's children are contiguous and siblings come in proposal
-order, which is the order a verifier tries them in. The root (the last committed token) is
-not a node: its children have parent -1 and depth 1. Masks, positions and walk tables are
-all derived from these arrays (`ancestor_mask`, `position_offsets`, `children`).
+One type, `DraftTree`, carries every draft of every drafter, from the builders
+(`ngram_native.builders`: DART, DDTree, chain; `ngram_native.context`: lookup trees) to the
+engine's verify block. It is flat arrays in canonical order - by depth, then by parent index,
+then siblings by score descending (ties: token id ascending) - so the arrays are topological,
+each node's children are contiguous and siblings come in proposal order, which is the order a
+verifier tries them in. The root (the last committed token) is not a node: its children have
+parent -1 and depth 1.
 
-Draft scores come in one of two forms:
+Everything that reads or reshapes a tree is here, so that the tree's invariants are written
+down once, next to the code that relies on them:
 
-- ``logits``: float [B, D, V], one row of logits per draft position (C++ picks the top-k
-  per row with one scan). Convenient, but every row costs an O(V) pass.
-- ``topk_ids`` int [B, D, K] with ``topk_values`` float [B, D, K]: pre-selected
-  candidates (logits or log-probs), e.g. from ``torch.topk`` on the device. This is the
-  hot-path form (the first two positional arguments of every builder): nothing of size V
-  crosses into C++. The order within a row does not matter; ids must be distinct within a
-  row.
+- `check_tree`: the one validator (the engine's structural check on every tree it is handed,
+  and the full canonical check of `DraftTree.validate` that the tests run);
+- `ancestor_mask(s)`, `position_offsets`, `children`: the attention mask, positions and walk
+  table every verify derives from the arrays;
+- `subtree`: a prefix-closed cut (the tree sizer's);
+- `merge_trees` and `graft`: two trees of one root as one (the hybrid modes and the lookup
+  drafters' job cache), in C++ because it runs per sequence per round.
 
-Every builder also takes `eos_ids` (nodes carrying one get no children), `budget` (nodes
-per tree, root excluded) and `max_depths` (a per-sequence depth limit, e.g. the tokens a
-sequence may still generate). Bad input raises ValueError/TypeError naming the offending
-argument (and position, for NaN, +inf, out-of-range or duplicate ids).
-
-The builders run in C++ with the GIL released; after the first call on a thread they
-allocate nothing per tree except the output arrays.
-
-    trees = build_dart_trees(ids, values, contexts, trie, budget=60, eos_ids=[eos])
-    tree = trees[0]
+    tree.validate()
     mask = tree.ancestor_mask()          # [N + 1, N + 1], index 0 = root
     positions = start + tree.position_offsets()
     child = tree.find_child(-1, token)   # verification walk from the root
+    both = merge_trees(model_tree, lookup_tree, budget=60)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Protocol
 
 import numpy as np
 
 from ngram_native import _core
-
-NgramScorer = _core.NgramScorer
 
 # Where a draft node came from (bit flags; a node two sources proposed carries both), so the
 # engine can report how many accepted tokens each source contributed.
@@ -59,9 +48,18 @@ SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE
 # Sources that copy earlier text: accepted in long runs, unlike a head's one-level-at-a-time drafts
 # (the deferred greedy walk projects ahead through them).
 SOURCE_COPIED = SOURCE_CONTEXT | SOURCE_JOB_CACHE
-ValuesKind = Literal["logits", "logprobs"]
 
-_INT32_LIMIT = 2**31
+
+class TreeLike(Protocol):
+    """What the engine needs of a draft tree (`DraftTree` satisfies it).
+
+    Arrays of length N in topological order: parents[i] < i, -1 for a child of the root;
+    depths are 1-based (a child of the root has depth 1).
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,39 +86,10 @@ class DraftTree:
         """Number of nodes N (the root is not counted)."""
         return int(self.tokens.shape[0])
 
-    def validate(self) -> None:
-        """Raise ValueError unless this is a well-formed tree in canonical order.
-
-        Checks dtypes and lengths, parents point backwards, depth = parent depth + 1,
-        nodes sorted by depth then parent, distinct tokens among siblings, and (if scores
-        are present) siblings by score descending, ties by token id ascending.
-        """
-        t, p, d = self.tokens, self.parents, self.depths
-        for name, a in (("tokens", t), ("parents", p), ("depths", d)):
-            if a.ndim != 1 or a.dtype != np.int32:
-                raise ValueError(f"{name} must be a 1-D int32 array, got {a.dtype} shape {a.shape}")
-            if a.shape != t.shape:
-                raise ValueError(f"{name} has {a.shape[0]} entries, tokens has {t.shape[0]}")
-        n = self.size
-        if n == 0:
-            return
-        _first_bad("tokens must be >= 0", t < 0)
-        _first_bad("parents must be -1 or an earlier index", (p < -1) | (p >= np.arange(n)))
-        parent_depth = np.where(p >= 0, d[np.maximum(p, 0)], 0)
-        _first_bad("depth must be parent depth + 1", d != parent_depth + 1)
-        _first_bad("nodes must be sorted by depth", np.diff(d) < 0, offset=1)
-        same_depth = d[1:] == d[:-1]
-        _first_bad("nodes of one depth must be sorted by parent", same_depth & (p[1:] < p[:-1]), offset=1)
-        pair = (p.astype(np.int64) + 1) * _INT32_LIMIT + t
-        if np.unique(pair).shape[0] != n:
-            raise ValueError("two siblings carry the same token")
-        if self.scores is not None:
-            s = self.scores
-            if s.shape != t.shape:
-                raise ValueError(f"scores has shape {s.shape}, tokens {t.shape}")
-            siblings = p[1:] == p[:-1]
-            in_order = (s[:-1] > s[1:]) | ((s[:-1] == s[1:]) & (t[:-1] < t[1:]))
-            _first_bad("siblings must be sorted by score desc, then token asc", siblings & ~in_order, offset=1)
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError unless this is a well-formed tree in canonical order
+        (`check_tree(self, canonical=True)`)."""
+        check_tree(self, canonical=True, vocab_size=vocab_size)
 
     @cached_property
     def _children(self) -> tuple[np.ndarray, np.ndarray]:
@@ -158,130 +127,84 @@ class DraftTree:
         return position_offsets(self.depths)
 
 
-def _first_bad(message: str, bad: np.ndarray, offset: int = 0) -> None:
-    hits = np.flatnonzero(bad)
-    if hits.shape[0]:
-        raise ValueError(f"node {int(hits[0]) + offset}: {message}")
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
 
 
-_NATIVE_DEFAULTS = _core.DartParams()
-# Draft nodes per tree (root excluded) wherever none is given: the C++ reference value, so every
-# builder, `TreeParams` and the jobs share one number (dart_worker.defaults re-exports it).
-DEFAULT_BUDGET = _NATIVE_DEFAULTS.budget
+def check_tree(tree: TreeLike, *, canonical: bool = False, vocab_size: int | None = None,
+               name: str = "tree") -> int:
+    """Validate `tree` and return its node count N; raise ValueError naming the first offender.
 
+    Always - the invariants masks, positions and verification walks rely on, which the engine
+    checks once per tree as it builds the verify block (`dart_worker.tree_batch`), so that a
+    broken drafter fails loudly there instead of yielding a silently wrong mask or walk:
+    tokens, parents, depths are 1-D integer arrays of one length; parents[i] is -1 or an
+    earlier index; depth = parent's depth + 1 (1 under the root); tokens lie in
+    [0, vocab_size) (or are >= 0 without a vocab_size).
 
-class InvalidTreeParams(ValueError):
-    """A `TreeParams` with bad fields, raised as it is built (a config loads, `TreeParams(...)`,
-    `dataclasses.replace`). `problems` lists every bad field as (name, what is wrong); the message
-    names them all."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        super().__init__(problems)
-        self.problems = problems
-
-    def __str__(self) -> str:
-        return "; ".join(f"{name} {message}" for name, message in self.problems)
-
-
-class TreeParamsTypeError(InvalidTreeParams, TypeError):
-    """An `InvalidTreeParams` where some field has the wrong type (a count that is no integer)."""
-
-
-@dataclass(frozen=True)
-class TreeParams:
-    """How draft trees are built: one typed object from the config to the C++ builders.
-
-    The DART defaults are those of the C++ `trees::DartParams` (the DART reference
-    implementation), read from the extension, so they are written down once. `budget` and
-    `max_depth` apply to every builder, `top_k` to DART and DDTree, `lookup_*` to the context
-    lookup trees (`ngram_native.context`), the rest to DART's n-gram beam search only.
-
-    Checked once, when built: bad fields raise `InvalidTreeParams` naming each of them, so an
-    instance is always usable and nothing downstream checks it again. The fields marked
-    *expert* in docs/config.md (`keep_pruned`, `prune`, `ngram_first_level`) exist for the
-    reference tests and for studies; the shipped configs leave them alone.
+    With `canonical` - what every builder and `merge_trees` promise (`DraftTree.validate`):
+    int32 arrays; nodes sorted by depth, then by parent; distinct tokens among siblings;
+    scores and sources, where present, one per node; siblings by score descending, ties by
+    token id ascending.
     """
-
-    budget: int = DEFAULT_BUDGET  # draft nodes per tree, root excluded
-    top_k: int = _NATIVE_DEFAULTS.top_k  # candidates per draft position
-    beam_width: int = _NATIVE_DEFAULTS.beam_width  # beam nodes kept per level
-    depth_decay: float = _NATIVE_DEFAULTS.depth_decay  # level weight (l + 1) ** -depth_decay
-    draft_decay: float = _NATIVE_DEFAULTS.draft_decay  # draft log-prob weight decay per level
-    ngram_weight: float = _NATIVE_DEFAULTS.ngram_weight  # weight of the n-gram log-prob
-    max_depth: int | None = None  # deepest draft level; None = every position the drafter predicts
-    # Expert (docs/config.md): the reference's choices, switched only by tests and studies.
-    keep_pruned: bool = _NATIVE_DEFAULTS.keep_pruned  # beam-pruned children may still be leaves
-    prune: bool = _NATIVE_DEFAULTS.prune  # skip provably hopeless children (exact; False for tests)
-    ngram_first_level: bool = _NATIVE_DEFAULTS.ngram_first_level  # n-gram term at depth 1 too (reference: no)
-    # Context lookup (the `lookup` drafter and the hybrids; ngram_native.context):
-    lookup_min_match: int = 2  # shortest suffix match worth drafting from (transformers uses 2)
-    lookup_depth_factor: float = 4.0  # draft depth <= factor x match length (SuffixDecoding's rule)
-    lookup_max_occurrences: int = 32  # most recent earlier occurrences that vote on the continuation
-    # The job-level cache (ngram_native.context.JobCache) of the lookup drafters: earlier rows'
-    # finished outputs, one cache per worker; its token budget (oldest rows evicted first), 0 = off.
-    lookup_cache_tokens: int = 262144
-    lookup_cache_prompts: bool = False  # also cache each finished row's prompt (before its output)
-    # The job n-gram (ngram_native.job_ngram.JobNgram) of DART's beam: the n-gram counts of the
-    # worker's finished outputs, mixed into the static trie's estimate; its token budget (oldest
-    # rows evicted first), 0 = off; its order; its prior (the job context count at which job and
-    # trie weigh the same).
-    job_ngram_tokens: int = 262144
-    job_ngram_order: int = 4
-    job_ngram_prior: float = 4.0
-
-    def __post_init__(self) -> None:
-        bad = _problems(self)
-        if bad:
-            wrong_type = any(message.startswith("must be an integer") for _, message in bad)
-            raise (TreeParamsTypeError if wrong_type else InvalidTreeParams)(bad)
-
-    def to_native(self) -> _core.DartParams:
-        """The C++ struct the DART builder reads."""
-        native = _core.DartParams()
-        for name in ("budget", "top_k", "beam_width"):
-            setattr(native, name, int(getattr(self, name)))
-        for name in ("depth_decay", "draft_decay", "ngram_weight"):
-            setattr(native, name, float(getattr(self, name)))
-        native.keep_pruned, native.prune = bool(self.keep_pruned), bool(self.prune)
-        native.ngram_first_level = bool(self.ngram_first_level)
-        return native
+    tokens, parents, depths = np.asarray(tree.tokens), np.asarray(tree.parents), np.asarray(tree.depths)
+    for label, arr in (("tokens", tokens), ("parents", parents), ("depths", depths)):
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"{name}.{label} must be a 1-D integer array, got {arr.dtype} shape {arr.shape}")
+        if canonical and arr.dtype != np.int32:
+            raise ValueError(f"{name}.{label} must be a 1-D int32 array, got {arr.dtype}")
+    n = tokens.shape[0]
+    if parents.shape[0] != n or depths.shape[0] != n:
+        raise ValueError(
+            f"{name}: tokens/parents/depths lengths differ: {n}/{parents.shape[0]}/{depths.shape[0]}"
+        )
+    scores = getattr(tree, "scores", None) if canonical else None
+    if canonical:
+        for label in ("scores", "sources"):
+            extra = getattr(tree, label, None)
+            if extra is not None and np.shape(extra) != (n,):
+                raise ValueError(f"{name}.{label} has shape {np.shape(extra)}, tokens ({n},)")
+    if n == 0:
+        return 0
+    # Called for every tree of every round: whole-array checks first, details only on failure.
+    topological = (parents >= -1) & (parents < np.arange(n))
+    if not topological.all():
+        i = int(np.argmin(topological))
+        raise ValueError(
+            f"{name}: node {i} has parent {int(parents[i])}; need -1 <= parent < {i} (an earlier index)"
+        )
+    expected_depth = depths[parents] + 1  # parent -1 reads the last entry; fixed on the next line
+    expected_depth[parents < 0] = 1
+    depth_ok = depths == expected_depth
+    if not depth_ok.all():
+        i = int(np.argmin(depth_ok))
+        raise ValueError(f"{name}: node {i} has depth {int(depths[i])}, expected {int(expected_depth[i])} "
+                         "(parent depth + 1)")
+    if tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size):
+        i = int(np.argmax((tokens < 0) | (tokens >= (vocab_size if vocab_size is not None else np.inf))))
+        raise ValueError(f"{name}: node {i} has token {int(tokens[i])} outside [0, {vocab_size or 'inf'})")
+    if canonical:
+        _check_canonical_order(tokens, parents, depths, scores, name)
+    return n
 
 
-def _problems(params: TreeParams) -> list[tuple[str, str]]:
-    """Every invalid field of `params` as (name, what is wrong); empty when they are usable."""
-    out = []
-    for name, minimum in (("budget", 0), ("top_k", 1), ("beam_width", 1), ("lookup_min_match", 1),
-                          ("lookup_max_occurrences", 1), ("lookup_cache_tokens", 0),
-                          ("job_ngram_tokens", 0), ("job_ngram_order", 1)):
-        value = getattr(params, name)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            out.append((name, f"must be an integer, got {type(value).__name__}"))
-        elif value < minimum:
-            out.append((name, f"must be >= {minimum}, got {value}"))
-    for name, minimum in (("depth_decay", None), ("draft_decay", 0.0), ("ngram_weight", 0.0),
-                          ("job_ngram_prior", 0.0)):
-        value = getattr(params, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
-                or not math.isfinite(float(value)):
-            out.append((name, f"must be finite, got {value!r}"))
-        elif minimum is not None and value < minimum:
-            out.append((name, f"must be >= {minimum}, got {value}"))
-    factor = params.lookup_depth_factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) \
-            or not math.isfinite(float(factor)) or factor <= 0:
-        out.append(("lookup_depth_factor", f"must be finite and > 0, got {factor!r}"))
-    if isinstance(params.lookup_cache_tokens, (int, np.integer)) and params.lookup_cache_tokens > 2**28:
-        out.append(("lookup_cache_tokens", f"must be <= 2**28 (268435456), got {params.lookup_cache_tokens}"))
-    if isinstance(params.job_ngram_tokens, (int, np.integer)) and params.job_ngram_tokens > 2**28:
-        out.append(("job_ngram_tokens", f"must be <= 2**28 (268435456), got {params.job_ngram_tokens}"))
-    if isinstance(params.job_ngram_order, (int, np.integer)) and params.job_ngram_order > 6:
-        out.append(("job_ngram_order", f"must be <= 6, got {params.job_ngram_order}"))
-    if not isinstance(params.lookup_cache_prompts, (bool, np.bool_)):
-        out.append(("lookup_cache_prompts", f"must be true or false, got {params.lookup_cache_prompts!r}"))
-    depth = params.max_depth
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
-        out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))
-    return out
+def _check_canonical_order(t: np.ndarray, p: np.ndarray, d: np.ndarray, s: np.ndarray | None, name: str) -> None:
+    def first_bad(message: str, bad: np.ndarray) -> None:
+        hits = np.flatnonzero(bad)
+        if hits.shape[0]:
+            raise ValueError(f"{name}: node {int(hits[0]) + 1} {message}")
+
+    first_bad("breaks the order: nodes must be sorted by depth", np.diff(d) < 0)
+    first_bad("breaks the order: nodes of one depth must be sorted by parent", (d[1:] == d[:-1]) & (p[1:] < p[:-1]))
+    pair = (p.astype(np.int64) + 1) * 2**32 + t
+    if np.unique(pair).shape[0] != t.shape[0]:
+        raise ValueError(f"{name}: two siblings carry the same token")
+    if s is not None:
+        s = np.asarray(s)
+        in_order = (s[:-1] > s[1:]) | ((s[:-1] == s[1:]) & (t[:-1] < t[1:]))
+        first_bad("breaks the order: siblings must be sorted by score desc, then token asc",
+                  (p[1:] == p[:-1]) & ~in_order)
 
 
 # ---------------------------------------------------------------------------------------
@@ -365,304 +288,62 @@ def children(parents: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarra
     return offsets, child_idx
 
 
-def ngram_probs(
-    scorer: NgramScorer, context: Sequence[int] | np.ndarray, candidates: Sequence[int] | np.ndarray
-) -> np.ndarray:
-    """The scorer's DART estimate q(t | context) for every candidate t (float32).
-
-    Only the last n - 1 context tokens matter. Exposed for debugging and for the
-    pure-Python references in the tests.
-    """
-    ctx = _token_array(context, "context", None)
-    cand = _token_array(candidates, "candidates", None)
-    return _core._ngram_probs(scorer, ctx, cand)
-
-
 # ---------------------------------------------------------------------------------------
-# Builders
+# Cutting and merging trees
 # ---------------------------------------------------------------------------------------
 
 
-def build_dart_trees(
-    topk_ids: np.ndarray | None = None,
-    topk_values: np.ndarray | None = None,
-    contexts: Sequence[Sequence[int] | np.ndarray] | None = None,
-    scorer: NgramScorer | None = None,
-    *,
-    logits: np.ndarray | None = None,
-    params: TreeParams | None = None,
-    eos_ids: int | Iterable[int] = (),
-    max_depths: Sequence[int] | np.ndarray | None = None,
-    vocab_size: int | None = None,
-    **overrides,
-) -> list[DraftTree]:
-    """DART n-gram-guided beam search (arXiv 2601.19278); defaults = the reference code.
+def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The nodes where `keep` (bool [N]) is set, which must be prefix-closed, in canonical order.
 
-    Per draft position l (0-based; node depth l + 1) the best `top_k` candidates get
-    p_l = softmax over those k values only. A child t of beam node u scores
-        score(u) + (l + 1)**-depth_decay * (draft_decay**l * ln(p_l(t) + 1e-10)
-                                           + ngram_weight * ln(q(t | ctx) + 1e-10)),
-    where q comes from `scorer` with ctx = the last n - 1 tokens of (committed context +
-    path to u, u included). Level 0 has no n-gram term, nor does any level when `scorer` is
-    None. Each level keeps `beam_width` children (non-EOS first, then by score); EOS nodes
-    are never expanded. The tree holds the best `budget` nodes over all levels - of every
-    scored child when `keep_pruned` (as the reference does), else of the beam-kept ones -
-    ranked by min(score, parent's rank key) so that the result is always prefix-closed.
-
-    Args:
-        topk_ids, topk_values: pre-selected candidates [B, D, K]; values may be logits or
-            log-probs (the softmax over the k is the same). Or pass `logits` [B, D, V].
-        contexts: B sequences of committed token ids (the root token last); only the last
-            n - 1 are read. Required when `scorer` is given, ignored otherwise.
-        scorer: an N-gram model (e.g. an `NgramTrie`), or None for draft scores alone.
-        params: a `TreeParams` (default: the reference values); keyword `overrides` replace
-            its fields (``budget=16``). budget >= 0 nodes per tree (root excluded); top_k >= 1
-            candidates per position (clamped to V or K); beam_width >= 1; depth_decay,
-            draft_decay, ngram_weight: the weights above (the decay and the n-gram weight must
-            be >= 0, so scores never grow along a path beyond rounding); keep_pruned: whether
-            children cut from the beam may still enter the tree as leaves; prune: skip children
-            that provably cannot enter the tree (their best possible score, with q = 1, is
-            below the budget-th best key found so far) - exact, the tree is the same either
-            way, and it avoids most N-gram queries (False is for testing). `max_depth` is
-            ignored here: per-sequence limits come in `max_depths`.
-        eos_ids: token id(s) that end a sequence; such nodes get no children.
-        max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree), e.g.
-            the tokens a sequence may still generate. Rows past the limit are not read.
-        vocab_size: optional bound for top-k ids and context ids (dense logits imply V).
+    A subset of a canonical tree, in its original order, is canonical: depths stay sorted,
+    parents keep their relative order and siblings their score order.
     """
-    values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
-    params = params or TreeParams()
-    if overrides:
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TreeParams)})
-        if unknown:
-            raise TypeError(f"unknown tree parameter(s) {unknown}")
-        params = dataclasses.replace(params, **overrides)  # checked as it is built
-    batch = values.shape[0]
-    ctx_tokens = ctx_offsets = None
-    if scorer is not None:
-        if contexts is None:
-            raise ValueError("contexts are required with a scorer (use [] for an empty context)")
-        order = _core._scorer_order(scorer)
-        ctx_tokens, ctx_offsets = _pack_contexts(contexts, batch, max(order - 1, 0), vocab)
-    elif contexts is not None and len(contexts) != batch:
-        raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
-    out = _core._build_dart(
-        values, ids, vocab if vocab is not None else -1, ctx_tokens, ctx_offsets, scorer,
-        _eos_array(eos_ids), _max_depths(max_depths, batch), params.to_native(),
-    )  # fmt: skip
-    return _split(*out)
+    if keep.all():
+        return tree
+    new_index = np.cumsum(keep) - 1
+    parents = tree.parents[keep]
+    remapped = np.where(parents >= 0, new_index[np.maximum(parents, 0)], -1).astype(np.int32)
+    return DraftTree(tree.tokens[keep], remapped, tree.depths[keep],
+                     None if tree.scores is None else tree.scores[keep],
+                     None if tree.sources is None else tree.sources[keep])
 
 
-def build_ddtree_trees(
-    topk_ids: np.ndarray | None = None,
-    topk_values: np.ndarray | None = None,
-    *,
-    logits: np.ndarray | None = None,
-    values: ValuesKind = "logprobs",
-    budget: int = DEFAULT_BUDGET,
-    top_k: int | None = None,
-    eos_ids: int | Iterable[int] = (),
-    max_depths: Sequence[int] | np.ndarray | None = None,
-    vocab_size: int | None = None,
-) -> list[DraftTree]:
-    """DDTree best-first tree (arXiv 2604.12989): the `budget` most likely draft prefixes.
+def graft(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """`second` grafted into `first` (`merge_trees`); either alone, uncut, when the other is empty."""
+    if not second.size:
+        return first
+    if not first.size:
+        return second
+    return merge_trees(first, second, budget)
 
-    A path's score is the sum of its per-position log-probabilities: `topk_values` as given
-    when values="logprobs" (the default: e.g. ``log_softmax(logits).topk(k)``; they must be
-    <= 0, positives up to 1e-4 are taken as rounding noise and clamped), a log-softmax over
-    the K values when values="logits", or a log-softmax over the full vocabulary for dense
-    `logits`. A heap pops the best frontier node and pushes its next sibling and its first
-    child (none for EOS nodes or at the depth limit), which yields exactly the top-`budget`
-    prefixes under (score desc, depth asc, candidate ranks along the path asc).
 
-    Args:
-        topk_ids, topk_values: pre-selected candidates [B, D, K]. Or pass `logits` [B, D, V].
-        values: "logprobs" or "logits": what `topk_values` hold (ignored for dense logits).
-        budget: number of nodes per tree (root excluded), >= 0.
-        top_k: candidates per position; None = all K, or min(budget, V) for dense logits
-            (enough for an exact best-first tree over the whole vocabulary).
-        eos_ids: token id(s) whose nodes get no children.
-        max_depths: optional per-sequence depth limit (<= D is used; 0 = empty tree).
-        vocab_size: optional bound for top-k ids.
+def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """The best `budget` nodes of the union of two trees of the same root, in canonical order.
+
+    A model drafter (DART, DDTree) is strong where the text is new, context lookup where it
+    repeats; merging the lookup tree into the model's lets one verification try both. The trees
+    are merged as tries (a path both hold becomes one node: no duplicate siblings); a node's
+    score is the best either tree gave its path (a tree without scores counts 0, which ranks
+    first) and its `sources` bits are OR-ed (none: 0). Ranked by key = min(score, parent's
+    key) - keys never grow along a path - then depth, then the path's tokens, the best `budget`
+    nodes form a prefix-closed tree, whose scores are those keys. Both kinds of builder score on
+    a log scale <= 0 (path log-probabilities, ln(count / occurrences), DART's weighted
+    log-scores), so comparing them is a heuristic, not a calibrated probability.
+
+    In C++ with the GIL released (it runs per sequence per round); tests/tree_reference.py holds
+    the pure-Python definition it is tested against. Raises ValueError for budget < 0, NaN
+    scores, or parents that are not -1 or an earlier index.
     """
-    draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
-    _check_int("budget", budget, 0)
-    if top_k is not None:
-        _check_int("top_k", top_k, 1)
-    out = _core._build_ddtree(
-        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids),
-        _max_depths(max_depths, draft_values.shape[0]), 0 if top_k is None else top_k, budget,
-        _values_are_logprobs(values),
-    )  # fmt: skip
-    return _split(*out)
+    budget = operator.index(budget)
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    tokens, parents, depths, scores, sources = _core._merge_trees(
+        *_merge_input(first), *_merge_input(second), min(budget, first.size + second.size))
+    return DraftTree(tokens, parents, depths, scores, sources)
 
 
-def build_chain_trees(
-    topk_ids: np.ndarray | None = None,
-    topk_values: np.ndarray | None = None,
-    *,
-    logits: np.ndarray | None = None,
-    values: ValuesKind = "logits",
-    budget: int = DEFAULT_BUDGET,
-    eos_ids: int | Iterable[int] = (),
-    max_depths: Sequence[int] | np.ndarray | None = None,
-    vocab_size: int | None = None,
-) -> list[DraftTree]:
-    """A chain of the top-1 candidate per position (plain speculative decoding).
-
-    Depth <= min(D, budget, max_depths[b]); the chain stops after an EOS token. Scores are
-    cumulative log-probs as in `build_ddtree_trees` (log-softmax over the K given values
-    for values="logits", so with K = 1 they are all 0; dense logits pay one O(V) exp pass
-    per row for them). The chain itself does not depend on `values`.
-    """
-    draft_values, ids, vocab = _draft_input(logits, topk_ids, topk_values, vocab_size)
-    _check_int("budget", budget, 0)
-    out = _core._build_chain(
-        draft_values, ids, vocab if vocab is not None else -1, _eos_array(eos_ids),
-        _max_depths(max_depths, draft_values.shape[0]), budget, _values_are_logprobs(values),
-    )  # fmt: skip
-    return _split(*out)
-
-
-# ---------------------------------------------------------------------------------------
-# Input checking and conversion
-# ---------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value: int, minimum: int) -> None:
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-
-
-def _check_float(name: str, value: float, minimum: float | None = None) -> None:
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-
-
-def _values_are_logprobs(values: str) -> bool:
-    if values not in ("logits", "logprobs"):
-        raise ValueError(f'values must be "logits" or "logprobs", got {values!r}')
-    return values == "logprobs"
-
-
-def _float_array(x: object, name: str) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype.kind not in "fiu":
-        raise ValueError(f"{name} must hold real numbers, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
-
-
-def _document_array(tokens: object, what: str, vocab: int | None) -> np.ndarray:
-    """One finished document for a job-level index (`what` names it in errors): 1-D, at least one
-    token id, each in [0, vocab) - as contiguous int32."""
-    a = np.asarray(tokens)
-    if a.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {a.shape}")
-    if a.shape[0] == 0:
-        raise ValueError(f"a {what} document needs at least one token")
-    return _token_array(a, "tokens", vocab)
-
-
-def _token_array(x: object, name: str, vocab: int | None) -> np.ndarray:
-    """Integer ids -> contiguous int32, checking 0 <= id < vocab (or < 2**31)."""
-    a = np.asarray(x)
-    if a.size == 0:  # np.asarray([]) is float64: any dtype is fine when there are no ids
-        return np.zeros(a.shape, dtype=np.int32)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integer token ids, got dtype {a.dtype}")
-    limit = _INT32_LIMIT if vocab is None else vocab
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi >= limit:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds token id {bad} outside [0, {limit})")
-    return np.ascontiguousarray(a, dtype=np.int32)
-
-
-def _draft_input(
-    logits: np.ndarray | None,
-    topk_ids: np.ndarray | None,
-    topk_values: np.ndarray | None,
-    vocab_size: int | None,
-) -> tuple[np.ndarray, np.ndarray | None, int | None]:
-    """Validate either form of draft scores -> (values f32, ids i32 or None, vocab)."""
-    if vocab_size is not None:
-        _check_int("vocab_size", vocab_size, 1)
-    if logits is not None:
-        if topk_ids is not None or topk_values is not None:
-            raise ValueError("pass either logits or topk_ids + topk_values, not both")
-        values = _float_array(logits, "logits")
-        if values.ndim != 3:
-            raise ValueError(f"logits must be [B, D, V], got shape {values.shape}")
-        if vocab_size is not None and vocab_size != values.shape[2]:
-            raise ValueError(f"vocab_size {vocab_size} differs from the logits' V = {values.shape[2]}")
-        ids = None
-        vocab = values.shape[2]
-    else:
-        if topk_ids is None or topk_values is None:
-            raise ValueError("pass logits [B, D, V], or both topk_ids and topk_values [B, D, K]")
-        values = _float_array(topk_values, "topk_values")
-        if values.ndim != 3:
-            raise ValueError(f"topk_values must be [B, D, K], got shape {values.shape}")
-        id_shape = np.shape(topk_ids)
-        if id_shape != values.shape:
-            raise ValueError(f"topk_ids shape {id_shape} differs from topk_values shape {values.shape}")
-        ids = _token_array(topk_ids, "topk_ids", vocab_size)
-        vocab = vocab_size
-    if values.shape[1] < 1:
-        raise ValueError(f"need D >= 1 draft positions, got shape {values.shape}")
-    if values.shape[2] < 1:
-        raise ValueError(f"need at least one candidate per position, got shape {values.shape}")
-    return values, ids, vocab
-
-
-def _pack_contexts(
-    contexts: Sequence[Sequence[int] | np.ndarray], batch: int, width: int, vocab: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Cut each context to its last `width` tokens and concatenate -> (tokens, offsets)."""
-    if len(contexts) != batch:
-        raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
-    tails = []
-    for b, c in enumerate(contexts):
-        tail = np.asarray(c[max(len(c) - width, 0) :] if width else c[:0])  # cut before converting
-        if tail.ndim != 1:
-            raise ValueError(f"contexts[{b}] must be 1-D, got shape {np.shape(c)}")
-        tails.append(_token_array(tail, f"contexts[{b}]", vocab))
-    offsets = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum([t.shape[0] for t in tails], out=offsets[1:])
-    tokens = np.concatenate(tails) if tails else np.zeros(0, dtype=np.int32)
-    return tokens, offsets
-
-
-def _max_depths(max_depths: Sequence[int] | np.ndarray | None, batch: int) -> np.ndarray | None:
-    if max_depths is None:
-        return None
-    a = np.asarray(max_depths)
-    if a.shape != (batch,) or (batch and a.dtype.kind not in "iu"):
-        raise ValueError(f"max_depths must be {batch} integers, got dtype {a.dtype} shape {a.shape}")
-    if batch and a.min() < 0:
-        raise ValueError(f"max_depths must be >= 0, got {int(a.min())}")
-    return np.ascontiguousarray(a, dtype=np.int64)
-
-
-def _eos_array(eos_ids: int | Iterable[int] | None) -> np.ndarray:
-    if eos_ids is None:
-        return np.zeros(0, dtype=np.int32)
-    ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)
-    return _token_array(np.asarray(ids, dtype=np.int64), "eos_ids", None)
-
-
-def _split(
-    tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray, offsets: np.ndarray
-) -> list[DraftTree]:
-    """Concatenated batch output -> one read-only DraftTree (array views) per sequence."""
-    for a in (tokens, parents, depths, scores):
-        a.flags.writeable = False
-    bounds = offsets.tolist()
-    return [DraftTree(tokens[s:e], parents[s:e], depths[s:e], scores[s:e]) for s, e in itertools.pairwise(bounds)]
+def _merge_input(tree: DraftTree) -> tuple:
+    return (np.ascontiguousarray(tree.tokens, dtype=np.int32), np.ascontiguousarray(tree.parents, dtype=np.int32),
+            None if tree.scores is None else np.ascontiguousarray(tree.scores, dtype=np.float64),
+            None if tree.sources is None else np.ascontiguousarray(tree.sources, dtype=np.uint8))

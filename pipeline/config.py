@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
-from ngram_native.trees import InvalidTreeParams, TreeParams
+from ngram_native.builders import InvalidTreeParams, TreeParams
 from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
 
 T = TypeVar("T")

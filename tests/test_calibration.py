@@ -106,7 +106,7 @@ def test_a_second_start_measures_nothing(cache, monkeypatch):
     the logits decision again, even if that measurement would now come out the other way (load
     elsewhere): the decision keys the curves, so a flip would mean calibrating at every start."""
     from dart_worker.engine_factory import EngineParts, build_engine
-    from ngram_native.trees import TreeParams
+    from ngram_native.builders import TreeParams
 
     measured, decided = [], []
     real_measure, real_decide = calibration.measure, TargetAdapter.deferred_logits_pay

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.calibration import make_sizer
-from dart_worker.cost_model import PROBE_SHARE, AcceptanceModel, LatencyModel, TreeSizer, subtree
+from dart_worker.cost_model import PROBE_SHARE, AcceptanceModel, LatencyModel, TreeSizer
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import DDTreeDrafter
@@ -24,7 +24,7 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import GREEDY, SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
-from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, subtree
 from tests.tiny_models import tiny_model
 
 VOCAB = 32

@@ -22,7 +22,7 @@ from dart_worker.stats import STAT_COLUMNS, RequestStats
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, InvalidTreeParams, TreeParams
 from ngram_native import _core as native
-from ngram_native import trees as tree_module
+from ngram_native import builders as builders_module
 from pipeline.config import ConfigError, load_config
 from pipeline.outputs import OUTPUT_SCHEMA
 from tests.tiny_models import tiny_model
@@ -193,7 +193,7 @@ def test_tree_params_are_not_checked_again_per_round(monkeypatch):
     parts = EngineParts(target=TargetAdapter(model), head=head, eos_token_ids=(2,))
     engines = {mode: build_engine(parts, mode, TreeParams(budget=6, top_k=4)) for mode in ("dart", "dart_lookup")}
     checks = []
-    monkeypatch.setattr(tree_module, "_problems", lambda params: checks.append(params) or [])
+    monkeypatch.setattr(builders_module, "_problems", lambda params: checks.append(params) or [])
     for engine in engines.values():
         results = engine.generate(prompts(seed=3), SamplingParams(temperature=0.0, max_new_tokens=12))
         assert all(r.stats.mean_tree_size > 0 for r in results)

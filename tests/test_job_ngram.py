@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native import _core, build_dart_trees
+from ngram_native.builders import ngram_probs
 from ngram_native.job_ngram import JobNgram
-from ngram_native.trees import ngram_probs
 
 
 def live_documents(docs: list[list[int]], max_tokens: int) -> list[list[int]]:

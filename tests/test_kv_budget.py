@@ -9,7 +9,7 @@ from dart_worker.kv_budget import kv_budget, kv_bytes_per_token
 from dart_worker.random_models import SHAPES
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
-from ngram_native.trees import TreeParams
+from ngram_native.builders import TreeParams
 from tests.tiny_models import tiny_model
 
 

@@ -18,8 +18,7 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
-from ngram_native.merge import merge_trees
-from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, merge_trees
 from pipeline.config import load_config
 from tests.tiny_models import FAMILIES, tiny_model
 
@@ -124,13 +123,11 @@ def test_hybrid_drafters_equal_ar_greedy(mode):
 
 def _tree(paths: list[list[int]]) -> DraftTree:
     """A canonical tree holding these root paths (scores 0: a lookup tree's ties)."""
-    from ngram_native.merge import merge_trees as merge
-
     out = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
     for path in paths:
         chain = DraftTree(np.array(path, np.int32), np.arange(-1, len(path) - 1, dtype=np.int32),
                           np.arange(1, len(path) + 1, dtype=np.int32), np.zeros(len(path)))
-        out = chain if not out.size else merge(out, chain, budget=100)
+        out = chain if not out.size else merge_trees(out, chain, budget=100)
     return out
 
 

@@ -6,20 +6,14 @@ node; padding must never change what a real row computes.
 
 from __future__ import annotations
 
-from collections import namedtuple
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.tree_batch import TreeBatch, check_tree
-
-try:  # the shared tree type, once ngram_native/trees.py exists
-    from ngram_native.trees import DraftTree as _DraftTree
-except ImportError:  # pragma: no cover - stand-in with the same three arrays
-    _DraftTree = namedtuple("_DraftTree", "tokens parents depths")
+from dart_worker.tree_batch import TreeBatch
+from ngram_native.trees import DraftTree, ancestor_mask, check_tree
 
 
 def make_tree(tokens, parents):
@@ -28,7 +22,7 @@ def make_tree(tokens, parents):
     depths = np.zeros(len(parents), dtype=np.int32)
     for i, p in enumerate(parents):
         depths[i] = 1 if p < 0 else depths[p] + 1
-    return _DraftTree(tokens=np.asarray(tokens, dtype=np.int32), parents=parents, depths=depths)
+    return DraftTree(tokens=np.asarray(tokens, dtype=np.int32), parents=parents, depths=depths)
 
 
 def random_tree(rng: np.random.Generator, vocab: int, max_depth: int, max_children: int,
@@ -109,12 +103,11 @@ def test_batch_matches_naive_ancestor_relation(tree_list, extra_pad, data):
 
 
 def test_matches_ngram_native_ancestor_mask():
-    trees_mod = pytest.importorskip("ngram_native.trees")
     rng = np.random.default_rng(0)
     for _ in range(20):
         tree = random_tree(rng, vocab=10, max_depth=4, max_children=3)
         batch = TreeBatch.from_trees([1], [tree], "cpu")
-        np.testing.assert_array_equal(batch.ancestor[0].numpy(), trees_mod.ancestor_mask(tree.parents))
+        np.testing.assert_array_equal(batch.ancestor[0].numpy(), ancestor_mask(tree.parents))
 
 
 def test_padding_rows_do_not_change_real_rows():
@@ -151,12 +144,12 @@ def test_empty_trees_and_root_tensor():
 @pytest.mark.parametrize(
     ("tree", "message"),
     [
-        (_DraftTree(np.array([1, 2]), np.array([-1, 1]), np.array([1, 2])), "node 1 has parent 1"),
-        (_DraftTree(np.array([1, 2]), np.array([-1, -2]), np.array([1, 1])), "node 1 has parent -2"),
-        (_DraftTree(np.array([1, 2]), np.array([-1, 0]), np.array([1, 1])), "node 1 has depth 1, expected 2"),
-        (_DraftTree(np.array([1, 2]), np.array([-1]), np.array([1, 1])), "lengths differ"),
-        (_DraftTree(np.array([1.0]), np.array([-1]), np.array([1])), "integer array"),
-        (_DraftTree(np.array([-3]), np.array([-1]), np.array([1])), "token -3 outside"),
+        (DraftTree(np.array([1, 2]), np.array([-1, 1]), np.array([1, 2])), "node 1 has parent 1"),
+        (DraftTree(np.array([1, 2]), np.array([-1, -2]), np.array([1, 1])), "node 1 has parent -2"),
+        (DraftTree(np.array([1, 2]), np.array([-1, 0]), np.array([1, 1])), "node 1 has depth 1, expected 2"),
+        (DraftTree(np.array([1, 2]), np.array([-1]), np.array([1, 1])), "lengths differ"),
+        (DraftTree(np.array([1.0]), np.array([-1]), np.array([1])), "integer array"),
+        (DraftTree(np.array([-3]), np.array([-1]), np.array([1])), "token -3 outside"),
     ],
 )
 def test_bad_trees_are_named(tree, message):

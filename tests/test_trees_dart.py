@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native import _core
-from ngram_native.trees import DraftTree, build_dart_trees, ngram_probs
+from ngram_native.builders import build_dart_trees, ngram_probs
+from ngram_native.trees import DraftTree
 
 # ---------------------------------------------------------------------------------------
 # Pure-Python reference

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngram_native.trees import DraftTree, build_chain_trees, build_ddtree_trees
+from ngram_native.builders import build_chain_trees, build_ddtree_trees
+from ngram_native.trees import DraftTree
 
 # ---------------------------------------------------------------------------------------
 # References
@@ -229,7 +230,7 @@ def test_chain_from_topk_uses_the_best_given_candidate():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 8), st.integers(0, 40), st.data())
 def test_every_builder_returns_canonical_prefix_closed_trees(batch, positions, vocab, budget, data):
-    from ngram_native.trees import build_dart_trees
+    from ngram_native.builders import build_dart_trees
 
     flat = data.draw(st.lists(st.floats(-4, 4, width=32), min_size=batch * positions * vocab,
                               max_size=batch * positions * vocab))  # fmt: skip

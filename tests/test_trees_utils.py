@@ -11,16 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native import _core
-from ngram_native.trees import (
-    DraftTree,
-    ancestor_mask,
-    build_chain_trees,
-    build_dart_trees,
-    build_ddtree_trees,
-    children,
-    ngram_probs,
-    position_offsets,
-)
+from ngram_native.builders import build_chain_trees, build_dart_trees, build_ddtree_trees, ngram_probs
+from ngram_native.trees import DraftTree, ancestor_mask, children, position_offsets
 
 
 @st.composite
@@ -96,7 +88,7 @@ def test_find_child_walks_the_tree():
         ([-1, -1], [1, 1], [4, 4], None, "same token"),
         ([-1, -1], [1, 1], [1, 2], [-2.0, -1.0], "score desc"),
         ([-1, -1], [1, 1], [2, 1], [-1.0, -1.0], "score desc"),
-        ([-1], [1], [-3], None, ">= 0"),
+        ([-1], [1], [-3], None, "outside"),
     ],
 )
 def test_validate_rejects_malformed_trees(parents, depths, tokens, scores, message):
@@ -113,7 +105,7 @@ def test_validate_rejects_malformed_trees(parents, depths, tokens, scores, messa
 def test_validate_rejects_wrong_dtypes_and_lengths():
     with pytest.raises(ValueError, match="int32"):
         DraftTree(np.array([1]), np.array([-1], np.int32), np.array([1], np.int32)).validate()
-    with pytest.raises(ValueError, match="entries"):
+    with pytest.raises(ValueError, match="lengths differ"):
         DraftTree(np.array([1], np.int32), np.array([-1, 0], np.int32), np.array([1], np.int32)).validate()
 
 
@@ -347,3 +339,20 @@ def test_positional_topk_form():
         build_ddtree_trees(ids, values + 5.0)
     for tree in build_chain_trees(ids[..., :1], values[..., :1]):
         np.testing.assert_array_equal(tree.scores, 0.0)
+
+
+def test_one_validator_with_two_levels():
+    """`check_tree` checks what verification relies on for every tree the engine is handed, and
+    with canonical=True (`DraftTree.validate`) also the order every builder promises."""
+    from ngram_native.trees import check_tree
+
+    twins = DraftTree(np.array([1, 1], np.int64), np.array([-1, -1], np.int64), np.array([1, 1], np.int64))
+    assert check_tree(twins) == 2  # any integer dtype, repeated siblings: a walk still works
+    with pytest.raises(ValueError, match="int32"):
+        check_tree(twins, canonical=True)
+    with pytest.raises(ValueError, match="same token"):
+        DraftTree(*(a.astype(np.int32) for a in (twins.tokens, twins.parents, twins.depths))).validate()
+    with pytest.raises(ValueError, match=r"trees\[3\]: node 0 has token 9 outside \[0, 5\)"):
+        check_tree(DraftTree(*(np.array([v], np.int32) for v in (9, -1, 1))), vocab_size=5, name="trees[3]")
+    with pytest.raises(ValueError, match="scores has shape"):
+        DraftTree(*(np.array([v], np.int32) for v in (1, -1, 1)), np.zeros(2)).validate()

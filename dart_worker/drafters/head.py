@@ -21,15 +21,9 @@ from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
 from dart_worker.kernels import shapes_for
 from dart_worker.transfer import to_device, to_host
+from ngram_native.builders import TreeParams, build_chain_trees, build_dart_trees, build_ddtree_trees
 from ngram_native.job_ngram import JobNgram
-from ngram_native.trees import (
-    SOURCE_HEAD,
-    DraftTree,
-    TreeParams,
-    build_chain_trees,
-    build_dart_trees,
-    build_ddtree_trees,
-)
+from ngram_native.trees import SOURCE_HEAD, DraftTree
 
 # Committed tokens handed to the N-gram scorer as context (it reads only its last n - 1).
 NGRAM_CONTEXT_TOKENS = 8

@@ -3,7 +3,7 @@ lookup tree of the same round (itself merged with the job cache's tree) grafted 
 same node budget.
 
 The head drafts well where the text is new, lookup where it repeats; one merged tree
-(`ngram_native.merge.merge_trees`: prefix-merged, no duplicate siblings, nodes kept by score)
+(`ngram_native.trees.graft`: prefix-merged, no duplicate siblings, nodes kept by score)
 lets a single verification try both without spending more nodes than either alone.
 
 Grafting pays per request, not per job: a request that quotes its prompt (code edits,
@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
-from dart_worker.drafters.lookup import ContextIndexes, graft
-from ngram_native.trees import DraftTree, TreeParams
+from dart_worker.drafters.lookup import ContextIndexes
+from ngram_native.builders import TreeParams
+from ngram_native.trees import DraftTree, graft
 
 # A sequence's lookup tree is grafted while the tokens it would have had accepted average at
 # least this many per round (EMA with weight LOOKUP_EMA per evaluated tree). Below one token a

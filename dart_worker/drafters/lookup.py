@@ -10,7 +10,7 @@ The job-level cache (`ngram_native.JobCache`, `decoding.tree.lookup_cache_tokens
 batches: every finished row's output (and its prompt, with `lookup_cache_prompts`) is added in
 `finish`, and each round the same suffix is also matched against those earlier rows. Its tree
 (nodes marked `SOURCE_JOB_CACHE`) is grafted into the context tree of the round
-(`ngram_native.merge.merge_trees`: prefix-merged, unique siblings, the best `budget` nodes by
+(`ngram_native.trees.graft`: prefix-merged, unique siblings, the best `budget` nodes by
 score, ln(count / occurrences) for both), so a templated job's later rows draft from its earlier
 ones. `ContextIndexes` is the per-batch state plus the cache, shared with the hybrid drafters
 (`hybrid.py`); one drafter serves one engine, so the cache is per worker.
@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from dart_worker.drafters.base import CommittedBlock, Drafter
+from ngram_native.builders import TreeParams
 from ngram_native.context import (
     DEFAULT_JOB_MAX_MATCH,
     DEFAULT_MAX_MATCH,
@@ -30,8 +31,7 @@ from ngram_native.context import (
     build_job_cache_trees,
     build_lookup_trees,
 )
-from ngram_native.merge import merge_trees
-from ngram_native.trees import SOURCE_CONTEXT, SOURCE_JOB_CACHE, DraftTree, TreeParams
+from ngram_native.trees import SOURCE_CONTEXT, SOURCE_JOB_CACHE, DraftTree, graft
 
 
 class ContextIndexes:
@@ -121,16 +121,6 @@ class ContextIndexes:
             self.profile.append({"batch": len(trees), "context_s": t1 - t0, "job_cache_s": t2 - t1,
                                  "graft_s": time.perf_counter() - t2})
         return trees
-
-
-def graft(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
-    """`second` grafted into `first` (prefix-merged, unique siblings, the best `budget` nodes by
-    score); either alone when the other is empty."""
-    if not second.size:
-        return first
-    if not first.size:
-        return second
-    return merge_trees(first, second, budget)
 
 
 class LookupDrafter(Drafter):

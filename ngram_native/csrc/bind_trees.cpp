@@ -1,6 +1,7 @@
-// pybind11 bindings of the draft-tree builders (private names; the public API with full
-// input checking and documentation is ngram_native/trees.py). This layer re-checks only
-// what memory safety needs (ranks, shapes, offsets) and releases the GIL around the work.
+// pybind11 bindings of the draft-tree builders and of the tree merge (private names; the public
+// API with full input checking and documentation is ngram_native/builders.py and trees.py).
+// This layer re-checks only what memory safety needs (ranks, shapes, offsets) and releases the
+// GIL around the work.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -23,6 +24,8 @@ namespace {
 using F32Array = py::array_t<float, py::array::c_style>;
 using I32Array = py::array_t<int32_t, py::array::c_style>;
 using I64Array = py::array_t<int64_t, py::array::c_style>;
+using F64Array = py::array_t<double, py::array::c_style>;
+using U8Array = py::array_t<uint8_t, py::array::c_style>;
 
 std::string shape_str(const py::array& a) {
   std::string s = "(";
@@ -91,6 +94,26 @@ py::array_t<T> to_array(const std::vector<T>& v) {
 py::tuple to_python(const trees::TreeBatch& batch) {
   return py::make_tuple(to_array(batch.tokens), to_array(batch.parents), to_array(batch.depths),
                         to_array(batch.scores), to_array(batch.offsets));
+}
+
+trees::TreeView tree_view(const char* name, const I32Array& tokens, const I32Array& parents,
+                          const std::optional<F64Array>& scores,
+                          const std::optional<U8Array>& sources) {
+  const py::ssize_t n = tokens.ndim() == 1 ? tokens.shape(0) : -1;
+  const bool ok = n >= 0 && parents.ndim() == 1 && parents.shape(0) == n &&
+                  (!scores || (scores->ndim() == 1 && scores->shape(0) == n)) &&
+                  (!sources || (sources->ndim() == 1 && sources->shape(0) == n));
+  if (!ok) {
+    throw py::value_error(std::string(name) +
+                          ": tokens, parents, scores and sources must be 1-D, of one length");
+  }
+  trees::TreeView view;
+  view.tokens = tokens.data();
+  view.parents = parents.data();
+  view.scores = scores ? scores->data() : nullptr;
+  view.sources = sources ? sources->data() : nullptr;
+  view.size = n;
+  return view;
 }
 
 std::vector<int32_t> to_vector(const I32Array& a) {
@@ -179,6 +202,29 @@ void bind_trees(py::module_& m) {
       py::arg("values"), py::arg("ids").none(true), py::arg("vocab_size"), py::arg("eos_ids"),
       py::arg("max_depths").none(true), py::arg("budget"), py::arg("values_are_logprobs"),
       "Top-1 chains over a batch -> (tokens, parents, depths, scores, offsets).");
+
+  m.def(
+      "_merge_trees",
+      [](const I32Array& tokens1, const I32Array& parents1, const std::optional<F64Array>& scores1,
+         const std::optional<U8Array>& sources1, const I32Array& tokens2, const I32Array& parents2,
+         const std::optional<F64Array>& scores2, const std::optional<U8Array>& sources2,
+         int64_t budget) {
+        const trees::TreeView first = tree_view("first", tokens1, parents1, scores1, sources1);
+        const trees::TreeView second = tree_view("second", tokens2, parents2, scores2, sources2);
+        thread_local trees::MergeScratch scratch;
+        {
+          py::gil_scoped_release release;
+          trees::merge_trees(first, second, budget, scratch);
+        }
+        const trees::TreeBatch& out = scratch.out;
+        return py::make_tuple(to_array(out.tokens), to_array(out.parents), to_array(out.depths),
+                              to_array(out.scores), to_array(scratch.sources));
+      },
+      py::arg("tokens1"), py::arg("parents1"), py::arg("scores1").none(true),
+      py::arg("sources1").none(true), py::arg("tokens2"), py::arg("parents2"),
+      py::arg("scores2").none(true), py::arg("sources2").none(true), py::arg("budget"),
+      "Two trees of one root merged as tries, the best `budget` nodes kept, canonical order -> "
+      "(tokens, parents, depths, scores, sources).");
 
   m.def(
       "_ngram_probs",

@@ -166,4 +166,44 @@ void build_ddtree(const DraftScores& in, const BestFirstParams& params, const Eo
 void build_chain(const DraftScores& in, const BestFirstParams& params, const EosSet& eos,
                  TreeBatch& out);
 
+// ---- Merging two trees of the same root (hybrid drafting: ngram_native.trees.merge_trees) ----
+//
+// The trees are merged as tries: a path both hold becomes one node, whose score is the larger
+// of the two (a missing score counts 0) and whose source bits are OR-ed (missing: 0). Ranked by
+// key = min(score, parent's key) descending, then depth ascending, then the path's tokens
+// lexicographically, the best `budget` nodes form a prefix-closed tree (keys never grow along
+// a path and a parent is shallower than its child), output in canonical order with its keys
+// as scores.
+
+// One input tree: arrays of `size` entries owned by the caller; parents[i] is -1 or < i.
+// scores and sources may be null (every node 0).
+struct TreeView {
+  const int32_t* tokens = nullptr;
+  const int32_t* parents = nullptr;
+  const double* scores = nullptr;
+  const uint8_t* sources = nullptr;
+  int64_t size = 0;
+};
+
+// The merged tree (canonical order) and the reusable buffers of `merge_trees`: no allocation
+// per call once warm.
+struct MergeScratch {
+  TreeBatch out;                 // one sequence: tokens, parents, depths, scores (the keys)
+  std::vector<uint8_t> sources;  // [out size], aligned with `out`
+  // The union trie, in creation order (parents first).
+  std::vector<int32_t> token, parent, depth;
+  std::vector<double> best, key;
+  std::vector<uint8_t> origin;
+  std::vector<int32_t> table;   // open addressing: (parent, token) -> trie node, -1 = empty
+  std::vector<int32_t> to_trie;  // input node -> trie node, for the tree being read
+  std::vector<int32_t> order, kept_index;  // scratch; kept node -> its index among the kept
+  std::vector<RawNode> kept;
+  CanonicalScratch canonical;
+};
+
+// Merge `first` and `second` into scratch.out / scratch.sources. Throws std::invalid_argument
+// for a parent that is not -1 or an earlier index, a NaN score, or budget < 0.
+void merge_trees(const TreeView& first, const TreeView& second, int64_t budget,
+                 MergeScratch& scratch);
+
 }  // namespace trees

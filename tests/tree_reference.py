@@ -1,13 +1,10 @@
-"""Merge two draft trees of the same root into one within a node budget (hybrid drafting).
+"""Pure-Python definitions of the tree operations that run in C++ (ngram_native.trees), for tests.
 
-A model drafter (DART, DDTree) is strong where the text is new, context lookup where the text
-repeats; grafting the lookup tree into the model's tree lets one verification try both. The
-trees are merged as tries (a path present in both becomes one node: no duplicate siblings) and
-a node's score is the best score either tree gave its path. Ranked by key = min(score, parent's
-key) - keys never grow along a path - then depth, then path, the best `budget` nodes form a
-prefix-closed tree. Both builders' scores are log-scale and <= 0 (path log-probabilities,
-ln(count / occurrences), DART's weighted log-scores), so comparing them is a heuristic, not a
-calibrated probability; trees without scores count as 0 (always kept first).
+`merge_trees_reference` is the merge as it was first written (ngram_native/merge.py, before it
+moved to C++): paths as tuple-keyed dicts, every rule spelled out in a line or two. It is slow
+(13-19 times the C++ per round, docs/benchmarks.md), so it is kept only as the definition the C++
+`ngram_native.trees.merge_trees` must equal exactly (tests/test_tree_merge.py) and as the
+baseline of its micro-benchmark (`python -m jobs.bench tree_merge`).
 """
 
 from __future__ import annotations
@@ -17,8 +14,10 @@ import numpy as np
 from ngram_native.trees import DraftTree
 
 
-def merge_trees(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
-    """The best `budget` nodes of the union of two trees (same root), in canonical order.
+def merge_trees_reference(first: DraftTree, second: DraftTree, budget: int) -> DraftTree:
+    """The best `budget` nodes of the union of two trees (same root), in canonical order: the union
+    merged as a trie, a path's score the best either tree gave it (missing: 0), ranked by key =
+    min(score, parent's key), then depth, then path; output scores are the keys.
 
     Node sources (`DraftTree.sources` bits) are merged too: a path both trees hold carries both.
     """
