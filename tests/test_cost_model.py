@@ -260,8 +260,7 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
     out = target.prefill(state, prompts)
     tokens = [[*p, 1] for p in prompts]
     for drafter in (eager, lazy):
-        drafter.start(2)
-        drafter.observe(CommittedBlock(out.taps, [range(5), range(3)], tokens))
+        drafter.observe(CommittedBlock(out.taps, [range(5), range(3)], tokens, joined=True))
     eager.catch_up()
     # Three rounds of committed rows (random taps stand in for verify forwards).
     gen = torch.Generator().manual_seed(0)
