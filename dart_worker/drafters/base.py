@@ -24,8 +24,8 @@ so one batch of decoding (`DecodingEngine._decode`) reads:
         ... the target verifies the trees, the engine commits the accepted rows ...
         drafter.observe(verify block)              # the rows just committed
 
-Each hook has a default that does nothing (only `propose` is required: `ar` is one method), so a
-drafter overrides what it uses. The batch order is the engine's: what a drafter keeps per
+Every hook but `propose` (and a model drafter's `run_model`) does nothing by default, so a drafter
+overrides what it uses (`ar` is one method). The batch order is the engine's: what a drafter keeps per
 sequence lives in a `PerSequence` list, which follows joins and retirements in one place (so no
 drafter checks for a missed block). A drafter made of parts (`Composite`: the lookup drafter, the
 hybrids) hands every change to each part; a part is anything with these hooks and no `propose`

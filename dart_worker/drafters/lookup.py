@@ -12,8 +12,8 @@ batches: every finished row's output (and its prompt, with `lookup_cache_prompts
 (nodes marked `SOURCE_JOB_CACHE`) is grafted into the context tree of the round
 (`ngram_native.merge.merge_trees`: prefix-merged, unique siblings, the best `budget` nodes by
 score, ln(count / occurrences) for both), so a templated job's later rows draft from its earlier
-ones. `ContextIndexes` is the per-batch state plus the cache, a part of this drafter and of the hybrid
-drafters (`hybrid.py`); one drafter serves one engine, so the cache is per worker.
+ones. `ContextIndexes` is the per-batch state plus the cache, a part of this drafter and of the
+hybrid drafters (`hybrid.py`); one drafter serves one engine, so the cache is per worker.
 """
 
 from __future__ import annotations
