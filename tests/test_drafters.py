@@ -131,6 +131,27 @@ def test_a_drafter_defined_in_a_test_runs_through_the_engine_losslessly(toy_draf
     assert any(c[0] == "join" for c in toy_drafters[-1].calls[2:])
 
 
+def test_a_batch_that_raised_leaves_no_drafter_state_behind(parts):
+    """A pipeline worker retries a failed batch row by row on the same engine: what the drafter
+    kept of the batch that raised (here: lookup's per-sequence indexes) must not reach the next."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    batch = prompts(seed=4)
+    engine = build_engine(parts, "lookup", TreeParams(max_depth=4))
+    propose, calls = engine.drafter.propose, []
+
+    def fails_once(tokens, max_depths):
+        calls.append(len(tokens))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return propose(tokens, max_depths)
+
+    engine.drafter.propose = fails_once
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate(batch, params)
+    got = engine.generate(batch[:2], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in build_engine(parts, "ar").generate(batch[:2], params)]
+
+
 def test_what_a_drafter_returns_is_checked_where_it_enters_the_engine(toy_drafters, parts):
     engine = build_engine(parts, "broken")
     with pytest.raises(ValueError, match=r"trees\[0\]: node 1 has parent 1"):
