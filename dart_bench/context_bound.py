@@ -41,7 +41,7 @@ from dart_bench.replay import (
     reply_sampling,
     setting,
 )
-from dart_worker.drafters.base import Drafter
+from dart_worker.drafters.base import Composite, Drafter
 from ngram_native.trees import SOURCE_CONTEXT, DraftTree, merge_trees
 
 
@@ -81,15 +81,17 @@ def longest_copy(context: np.ndarray, suffix: Sequence[int], continuation: Seque
     return best
 
 
-class OracleContext(Drafter):
+class OracleContext(Composite):
     """`inner`'s trees plus each round's oracle span (see the module doc), for replaying `refs`.
 
     It knows each sequence's reply, so it is a measuring device, never a drafter to decode with.
-    Sequences are the references in order (replay's lockstep batch), followed through `select`.
+    Sequences are the references in order (replay's lockstep batch joins them all at once),
+    followed through `retire`.
     """
 
     def __init__(self, inner: Drafter, refs: Sequence, min_match: int, job: bool):
         self.inner, self.refs, self.min_match, self.job = inner, list(refs), min_match, job
+        self.parts = (inner,)
         self.has_model = inner.has_model
         self.live: list[int] = []
         # Every reference's prompt + reply in run order; reference r's earlier rows are the first
@@ -97,25 +99,14 @@ class OracleContext(Drafter):
         self.run_tokens = np.asarray([t for ref in self.refs for t in ref.tokens], dtype=np.int64)
         self.starts = np.cumsum([0] + [len(ref.tokens) for ref in self.refs])
 
-    def start(self, batch_size: int) -> None:
-        self.live = list(range(batch_size))
-        self.inner.start(batch_size)
-
     def observe(self, block) -> None:
-        self.inner.observe(block)
+        if block.joined:
+            self.live = list(range(len(block.rows)))
+        super().observe(block)
 
-    def finish(self, tokens, num_prompt) -> None:
-        self.inner.finish(tokens, num_prompt)
-
-    def select(self, keep) -> None:
+    def retire(self, finished, keep) -> None:
         self.live = [self.live[i] for i in keep]
-        self.inner.select(keep)
-
-    def catch_up(self) -> None:
-        self.inner.catch_up()
-
-    def pause_model(self, paused: bool) -> None:
-        self.inner.pause_model(paused)
+        super().retire(finished, keep)
 
     def propose(self, tokens, max_depths) -> list[DraftTree]:
         trees = self.inner.propose(tokens, max_depths)

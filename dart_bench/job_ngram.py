@@ -83,7 +83,7 @@ def measure(cfg: JobNgramBenchConfig) -> dict[str, Any]:
                 {"budget": budget, "job_ngram_prior": prior}
             params = setting(cfg.base, **changes)
             drafter = build_drafter(parts, cfg.mode, params)
-            job = drafter.job_ngram
+            job = drafter.job_stores().get("job_ngram")
             start = time.perf_counter()
             for doc in documents[:warm] if job is not None else []:
                 job.add(doc)

@@ -11,8 +11,8 @@ row depends only on the rows before it). So:
     refs = target_references(parts, prompts, max_new_tokens)   # the replies + their taps, once
     stats = replay(build_drafter(parts, "dart", tree), refs, max_new_tokens)  # per settings: ms per round
 
-`replay` drives the drafter through the engine's protocol (`Drafter`: start/observe/propose/
-finish/select, in the engine's order, every sequence in one lockstep batch) and records each
+`replay` drives the drafter through the engine's protocol (`Drafter`: observe/retire/propose, in
+the engine's order, every sequence in one lockstep batch, the model never paused) and records each
 round in the engine's `RequestStats`, so its tau is the engine's (`fixed` sizing: trees as
 built, as the benchmark's budget cells). It differs from an engine run only where a multi-token
 verify forward rounds differently from the one-forward taps (fp32: at exact near-ties of the
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dart_worker.drafters.base import CommittedBlock, Drafter
+from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished
 from dart_worker.engine import accepted_sources
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
@@ -130,13 +130,14 @@ def accepted_path(tree: DraftTree, continuation: Sequence[int]) -> np.ndarray:
     return np.asarray(path[::-1], dtype=np.int64)
 
 
-def _block(refs: list[Reference], starts: list[int], counts: list[int], tokens: list[list[int]]) -> CommittedBlock:
+def _block(refs: list[Reference], starts: list[int], counts: list[int], tokens: list[list[int]],
+           joined: bool = False) -> CommittedBlock:
     """Rows starts[b] .. starts[b] + counts[b] - 1 of each reference's taps, as the engine's block."""
     first = refs[0].taps
     taps = torch.zeros(len(refs), max(counts), first.shape[-1], dtype=first.dtype, device=first.device)
     for b, (ref, start, count) in enumerate(zip(refs, starts, counts)):
         taps[b, :count] = ref.taps[start : start + count]
-    return CommittedBlock(taps=taps, rows=[range(c) for c in counts], tokens=tokens)
+    return CommittedBlock(taps=taps, rows=[range(c) for c in counts], tokens=tokens, joined=joined)
 
 
 @torch.inference_mode()
@@ -152,17 +153,16 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
     live = list(range(len(refs)))
     # tokens[b]: prompt + the reply's first token (sampled at prefill), as after the engine's prefill.
     tokens = [ref.prompt + ref.reply[:1] for ref in refs]
-    drafter.start(len(refs))
-    drafter.observe(_block(refs, [0] * len(refs), [len(ref.prompt) for ref in refs], tokens))
+    drafter.retire(NOTHING_FINISHED, keep=[])  # an empty batch, then every reference joins it
+    drafter.observe(_block(refs, [0] * len(refs), [len(ref.prompt) for ref in refs], tokens, joined=True))
     done = [len(tokens[b]) - len(refs[b].prompt) >= len(refs[b].reply) for b in live]
     while True:
         if any(done):
             finished = [b for b, d in zip(live, done) if d]
-            drafter.finish([tokens[b] for b in finished], [len(refs[b].prompt) for b in finished])
             keep = [i for i, d in enumerate(done) if not d]
+            drafter.retire(Finished([tokens[b] for b in finished], [len(refs[b].prompt) for b in finished]), keep)
             if not keep:
                 break
-            drafter.select(list(keep))
             live = [live[i] for i in keep]
         caps = []
         for b in live:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dart_worker.cost_model import TreeSizer
-from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.kernels import logits_for, shapes_for
 from dart_worker.kv_cache import retire_order
 from dart_worker.sampling import (
@@ -216,12 +216,14 @@ class DecodingEngine:
         """Load earlier outputs (token ids) into the job-level drafting state of the `kinds` named
         ("job_ngram", "job_cache"), as if this engine had finished those rows (a drafter without
         that state ignores them)."""
-        self.drafter.warm(documents, kinds)
+        for kind, store in self.drafter.job_stores().items():
+            if kind in kinds:
+                add_documents(store, documents)
 
     def job_state(self) -> dict[str, tuple[int, int]]:
         """What this engine learnt from finished rows, by kind ("job_ngram", "job_cache"): (tokens
         held, bytes of memory). Empty when its drafter keeps no job-level state."""
-        return self.drafter.job_state()
+        return {kind: (len(store), store.memory_bytes) for kind, store in self.drafter.job_stores().items()}
 
     def sizing_calibration(self) -> str | None:
         """One line for a log: the cost model's measured forward costs and where trees stop paying
@@ -292,17 +294,17 @@ class DecodingEngine:
         target, drafter = self.target, self.drafter
         live: list[_Sequence] = []
         state = None
+        drafter.retire(NOTHING_FINISHED, keep=[])  # an empty batch (whatever a batch that raised left)
         while live or waiting:
             if any(s.finish_reason for s in live):
                 done = [s for s in live if s.finish_reason]
-                drafter.finish([s.tokens for s in done], [s.num_prompt for s in done])
+                keep = retire_order([bool(s.finish_reason) for s in live])  # survivors fill the holes
+                drafter.retire(Finished([s.tokens for s in done], [s.num_prompt for s in done]), keep)
                 for seq in live:
                     if seq.finish_reason:
                         results[seq.index][seq.sample] = self._result(seq)
-                keep = retire_order([bool(s.finish_reason) for s in live])  # survivors fill the holes
                 if keep:
                     state.select(keep)
-                    drafter.select(keep)
                 live = [live[b] for b in keep]
             joining: list[list[_Sequence]] = []
             free = max_live - len(live)
@@ -400,16 +402,13 @@ class DecodingEngine:
         for seq, token in zip(joining, first):
             self._append(seq, [token])
         self._finish_at_context_limit(joining, fresh)
-        block = CommittedBlock(taps=taps, rows=[range(s.num_prompt) for s in joining],
-                               tokens=[s.tokens for s in joining])
         t0 = self._now()
         if live:
             state.extend(fresh)
-            drafter.join(block)
         else:
             state = fresh
-            drafter.start(len(joining))
-            drafter.observe(block)
+        drafter.observe(CommittedBlock(taps=taps, rows=[range(s.num_prompt) for s in joining],
+                                       tokens=[s.tokens for s in joining], joined=True))
         self._charge(joining, "draft", t0)
         return state
 
@@ -426,10 +425,9 @@ class DecodingEngine:
             return [empty_tree() for _ in live], 0.0, False
         drafter, sizer = self.drafter, self.sizer
         model_on = drafter.has_model and (sizer is None or sizer.model_wanted())
-        drafter.pause_model(drafter.has_model and not model_on)
         t0 = self._now()
-        if model_on:
-            drafter.catch_up()
+        if drafter.has_model:
+            drafter.run_model(model_on)
         model_seconds = self._charge(live, "draft", t0) if model_on else 0.0
         t0 = self._now()
         trees = drafter.propose([s.tokens for s in live], caps)

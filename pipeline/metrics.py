@@ -4,7 +4,7 @@ The worker calls `record_batch(outputs, ...)` once per finished batch with the o
 about to return. Everything here comes from those rows (the per-row statistics of
 `dart_worker.stats.STAT_COLUMNS`), so the metrics and the Parquet output never disagree - but for
 the job-state gauges, which report what the worker's drafter has learnt from finished rows
-(`Drafter.job_state()`), a worker property rather than a row's:
+(`DecodingEngine.job_state()`), a worker property rather than a row's:
 
     dart_rows_done                  counter    every finished row (generated or error row)
     dart_rows_failed                counter    error rows, label error_kind

@@ -309,9 +309,8 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
     out = target.prefill(state, prompts)
     tokens = [[*p, 1] for p in prompts]
     for drafter in (eager, lazy):
-        drafter.start(2)
-        drafter.observe(CommittedBlock(out.taps, [range(5), range(3)], tokens))
-    eager.catch_up()
+        drafter.observe(CommittedBlock(out.taps, [range(5), range(3)], tokens, joined=True))
+    eager.run_model(True)
     # Three rounds of committed rows (random taps stand in for verify forwards).
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -321,8 +320,8 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
             tokens[b] = tokens[b] + [10 + step] * len(r)
         for drafter in (eager, lazy):
             drafter.observe(CommittedBlock(taps, rows, [list(t) for t in tokens]))
-        eager.catch_up()
-    lazy.catch_up()  # one call over everything since the prefill
+        eager.run_model(True)
+    lazy.run_model(True)  # one call over everything since the prefill
     torch.testing.assert_close(lazy.logits, eager.logits, rtol=1e-4, atol=1e-4)
     assert np.array_equal(lazy.cache.lengths, eager.cache.lengths)
 

@@ -15,7 +15,7 @@ import torch
 from dart_worker.draft_checkpoint import DraftHeadLoadError, load_draft_head, save_draft_head
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import DrafterSpec, drafter_names, drafter_spec, register_drafter, unregister_drafter
-from dart_worker.drafters.base import CommittedBlock, Drafter
+from dart_worker.drafters.base import CommittedBlock, Drafter, Finished
 from dart_worker.engine_factory import EngineParts, build_engine, eos_ids_of
 from dart_worker.sampling import SamplingParams
 from dart_worker.stats import STAT_COLUMNS, RequestStats
@@ -42,18 +42,17 @@ class RepeatDrafter(Drafter):
         self.calls: list[tuple] = []
         self.live = 0
 
-    def start(self, batch_size: int) -> None:
-        self.calls.append(("start", batch_size))
-        self.live = batch_size
-
     def observe(self, block: CommittedBlock) -> None:
-        assert len(block.rows) == len(block.tokens) == self.live
+        if block.joined:  # newcomers, after the live ones
+            self.live += len(block.rows)
+        assert len(block.rows) == len(block.tokens) <= self.live
         for rows, tokens in zip(block.rows, block.tokens):
             assert 1 <= len(rows) <= len(tokens) and all(r < block.taps.shape[1] for r in rows)
-        self.calls.append(("observe", [len(r) for r in block.rows]))
+        self.calls.append(("join" if block.joined else "observe", [len(r) for r in block.rows]))
 
-    def select(self, keep: Sequence[int]) -> None:
-        self.calls.append(("select", list(keep)))
+    def retire(self, finished: Finished, keep: Sequence[int]) -> None:
+        assert all(len(seq) > p for seq, p in zip(finished.tokens, finished.num_prompt, strict=True))
+        self.calls.append(("retire", len(finished.tokens), list(keep)))
         self.live = len(keep)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
@@ -122,9 +121,35 @@ def test_a_drafter_defined_in_a_test_runs_through_the_engine_losslessly(toy_draf
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert all(r.stats.mean_tree_size > 0 for r in got)
     calls = toy_drafters[-1].calls
-    assert calls[0] == ("start", len(batch)) and calls[1][0] == "observe"
-    assert calls[1][1] == [len(p) for p in batch]  # the prompts' rows, committed by prefill
-    assert {c[0] for c in calls} >= {"start", "observe", "propose"}
+    assert calls[0] == ("retire", 0, [])  # an empty batch to start from
+    assert calls[1] == ("join", [len(p) for p in batch])  # the prompts' rows, committed by prefill
+    assert {c[0] for c in calls} == {"retire", "join", "observe", "propose"}
+    assert sum(c[1] for c in calls if c[0] == "retire") == len(batch)  # each finished once
+    # Continuous batching: sequences join a running batch and retire from it; same tokens.
+    one_at_a_time = build_engine(parts, "repeat", TreeParams(max_depth=4)).generate(batch, params, max_live=2)
+    assert [r.token_ids for r in one_at_a_time] == [r.token_ids for r in expected]
+    assert any(c[0] == "join" for c in toy_drafters[-1].calls[2:])
+
+
+def test_a_batch_that_raised_leaves_no_drafter_state_behind(parts):
+    """A pipeline worker retries a failed batch row by row on the same engine: what the drafter
+    kept of the batch that raised (here: lookup's per-sequence indexes) must not reach the next."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    batch = prompts(seed=4)
+    engine = build_engine(parts, "lookup", TreeParams(max_depth=4))
+    propose, calls = engine.drafter.propose, []
+
+    def fails_once(tokens, max_depths):
+        calls.append(len(tokens))
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return propose(tokens, max_depths)
+
+    engine.drafter.propose = fails_once
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate(batch, params)
+    got = engine.generate(batch[:2], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in build_engine(parts, "ar").generate(batch[:2], params)]
 
 
 def test_what_a_drafter_returns_is_checked_where_it_enters_the_engine(toy_drafters, parts):

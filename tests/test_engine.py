@@ -224,10 +224,10 @@ def test_job_state_reports_what_the_drafter_learnt_from_finished_rows(models, se
     if mode == "dart_lookup":  # make_engine hands the trie to `dart` only
         engine = build_engine(EngineParts(target=engine.target, head=engine.drafter.inner.head, trie=self_trie),
                               mode, TreeParams())
-    assert set(engine.drafter.job_state()) == states
+    assert set(engine.job_state()) == states
     results = engine.generate(random_prompts(3, seed=4), greedy(12))
     generated = sum(len(r.token_ids) for r in results)
-    for tokens, nbytes in engine.drafter.job_state().values():
+    for tokens, nbytes in engine.job_state().values():
         assert tokens == generated and nbytes > 0
 
 

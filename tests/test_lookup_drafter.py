@@ -142,26 +142,33 @@ def test_matched_length_is_the_longest_path_prefix_of_the_continuation():
 
 
 def test_lookup_payoff_judges_a_tree_once_everything_it_could_match_is_known():
+    from dart_worker.drafters.base import CommittedBlock, Finished
     from dart_worker.drafters.hybrid import LOOKUP_MIN_TOKENS, LookupPayoff
 
+    def block(tokens, joined=False):
+        return CommittedBlock(taps=torch.zeros(len(tokens), 1, 1), rows=[[0]] * len(tokens), tokens=tokens,
+                              joined=joined)
+
     payoff = LookupPayoff()
-    payoff.start(2)
+    payoff.observe(block([[1, 2, 3], [1, 2, 3]], joined=True))
     assert payoff.wanted(0) and payoff.wanted(1)  # no evidence yet: graft
+    records = payoff.records
     good, bad = _tree([[5, 6, 7]]), _tree([[9, 9]])
     for _ in range(8):  # sequence 0 repeats what its lookup proposed; sequence 1 never does
         tokens = [[1, 2, 3], [1, 2, 3]]
         payoff.proposed(0, 3, good)
         payoff.proposed(1, 3, bad)
-        payoff.observe([tokens[0] + [5], tokens[1] + [4]])  # tree 0 may still match 6 7: it waits
-        assert len(payoff.pending[0]) == 1 and not payoff.pending[1]  # tree 1 missed at once: judged
-        payoff.observe([tokens[0] + [5, 6, 7, 8], tokens[1] + [4, 4, 4]])
-        assert not payoff.pending[0] and not payoff.pending[1]
-    assert payoff.gain[0] > 2.5 and payoff.wanted(0)
-    assert payoff.gain[1] < 0.05 and not payoff.wanted(1)
-    payoff.select([1])  # sequence 0 finished: the survivor keeps its own record
-    assert payoff.gain == [pytest.approx(payoff.gain[0])] and not payoff.wanted(0)
-    payoff.join(1)
-    assert payoff.wanted(1) and payoff.gain[1] == LOOKUP_MIN_TOKENS
+        payoff.observe(block([tokens[0] + [5], tokens[1] + [4]]))  # tree 0 may still match 6 7: it waits
+        assert len(records[0].pending) == 1 and not records[1].pending  # tree 1 missed at once: judged
+        payoff.observe(block([tokens[0] + [5, 6, 7, 8], tokens[1] + [4, 4, 4]]))
+        assert not records[0].pending and not records[1].pending
+    assert records[0].gain > 2.5 and payoff.wanted(0)
+    assert records[1].gain < 0.05 and not payoff.wanted(1)
+    survivor = records[1].gain
+    payoff.retire(Finished([[1, 2, 3, 5, 6, 7, 8]], [3]), [1])  # sequence 0 finished: the survivor keeps its record
+    assert [r.gain for r in records] == [survivor] and not payoff.wanted(0)
+    payoff.observe(block([[4, 5]], joined=True))
+    assert payoff.wanted(1) and records[1].gain == LOOKUP_MIN_TOKENS
 
 
 def test_hybrid_grafts_lookup_only_for_requests_where_it_pays():
@@ -179,8 +186,8 @@ def test_hybrid_grafts_lookup_only_for_requests_where_it_pays():
     drafter = HybridDrafter(FixedHead(), TreeParams(budget=8), eos_token_ids=(2,))
     block = [4, 5, 6, 7]
     seqs = [block + block, block + block]  # lookup proposes 4 5 6 7 ... after both
-    drafter.start(2)
-    drafter.observe(CommittedBlock(taps=torch.zeros(2, 8, 1), rows=[[0], [0]], tokens=[list(s) for s in seqs]))
+    drafter.observe(CommittedBlock(taps=torch.zeros(2, 8, 1), rows=[[0], [0]], tokens=[list(s) for s in seqs],
+                                   joined=True))
     for k in range(12):
         trees = drafter.propose(seqs, [8, 8])
         context = [bool((t.sources & SOURCE_CONTEXT).any()) for t in trees]

@@ -13,12 +13,20 @@ They differ only in how those per-position distributions become a tree:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dart_worker.draft_head import DraftKVCache
-from dart_worker.drafters.base import CommittedBlock, Drafter, empty_tree
+from dart_worker.drafters.base import (
+    CommittedBlock,
+    Finished,
+    ModelDrafter,
+    PerSequence,
+    add_documents,
+    empty_tree,
+)
 from dart_worker.kernels import shapes_for
 from dart_worker.transfer import to_device, to_host
 from ngram_native.builders import TreeParams, build_chain_trees, build_dart_trees, build_ddtree_trees
@@ -29,41 +37,43 @@ from ngram_native.trees import SOURCE_HEAD, DraftTree
 NGRAM_CONTEXT_TOKENS = 8
 
 
-class HeadDrafter(Drafter):
+@dataclass
+class _Unread:
+    """Committed rows of one sequence that the head has not read yet: their features [n, F] (one
+    tensor per block) and the token after each (shifted pairing)."""
+
+    features: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+class HeadDrafter(ModelDrafter):
     """Runs the draft head over the committed rows and keeps its latest logits.
 
     The head's forward is lazy: `observe` only gathers the committed rows' features, and
-    `catch_up` (called by the engine before a proposal) runs the head once over everything
+    `run_model(True)` (called by the engine before a proposal) runs the head once over everything
     gathered since its last run. So while the engine's cost model pauses the head (rounds where
     drafting does not pay), it costs nothing, and resuming reads the missed rows in one call.
     """
-
-    has_model = True
 
     def __init__(self, head, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.head = head
         self.tree = tree
         self.eos_ids = sorted(int(t) for t in eos_token_ids)
-        self.cache = None
+        self.cache: DraftKVCache | None = None  # the head's KV rows, one sequence per live one
         self.logits: torch.Tensor | None = None  # [B, D, draft vocab] after the last catch-up
         self.paused = False
         # The head's forwards in bucket shapes where the verify forward's are (CUDA: graphs).
         self.bucketed = shapes_for(head.device) == "bucketed"
-        # Per live sequence: features [n, F] and next tokens of rows the head has not read yet.
-        self._pending_features: list[list[torch.Tensor]] = []
-        self._pending_tokens: list[list[int]] = []
-
-    def start(self, batch_size: int) -> None:
-        self.cache = self.head.new_cache(batch_size)
-        self.logits = None
-        self._pending_features = [[] for _ in range(batch_size)]
-        self._pending_tokens = [[] for _ in range(batch_size)]
+        self.unread: PerSequence = PerSequence(_Unread)
 
     def observe(self, block: CommittedBlock) -> None:
-        if len(block.rows) != len(self._pending_tokens):
-            raise ValueError(f"{self.name}: a block of {len(block.rows)} sequences for a batch of "
-                             f"{len(self._pending_tokens)}")
-        self._gather(block, offset=0)
+        if block.joined:
+            # Newcomers get empty head caches after the live ones; their prompt rows wait for the
+            # next catch-up like any other unread rows (so the latest logits no longer cover the batch).
+            fresh = self.head.new_cache(len(block.rows))
+            self.cache = fresh if self.cache is None else DraftKVCache.concat([self.cache, fresh])
+            self.logits = None
+        self._gather(block, offset=self.unread.observe(block))
 
     def _gather(self, block: CommittedBlock, offset: int) -> None:
         """Queue the committed rows of `block` for sequences offset, offset + 1, ...: one gather of
@@ -79,30 +89,22 @@ class HeadDrafter(Drafter):
         for b, (rows, tokens) in enumerate(zip(block.rows, block.tokens, strict=True)):
             if not len(rows):
                 continue
-            self._pending_features[offset + b].append(features[b])
+            unread = self.unread[offset + b]
+            unread.features.append(features[b])
             # Row k of the block carries the features of its token and the embedding of the token
             # after it (shifted pairing): the last committed row pairs with the newest token.
-            self._pending_tokens[offset + b].extend(tokens[len(tokens) - len(rows):])
+            unread.tokens.extend(tokens[len(tokens) - len(rows):])
 
-    def join(self, block: CommittedBlock) -> None:
-        """Newcomers get empty head caches after the live ones; their prompt rows wait for the
-        next catch-up like any other unread rows (so the latest logits no longer cover the batch)."""
-        count = len(block.rows)
-        self.cache = DraftKVCache.concat([self.cache, self.head.new_cache(count)])
-        self.logits = None
-        self._pending_features.extend([] for _ in range(count))
-        self._pending_tokens.extend([] for _ in range(count))
-        live = len(self._pending_tokens) - count
-        # Observe the newcomers' block into their own (new) slots.
-        self._gather(block, offset=live)
+    def run_model(self, on: bool) -> None:
+        self.paused = not on
+        if on:
+            self.catch_up()
 
     def catch_up(self) -> None:
         """Run the head over every row observed since its last run (one batched forward)."""
-        counts = [len(t) for t in self._pending_tokens]
+        counts = [len(u.tokens) for u in self.unread]
         if not any(counts):
             return
-        if not all(counts):
-            raise RuntimeError(f"{self.name}: some sequences have no unread rows ({counts}): a block was missed")
         device = self.head.device
         batch, width = len(counts), max(counts)
         # Every sequence's unread rows scattered into one padded [B, width] block, on the device;
@@ -110,30 +112,28 @@ class HeadDrafter(Drafter):
         rows = np.concatenate([np.arange(c) for c in counts])
         index = np.stack([np.repeat(np.arange(batch), counts), rows])
         next_tokens = np.zeros((batch, width), dtype=np.int64)
-        next_tokens[index[0], index[1]] = np.concatenate([np.asarray(t, dtype=np.int64) for t in self._pending_tokens])
+        next_tokens[index[0], index[1]] = np.concatenate([np.asarray(u.tokens, dtype=np.int64) for u in self.unread])
         where = to_device(index, device)
-        flat = torch.cat([f for per_sequence in self._pending_features for f in per_sequence])
+        flat = torch.cat([f for u in self.unread for f in u.features])
         padded = flat.new_zeros(batch, width, flat.shape[-1])
         padded[where[0], where[1]] = flat
         self.logits = self.head.propose(padded, next_tokens, np.asarray(counts), self.cache, bucketed=self.bucketed)
-        self._pending_features = [[] for _ in range(batch)]
-        self._pending_tokens = [[] for _ in range(batch)]
+        self.unread[:] = [_Unread() for _ in range(batch)]
 
-    def pause_model(self, paused: bool) -> None:
-        self.paused = paused
-
-    def select(self, keep: Sequence[int]) -> None:
+    def retire(self, finished: Finished, keep: Sequence[int]) -> None:
+        self.unread.retire(finished, keep)
+        if not len(keep):  # the batch is over: the next one starts from empty caches
+            self.cache = self.logits = None
+            return
         order = [int(b) for b in keep]
         self.cache.select(order)
         if self.logits is not None:
             self.logits = self.logits.index_select(0, to_device(order, self.logits.device, torch.long))
-        self._pending_features = [self._pending_features[b] for b in order]
-        self._pending_tokens = [self._pending_tokens[b] for b in order]
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         if self.paused:
             return [empty_tree() for _ in tokens]
-        self.catch_up()
+        self.catch_up()  # a caller that never pauses the head need not run it first
         if self.logits is None:
             raise RuntimeError(f"{self.name}: propose() before any observe(): the head has read nothing")
         caps = [min(c, self.tree.max_depth) if self.tree.max_depth else c for c in max_depths]
@@ -187,8 +187,13 @@ class DartDrafter(HeadDrafter):
             self.job_ngram = JobNgram(base=trie, order=tree.job_ngram_order, max_tokens=tree.job_ngram_tokens,
                                       prior=tree.job_ngram_prior)
 
-    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
-        self.warm([seq[int(p):] for seq, p in zip(tokens, num_prompt, strict=True)])
+    def job_stores(self) -> dict[str, JobNgram]:
+        return {} if self.job_ngram is None else {"job_ngram": self.job_ngram}
+
+    def retire(self, finished: Finished, keep: Sequence[int]) -> None:
+        if self.job_ngram is not None:
+            add_documents(self.job_ngram, finished.outputs())
+        super().retire(finished, keep)
 
     def build(self, logits, tokens, caps):
         ids, values = self.candidates(*logits.float().topk(min(self.tree.top_k, logits.shape[-1]), dim=-1))

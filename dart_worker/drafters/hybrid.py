@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from dart_worker.drafters.base import CommittedBlock, Drafter
+from dart_worker.drafters.base import CommittedBlock, Composite, Drafter, Finished, ModelDrafter, Part, PerSequence
 from dart_worker.drafters.lookup import ContextIndexes
 from ngram_native.builders import TreeParams
 from ngram_native.trees import DraftTree, graft
@@ -33,7 +34,16 @@ LOOKUP_MIN_TOKENS = 0.5
 LOOKUP_EMA = 0.3
 
 
-class LookupPayoff:
+@dataclass
+class _Payoff:
+    """One sequence's record: `gain`, the EMA of the tokens its lookup trees would have had
+    accepted, and `pending`, its lookup trees not judged yet: (tokens it had, tree, tree depth)."""
+
+    gain: float = LOOKUP_MIN_TOKENS
+    pending: deque = field(default_factory=deque)
+
+
+class LookupPayoff(Part):
     """Per live sequence, whether its lookup tree is worth grafting (see the module docstring).
 
     A tree proposed when the sequence had L tokens is judged once its value is final: a committed
@@ -41,43 +51,34 @@ class LookupPayoff:
     grafted tree was cut short (or not grafted) does not cap what the lookup is credited with."""
 
     def __init__(self):
-        self.gain: list[float] = []
-        self.pending: list[deque] = []
+        self.records: PerSequence = PerSequence(_Payoff)
 
-    def start(self, batch_size: int) -> None:
-        self.gain = [LOOKUP_MIN_TOKENS] * batch_size
-        self.pending = [deque() for _ in range(batch_size)]
-
-    def join(self, count: int) -> None:
-        self.gain.extend([LOOKUP_MIN_TOKENS] * count)
-        self.pending.extend(deque() for _ in range(count))
-
-    def select(self, keep: Sequence[int]) -> None:
-        self.gain = [self.gain[b] for b in keep]
-        self.pending = [self.pending[b] for b in keep]
+    def retire(self, finished: Finished, keep: Sequence[int]) -> None:
+        self.records.retire(finished, keep)
 
     def wanted(self, b: int) -> bool:
-        return self.gain[b] >= LOOKUP_MIN_TOKENS
+        return self.records[b].gain >= LOOKUP_MIN_TOKENS
 
     def proposed(self, b: int, length: int, tree: DraftTree) -> None:
         """Sequence `b` had `length` tokens when its lookup proposed `tree`."""
         if tree.size:
-            self.pending[b].append((length, tree, int(tree.depths.max())))
+            self.records[b].pending.append((length, tree, int(tree.depths.max())))
 
-    def observe(self, tokens: Sequence[Sequence[int]]) -> None:
-        for b, seq in enumerate(tokens):
-            waiting = self.pending[b]
+    def observe(self, block: CommittedBlock) -> None:
+        first = self.records.observe(block)  # newcomers have nothing to judge yet
+        for record, seq in zip(self.records[first:], block.tokens, strict=True):
+            waiting = record.pending
             for _ in range(len(waiting)):
                 length, tree, depth = entry = waiting.popleft()
                 known = seq[length:length + depth]
                 matched = tree.matched_length(known)
                 if matched < len(known) or len(known) == depth:  # final: a miss, or every level known
-                    self.gain[b] += LOOKUP_EMA * (matched - self.gain[b])
+                    record.gain += LOOKUP_EMA * (matched - record.gain)
                 else:
                     waiting.append(entry)
 
 
-class HybridDrafter(Drafter):
+class HybridDrafter(Composite, ModelDrafter):
     """Runs `inner` (a head drafter) and the context indexes side by side and merges their trees."""
 
     def __init__(self, inner: Drafter, tree: TreeParams, eos_token_ids: Sequence[int]):
@@ -86,52 +87,14 @@ class HybridDrafter(Drafter):
         self.budget = tree.budget
         self.context = ContextIndexes(tree, eos_token_ids)
         self.payoff = LookupPayoff()
-
-    def start(self, batch_size: int) -> None:
-        self.inner.start(batch_size)
-        self.context.start(batch_size)
-        self.payoff.start(batch_size)
-
-    def observe(self, block: CommittedBlock) -> None:
-        self.inner.observe(block)
-        self.context.observe(block)
-        self.payoff.observe(block.tokens)
+        self.parts = (inner, self.context, self.payoff)
 
     @property
     def has_model(self) -> bool:
         return self.inner.has_model
 
-    @property
-    def job_ngram(self):
-        return self.inner.job_ngram
-
-    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
-        self.inner.warm(documents, kinds)
-        if "job_cache" in kinds:
-            self.context.warm(documents)
-
-    def job_state(self) -> dict[str, tuple[int, int]]:
-        return {**self.inner.job_state(), **self.context.job_state()}
-
-    def catch_up(self) -> None:
-        self.inner.catch_up()
-
-    def pause_model(self, paused: bool) -> None:
-        self.inner.pause_model(paused)
-
-    def join(self, block: CommittedBlock) -> None:
-        self.inner.join(block)
-        self.context.join(block)
-        self.payoff.join(len(block.rows))
-
-    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
-        self.inner.finish(tokens, num_prompt)
-        self.context.finish(tokens, num_prompt)
-
-    def select(self, keep: Sequence[int]) -> None:
-        self.inner.select(keep)
-        self.context.select(keep)
-        self.payoff.select(keep)
+    def run_model(self, on: bool) -> None:
+        self.inner.run_model(on)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         model_trees = self.inner.propose(tokens, max_depths)

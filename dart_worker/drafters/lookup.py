@@ -8,12 +8,12 @@ sequence with no match proposes an empty tree: that round is a plain decoding st
 
 The job-level cache (`ngram_native.JobCache`, `decoding.tree.lookup_cache_tokens`, 0 = off) spans
 batches: every finished row's output (and its prompt, with `lookup_cache_prompts`) is added in
-`finish`, and each round the same suffix is also matched against those earlier rows. Its tree
+`retire`, and each round the same suffix is also matched against those earlier rows. Its tree
 (nodes marked `SOURCE_JOB_CACHE`) is grafted into the context tree of the round
 (`ngram_native.trees.graft`: prefix-merged, unique siblings, the best `budget` nodes by
 score, ln(count / occurrences) for both), so a templated job's later rows draft from its earlier
-ones. `ContextIndexes` is the per-batch state plus the cache, shared with the hybrid drafters
-(`hybrid.py`); one drafter serves one engine, so the cache is per worker.
+ones. `ContextIndexes` is the per-batch state plus the cache, a part of this drafter and of the
+hybrid drafters (`hybrid.py`); one drafter serves one engine, so the cache is per worker.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from dart_worker.drafters.base import CommittedBlock, Drafter
+from dart_worker.drafters.base import CommittedBlock, Composite, Finished, Part, PerSequence, add_documents
 from ngram_native.builders import TreeParams
 from ngram_native.context import (
     DEFAULT_JOB_MAX_MATCH,
@@ -34,14 +34,14 @@ from ngram_native.context import (
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_JOB_CACHE, DraftTree, graft
 
 
-class ContextIndexes:
+class ContextIndexes(Part):
     """One `ContextIndex` per live sequence, kept in step with the engine's batch, and the job
     cache of this drafter's engine (None when `tree.lookup_cache_tokens` is 0)."""
 
     def __init__(self, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.tree = tree
         self.eos_ids = sorted(int(t) for t in eos_token_ids)
-        self.indexes: list[ContextIndex] = []
+        self.indexes: PerSequence = PerSequence(self._new_index)
         self.job_cache: JobCache | None = None
         if tree.lookup_cache_tokens:
             self.job_cache = JobCache(max_tokens=int(tree.lookup_cache_tokens), min_match=tree.lookup_min_match,
@@ -50,58 +50,33 @@ class ContextIndexes:
         # (jobs.bench templated reads it); None: nothing recorded.
         self.profile: list[dict] | None = None
 
-    def start(self, batch_size: int) -> None:
-        self.indexes = [self._new_index() for _ in range(batch_size)]
-
-    def warm(self, documents: Sequence[Sequence[int]]) -> None:
-        """Earlier outputs into the job cache (`finish` adds each finished row through here)."""
-        if self.job_cache is not None:
-            for doc in documents:
-                if len(doc):
-                    self.job_cache.add(doc)
-
-    def job_state(self) -> dict[str, tuple[int, int]]:
-        """{"job_cache": (tokens held, bytes)}, or {} when the cache is off."""
-        cache = self.job_cache
-        return {} if cache is None else {"job_cache": (len(cache), cache.memory_bytes)}
+    def job_stores(self) -> dict[str, JobCache]:
+        return {} if self.job_cache is None else {"job_cache": self.job_cache}
 
     def _new_index(self) -> ContextIndex:
         return ContextIndex(min_match=self.tree.lookup_min_match,
                             max_match=max(self.tree.lookup_min_match, DEFAULT_MAX_MATCH))
 
-    def join(self, block: CommittedBlock) -> None:
-        self.indexes.extend(self._new_index() for _ in block.rows)
-        live = len(self.indexes) - len(block.rows)
-        for index, tokens in zip(self.indexes[live:], block.tokens, strict=True):
-            index.append(tokens)
-
     def observe(self, block: CommittedBlock) -> None:
-        # block.tokens[b] is all of sequence b so far; the index holds a prefix of it (the prefill
-        # block brings the prompt + the first token, a verify block the tokens committed since).
-        for index, tokens in zip(self.indexes, block.tokens, strict=True):
+        # block.tokens[b] is all of sequence b so far; the index holds a prefix of it (a newcomer's
+        # empty index gets its prompt + first token, a live one's the tokens committed since).
+        first = self.indexes.observe(block)
+        for index, tokens in zip(self.indexes[first:], block.tokens, strict=True):
             if len(tokens) > len(index):
                 index.append(tokens[len(index):])
 
-    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
+    def retire(self, finished: Finished, keep: Sequence[int]) -> None:
         """Finished sequences go into the job cache: their outputs (tokens after the first
         num_prompt[b]), or prompt + output with `lookup_cache_prompts` (one document, so a later
         row whose prompt ends alike drafts the start of this row's output)."""
-        if self.job_cache is None:
-            return
-        start = time.perf_counter()
-        keep_prompt = self.tree.lookup_cache_prompts
-        self.warm([seq if keep_prompt else seq[int(p):] for seq, p in zip(tokens, num_prompt, strict=True)])
-        if self.profile is not None:
-            self.profile.append({"finished": len(tokens), "add_s": time.perf_counter() - start})
-
-    def select(self, keep: Sequence[int]) -> None:
-        self.indexes = [self.indexes[b] for b in keep]
+        if self.job_cache is not None and len(finished.tokens):
+            start = time.perf_counter()
+            add_documents(self.job_cache, finished.tokens if self.tree.lookup_cache_prompts else finished.outputs())
+            if self.profile is not None:
+                self.profile.append({"finished": len(finished.tokens), "add_s": time.perf_counter() - start})
+        self.indexes.retire(finished, keep)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
-        for b, (index, seq) in enumerate(zip(self.indexes, tokens, strict=True)):
-            if len(index) != len(seq):
-                raise RuntimeError(f"lookup: sequence {b} has {len(seq)} tokens, its index {len(index)}: "
-                                   "observe() missed a committed block")
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
         knobs = dict(budget=self.tree.budget, eos_ids=self.eos_ids, depth_factor=self.tree.lookup_depth_factor,
@@ -123,33 +98,12 @@ class ContextIndexes:
         return trees
 
 
-class LookupDrafter(Drafter):
+class LookupDrafter(Composite):
     name = "lookup"
 
     def __init__(self, tree: TreeParams, eos_token_ids: Sequence[int]):
         self.context = ContextIndexes(tree, eos_token_ids)
-
-    def start(self, batch_size: int) -> None:
-        self.context.start(batch_size)
-
-    def observe(self, block: CommittedBlock) -> None:
-        self.context.observe(block)
-
-    def join(self, block: CommittedBlock) -> None:
-        self.context.join(block)
-
-    def finish(self, tokens: Sequence[Sequence[int]], num_prompt: Sequence[int]) -> None:
-        self.context.finish(tokens, num_prompt)
-
-    def select(self, keep: Sequence[int]) -> None:
-        self.context.select(keep)
+        self.parts = (self.context,)
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         return self.context.propose(tokens, max_depths)
-
-    def warm(self, documents: Sequence[Sequence[int]], kinds: Sequence[str] = ("job_ngram",)) -> None:
-        if "job_cache" in kinds:
-            self.context.warm(documents)
-
-    def job_state(self) -> dict[str, tuple[int, int]]:
-        return self.context.job_state()
