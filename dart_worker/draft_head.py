@@ -330,12 +330,7 @@ class DraftKVCache:
         new_max_length = int((self.lengths + num_new).max(initial=0))
         capacity = self._key_buffer.shape[2]
         if new_max_length > capacity:
-            capacity = max(new_max_length, 2 * capacity, 16)
-            grown_keys = self._key_buffer.new_zeros(*keys.shape[:2], capacity, keys.shape[3])
-            grown_values = torch.zeros_like(grown_keys)
-            grown_keys[:, :, : self._used] = self.keys
-            grown_values[:, :, : self._used] = self.values
-            self._key_buffer, self._value_buffer = grown_keys, grown_values
+            self._grow(max(new_max_length, 2 * capacity, 16))
         if index is None:
             index = to_device(self.append_index(num_new), keys.device)
         batch_idx, row_idx, slots = index.unbind(0)
@@ -351,12 +346,16 @@ class DraftKVCache:
         if slots < self._used:
             raise ValueError(f"cannot view {slots} slots of a cache using {self._used}")
         if slots > self._key_buffer.shape[2]:
-            grown_keys = self._key_buffer.new_zeros(*self._key_buffer.shape[:2], slots, self._key_buffer.shape[3])
-            grown_values = torch.zeros_like(grown_keys)
-            grown_keys[:, :, : self._used] = self.keys
-            grown_values[:, :, : self._used] = self.values
-            self._key_buffer, self._value_buffer = grown_keys, grown_values
+            self._grow(slots)
         return self._key_buffer[:, :, :slots], self._value_buffer[:, :, :slots]
+
+    def _grow(self, capacity: int) -> None:
+        """New zeroed buffers of `capacity` slots holding the used ones (stale slots stay masked)."""
+        grown_keys = self._key_buffer.new_zeros(*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[3])
+        grown_values = torch.zeros_like(grown_keys)
+        grown_keys[:, :, : self._used] = self.keys
+        grown_values[:, :, : self._used] = self.values
+        self._key_buffer, self._value_buffer = grown_keys, grown_values
 
     def append_index(self, num_new: np.ndarray) -> np.ndarray:
         """[3, sum(num_new)] int64: (sequence, row of the new block, destination slot) per new row."""
