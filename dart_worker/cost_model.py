@@ -223,6 +223,7 @@ class TreeSizer:
     _pause_left: int = 0
     _pause_length: int = 1
     _failed_probes: int = 0  # the model's failures in a row on sampled rows (see `fit`)
+    _judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`_judge_model`)
     _model_calls: int = 0
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
@@ -293,6 +294,37 @@ class TreeSizer:
         best = int(np.argmax(rate))
         return float(rate[best]), best, float(gain[best]), float(seconds[best])
 
+    def _model_failed(self, sampled: bool, batch: int) -> None:
+        """The model did not pay this round: pause it for the back-off (see `fit`)."""
+        self._failed_probes = self._failed_probes + 1 if sampled else 0
+        floor = self.probe_pause(batch) if self._failed_probes >= 2 else 0
+        self._pause_left = max(self._pause_length, floor)
+        self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))
+
+    def _model_paid(self) -> None:
+        self._pause_length, self._failed_probes = 1, 0
+
+    def _judge_model(self, trees: list[DraftTree], accepted: list[np.ndarray], verify_seconds: float) -> None:
+        """On a batch of sampled rows, whether the model paid is judged from what its nodes did, not
+        from what the acceptance table expected of them.
+
+        The table is least sure exactly where this matters: at T=1 the head's nodes are seldom
+        accepted and the head mostly paused, so its bins hold few observations and lean on a prior
+        (ShareGPT dev, T=1, fp32 EPYC: 9.7 accepted nodes expected where 3 were). A probe the
+        table wrongly thought paying reset the back-off to one round, and the next probes followed
+        within a few rounds. Here the round's accepted head-only nodes (which no other source
+        proposed: without the model, the accepted path would have stopped before each of them) must
+        be worth the model's seconds: h tokens more in (S + m) seconds beats the T - h tokens the
+        round would have committed in S seconds without it, i.e. h (S + m) > T m.
+        """
+        head_only = sum(int(np.count_nonzero(_head_only(tree)[nodes])) for tree, nodes in zip(trees, accepted))
+        committed = len(trees) + sum(len(nodes) for nodes in accepted)
+        seconds = verify_seconds + self.overhead_seconds
+        if head_only * (seconds + self.model_seconds) > committed * self.model_seconds:
+            self._model_paid()
+        else:
+            self._model_failed(sampled=True, batch=len(trees))
+
     def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
         `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
@@ -302,7 +334,9 @@ class TreeSizer:
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
         From the second failure in a row on a batch of sampled rows only (T > 0, where a head's
         nodes are seldom accepted), the pause is also at least `probe_pause(batch)` rounds, so
-        probing a model that keeps failing there costs at most PROBE_SHARE of the decoding time.
+        probing a model that keeps failing there costs at most PROBE_SHARE of the decoding time;
+        and there a round the table expects to pay is judged again from its verification
+        (`_judge_model`, in `observe`) before it counts as paying.
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
@@ -321,16 +355,15 @@ class TreeSizer:
             with_model, *_ = self._best(trees, probs, self.model_seconds)
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
+            # Only sampled rows: greedy text is where a head is usually right and a miss is a
+            # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
+            sampled = all(band != GREEDY for band in bands)
             if without >= with_model:
-                # Only sampled rows: greedy text is where a head is usually right and a miss is
-                # a passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
-                sampled = all(band != GREEDY for band in bands)
-                self._failed_probes = self._failed_probes + 1 if sampled else 0
-                floor = self.probe_pause(len(trees)) if self._failed_probes >= 2 else 0
-                self._pause_left = max(self._pause_length, floor)
-                self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))
+                self._model_failed(sampled, len(trees))
+            elif sampled:
+                self._judge_after_verify = True  # see `_judge_model`
             else:
-                self._pause_length, self._failed_probes = 1, 0
+                self._model_paid()
         self._last_fit = (gain - len(trees), seconds - self.overhead_seconds)
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
@@ -339,6 +372,9 @@ class TreeSizer:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
         curve of this batch size; a batch size without one gets a copy of the nearest curve, its
         level set by this first round and its shape kept until rounds of other sizes correct it)."""
+        if self._judge_after_verify:
+            self._judge_after_verify = False
+            self._judge_model(trees, accepted, verify_seconds)
         if self._last_fit is not None:  # the round `fit` sized last
             expected, predicted = self._last_fit
             self._last_fit = None
@@ -382,3 +418,10 @@ def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.
     # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
     # the kept set is a tree.
     return subtree(tree, keep), p[keep]
+
+
+def _head_only(tree: DraftTree) -> np.ndarray:
+    """Per node, whether only the drafter's model proposed it (a tree without sources is all model)."""
+    if tree.sources is None:
+        return np.ones(tree.size, dtype=bool)
+    return tree.sources == np.uint8(SOURCE_HEAD)

@@ -204,8 +204,42 @@ def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of
     for _ in range(2):
         cheap.record_model_seconds(3 * step)
     cheap._failed_probes, cheap._pause_length = 5, 8
-    cheap.fit(confident, model_ran=True, bands=["1.0"])  # free rows: the model's deep tree pays
+    sized = cheap.fit(confident, model_ran=True, bands=["1.0"])  # free rows: the model's deep tree pays
+    cheap.observe(sized.trees, [np.arange(4)], rows=17, verify_seconds=step, bands=["1.0"])  # and it did
     assert cheap.model_wanted() and cheap._failed_probes == 0 and cheap._pause_length == 1
+
+
+def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_were_accepted():
+    """At T=1 the acceptance table can be optimistic about the head's rarely observed bins; a
+    probe it expects to pay counts as paying only if the round's head-only nodes were accepted
+    enough to be worth the model's seconds (h (S + m) > T m). Nodes another source also proposed
+    do not count: without the model they would have been drafted anyway."""
+    step = 0.05
+
+    def sizer_after_probe(sources: int, accepted: int, band: str = "1.0"):
+        sizer = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
+        for _ in range(2):
+            sizer.record_model_seconds(step)  # the model costs a plain step
+        sizer._failed_probes, sizer._pause_length = 1, 4
+        tree = _chain([-0.05 * (d + 1) for d in range(16)], sources)
+        sized = sizer.fit([tree], model_ran=True, bands=[band])
+        assert sized.trees[0].size == 16  # the table expects the deep head tree to pay
+        sizer.observe(sized.trees, [np.arange(accepted)], rows=17, verify_seconds=step, bands=[band])
+        return sizer
+
+    # One head node accepted: 2 tokens in 2 steps' time against 1 token in 1 step: not worth it.
+    missed = sizer_after_probe(SOURCE_HEAD, accepted=1)
+    assert not missed.model_wanted() and missed._failed_probes == 2
+    assert missed._pause_left + 1 >= 0.9 * missed.probe_pause(1) > 32  # the second failure: the probing floor
+    # Three: 4 tokens in 2 steps against 1 in 1: it paid, the back-off resets.
+    paid = sizer_after_probe(SOURCE_HEAD, accepted=3)
+    assert paid.model_wanted() and paid._failed_probes == 0 and paid._pause_length == 1
+    # The same three nodes, also proposed by the context lookup: the model added nothing.
+    shared = sizer_after_probe(SOURCE_HEAD | SOURCE_CONTEXT, accepted=3)
+    assert not shared.model_wanted() and shared._failed_probes == 2
+    # Greedy rows keep the table's verdict (and their short back-off).
+    greedy = sizer_after_probe(SOURCE_HEAD, accepted=0, band=GREEDY)
+    assert greedy.model_wanted() and greedy._pause_length == 1
 
 
 def test_the_models_first_call_is_left_out_of_its_seconds():
