@@ -294,9 +294,13 @@ class DraftKVCache:
     views of buffers with spare capacity, so appending is amortised O(new rows); an append
     invalidates views taken before it. `lengths` is host data (numpy int64): where rows go is
     decided on the host, so appending and selecting never wait for the device.
+
+    `skipped[b]`: committed rows of sequence b that were never read into the cache (a head paused
+    for long reads only the latest rows when it resumes, `HeadDrafter.catch_up`); the next row's
+    absolute position is `lengths + skipped` (`next_positions`), so RoPE distances stay true.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths, skipped=None) -> None:
         if isinstance(lengths, torch.Tensor):
             lengths = lengths.detach().cpu().numpy()
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -306,6 +310,17 @@ class DraftKVCache:
         self._key_buffer, self._value_buffer = keys, values
         self._used = keys.shape[2]
         self.lengths = lengths
+        self.skipped = np.zeros_like(lengths) if skipped is None else np.asarray(skipped, dtype=np.int64).copy()
+        if self.skipped.shape != lengths.shape:
+            raise ValueError(f"skipped {self.skipped.shape} must match lengths {lengths.shape}")
+
+    def next_positions(self) -> np.ndarray:
+        """Per sequence, the absolute position of its next committed row."""
+        return self.lengths + self.skipped
+
+    def skip(self, rows) -> None:
+        """Sequence b's next `rows[b]` committed rows will never be read (see the class doc)."""
+        self.skipped = self.skipped + np.asarray(rows, dtype=np.int64)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -380,6 +395,7 @@ class DraftKVCache:
         self._value_buffer = self.values[device_index, :, :length].contiguous()
         self._used = length
         self.lengths = lengths
+        self.skipped = self.skipped[order]
 
     @staticmethod
     @torch.inference_mode()
@@ -394,7 +410,7 @@ class DraftKVCache:
 
         return DraftKVCache(torch.cat([padded(c.keys) for c in caches]),
                             torch.cat([padded(c.values) for c in caches]),
-                            np.concatenate([c.lengths for c in caches]))
+                            np.concatenate([c.lengths for c in caches]), np.concatenate([c.skipped for c in caches]))
 
 
 def make_d2t(kept_target_ids: Sequence[int] | torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
@@ -576,7 +592,7 @@ class DartDraftHead(nn.Module):
         """Commit new rows to the cache and return float32 draft logits [B, D, draft_vocab_size].
 
         features [B, n, 3*H_t] and next_tokens [B, n] hold, for sequence b, num_new[b] real rows
-        (absolute positions cache.lengths[b] + i) followed by padding that is ignored. Row 0 of
+        (absolute positions cache.next_positions()[b] + i) followed by padding that is ignored. Row 0 of
         the result comes from b's last real row, rows 1..m from m MASK rows at the following
         positions. Works for prefill (n = prompt length) and decoding rounds alike.
 
@@ -602,12 +618,13 @@ class DartDraftHead(nn.Module):
         real = np.arange(n)[None, :] < num_new[:, None]  # [B, n]
         self._check_tokens(next_tokens, real)
         new_lengths = cache.lengths + num_new
+        start = cache.next_positions()
         # Padding rows are projected too (one batched matmul) but never cached nor read out, so
         # whatever they hold cannot leak; pad token ids are replaced only to keep the lookup valid.
         tokens, positions, out_positions, last, lengths, append_index = to_device_packed([
             np.where(real, next_tokens, 0),
-            cache.lengths[:, None] + np.arange(n)[None, :],
-            new_lengths[:, None] - 1 + np.arange(m + 1)[None, :],
+            start[:, None] + np.arange(n)[None, :],
+            (start + num_new - 1)[:, None] + np.arange(m + 1)[None, :],
             num_new - 1,
             new_lengths,
             cache.append_index(num_new),

@@ -19,7 +19,7 @@ from dart_worker.calibration import make_sizer
 from dart_worker.cost_model import PROBE_SHARE, AcceptanceModel, LatencyModel, TreeSizer
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
-from dart_worker.drafters.head import DDTreeDrafter
+from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import GREEDY, SamplingParams
 from dart_worker.target import TargetAdapter
@@ -358,6 +358,31 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
     lazy.run_model(True)  # one call over everything since the prefill
     torch.testing.assert_close(lazy.logits, eager.logits, rtol=1e-4, atol=1e-4)
     assert np.array_equal(lazy.cache.lengths, eager.cache.lengths)
+
+
+def test_a_head_paused_for_long_reads_only_its_latest_rows(model):
+    """A probe after a long pause reads at most CATCH_UP_ROWS of a sequence's missed rows (its cost
+    must not grow with the pause); the prompt of a sequence it never read is read whole."""
+    target = TargetAdapter(model)
+    torch.manual_seed(11)
+    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
+    drafter = DDTreeDrafter(head, TreeParams(budget=8), ())
+    state = target.new_state(1)
+    prompt = [3 + i % 20 for i in range(CATCH_UP_ROWS + 9)]  # longer than the window
+    out = target.prefill(state, [prompt])
+    tokens = [*prompt, 1]
+    drafter.observe(CommittedBlock(out.taps, [range(len(prompt))], [tokens], joined=True))
+    drafter.run_model(True)
+    assert drafter.cache.lengths.tolist() == [len(prompt)] and drafter.cache.skipped.tolist() == [0]
+    drafter.run_model(False)
+    gen = torch.Generator().manual_seed(0)
+    missed = CATCH_UP_ROWS + 7
+    for _ in range(missed):
+        tokens = [*tokens, 5]
+        drafter.observe(CommittedBlock(torch.randn(1, 2, out.taps.shape[-1], generator=gen), [[0]], [tokens]))
+    drafter.run_model(True)
+    assert drafter.cache.lengths.tolist() == [len(prompt) + CATCH_UP_ROWS]
+    assert drafter.cache.skipped.tolist() == [7] and drafter.cache.next_positions().tolist() == [len(tokens) - 1]
 
 
 def test_acceptance_is_calibrated_per_temperature_band():

@@ -69,8 +69,10 @@ def random_stream(head: DartDraftHead, length: int, seed: int) -> tuple[torch.Te
 # Reference: the architecture text, written out directly in float64.
 
 
-def reference_logits(head: DartDraftHead, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [D, draft_vocab] after committing rows (features[j], token[j]) for j < N, from scratch."""
+def reference_logits(head: DartDraftHead, features: torch.Tensor, tokens: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [D, draft_vocab] after committing rows (features[j], token[j]) for j < N, from scratch.
+    `positions`: the rows' absolute positions (default 0..N-1); the MASK rows follow the last."""
     cfg = head.config
     w = {name: t.detach().double() for name, t in head.state_dict().items() if t.is_floating_point()}
     n_rows, m, hidden_size = features.shape[0], cfg.draft_length, cfg.hidden_size
@@ -88,7 +90,9 @@ def reference_logits(head: DartDraftHead, features: torch.Tensor, tokens: torch.
     residual = torch.cat((hidden, mask_rep[:hidden_size].expand(m, -1)))
     rows = n_rows + m
 
-    positions = torch.arange(rows, dtype=torch.float64)
+    if positions is None:
+        positions = torch.arange(n_rows)
+    positions = torch.cat((positions.double(), positions[-1] + 1 + torch.arange(m, dtype=torch.float64)))
     if cfg.rope_scaling is not None:
         assert cfg.rope_scaling["rope_type"] == "linear"
         positions = positions / cfg.rope_scaling["factor"]
@@ -181,6 +185,28 @@ def test_incremental_propose_matches_full_reference(family):
         assert logits.dtype == torch.float32 and logits.shape == (1, DRAFT_LENGTH + 1, TINY_VOCAB)
         torch.testing.assert_close(logits[0].double(), expected, atol=ATOL, rtol=0)
     assert cache.lengths.tolist() == [sum(counts)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_skipped_rows_keep_the_positions_of_the_rows_after_them(family):
+    """A cache told to skip rows (a head resuming after a long pause reads only the latest) puts
+    the rows after them at their true positions: the logits are those of the sequence without the
+    skipped rows but with every other row where it stood, not those of the rows moved up."""
+    head = make_head(family)
+    features, tokens = random_stream(head, 20, seed=4)
+    cache = head.new_cache(1)
+    head.propose(features[None, :6], tokens[None, :6], [6], cache)
+    cache.skip([9])  # rows 6..14 are never read
+    logits = head.propose(features[None, 15:], tokens[None, 15:], [5], cache)
+    kept = torch.cat((torch.arange(6), torch.arange(15, 20)))
+    expected = reference_logits(head, features[kept], tokens[kept], positions=kept)
+    torch.testing.assert_close(logits[0].double(), expected, atol=ATOL, rtol=0)
+    moved_up = reference_logits(head, features[kept], tokens[kept])
+    assert not torch.allclose(logits[0].double(), moved_up, atol=ATOL, rtol=0)
+    assert cache.lengths.tolist() == [11] and cache.next_positions().tolist() == [20]
+    cache.select([0, 0])
+    assert cache.skipped.tolist() == [9, 9]
+    assert type(cache).concat([cache, head.new_cache(1)]).next_positions().tolist() == [20, 20, 0]
 
 
 class ShiftedEmbedding(torch.nn.Embedding):
