@@ -111,6 +111,20 @@ def test_latency_interpolates_extrapolates_and_follows_observations():
     assert model.predict(1) <= model.predict(4)
 
 
+def test_an_observation_moves_the_sizes_above_it_by_the_same_factor():
+    """Plain steps of 16 rows found 20% dearer than calibrated (a longer context than the
+    calibration's) make 32 and 64 rows 20% dearer too: the extra rows of a tree keep their
+    calibrated share of a step instead of looking cheaper next to it. Sizes below move only as
+    interpolation weights say."""
+    model = LatencyModel([1, 16, 32, 64], [0.1, 0.3, 0.42, 0.7])
+    for _ in range(60):
+        model.update(16, 0.36)
+    assert model.predict(16) == pytest.approx(0.36, rel=0.01)
+    assert model.predict(32) == pytest.approx(0.42 * 1.2, rel=0.01)
+    assert model.predict(64) == pytest.approx(0.7 * 1.2, rel=0.01)
+    assert model.predict(1) == pytest.approx(0.1)
+
+
 def test_a_grid_point_that_a_burst_of_load_made_dear_is_capped_per_row():
     """Measured 8 rows at 0.34 s, then 16 rows at 2.4 s (a burst elsewhere on the machine): 16
     rows cannot cost more than two 8-row forwards, so the sizer still sees trees of 15 nodes as
@@ -362,7 +376,8 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
 
 def test_a_head_paused_for_long_reads_only_its_latest_rows(model):
     """A probe after a long pause reads at most CATCH_UP_ROWS of a sequence's missed rows (its cost
-    must not grow with the pause); the prompt of a sequence it never read is read whole."""
+    must not grow with the pause), a prompt that joined while it was paused included; a head that
+    runs every round reads a joiner's whole prompt."""
     target = TargetAdapter(model)
     torch.manual_seed(11)
     head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
@@ -383,6 +398,16 @@ def test_a_head_paused_for_long_reads_only_its_latest_rows(model):
     drafter.run_model(True)
     assert drafter.cache.lengths.tolist() == [len(prompt) + CATCH_UP_ROWS]
     assert drafter.cache.skipped.tolist() == [7] and drafter.cache.next_positions().tolist() == [len(tokens) - 1]
+    # A sequence joins while the head is paused: the probe reads the latest rows of its prompt.
+    drafter.run_model(False)
+    tokens = [*tokens, 5]  # a round commits a row, then a sequence joins
+    drafter.observe(CommittedBlock(torch.randn(1, 2, out.taps.shape[-1], generator=gen), [[0]], [tokens]))
+    joined = target.new_state(1)
+    out = target.prefill(joined, [prompt])
+    drafter.observe(CommittedBlock(out.taps, [range(len(prompt))], [[*prompt, 1]], joined=True))
+    drafter.run_model(True)
+    assert drafter.cache.lengths.tolist() == [len(prompt) + CATCH_UP_ROWS + 1, CATCH_UP_ROWS]
+    assert drafter.cache.next_positions().tolist() == [len(tokens) - 1, len(prompt)]
 
 
 def test_acceptance_is_calibrated_per_temperature_band():

@@ -37,9 +37,10 @@ from ngram_native.trees import SOURCE_HEAD, DraftTree
 NGRAM_CONTEXT_TOKENS = 8
 # A head resuming after a pause reads at most this many of a sequence's latest unread rows; older
 # ones are skipped (positions kept, `DraftKVCache.skip`). Reading them all made a probe's cost grow
-# with the pause before it (batch 16, T=1, 2-core EPYC: 328 ms after 32 rounds, a 380 ms step), so
-# no back-off could bound what probing a head that never pays costs. A sequence the head has not
-# read at all still reads its whole prompt: that is the context it was trained to see.
+# with the pause before it (batch 16, T=1, 2-core EPYC: 328 ms after 32 rounds, a 380 ms step, and
+# ~400 ms for the prompts of sequences that joined while it was paused), so no back-off could
+# bound what probing a head that never pays costs. A head that runs every round reads everything,
+# joiners' whole prompts included: that is the context it was trained to see.
 CATCH_UP_ROWS = 32
 
 
@@ -102,18 +103,19 @@ class HeadDrafter(ModelDrafter):
             unread.tokens.extend(tokens[len(tokens) - len(rows):])
 
     def run_model(self, on: bool) -> None:
+        resuming = self.paused and on
         self.paused = not on
         if on:
-            self.catch_up()
+            self.catch_up(window=CATCH_UP_ROWS if resuming else None)
 
-    def catch_up(self) -> None:
+    def catch_up(self, window: int | None = None) -> None:
         """Run the head over the rows observed since its last run (one batched forward): all of
-        them, except that a sequence with rows in the cache reads only its latest CATCH_UP_ROWS."""
+        them, or each sequence's latest `window` (a head resuming after a pause: CATCH_UP_ROWS)."""
         counts = [len(u.tokens) for u in self.unread]
         if not any(counts):
             return
-        over = np.maximum(np.asarray(counts) - CATCH_UP_ROWS, 0) * (self.cache.next_positions() > 0)
-        if over.any():
+        over = np.maximum(np.asarray(counts) - window, 0) if window is not None else None
+        if over is not None and over.any():
             self._skip_oldest(over)
             counts = [len(u.tokens) for u in self.unread]
         device = self.head.device
