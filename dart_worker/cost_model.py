@@ -148,9 +148,7 @@ class AcceptanceModel:
 
     @staticmethod
     def _keys(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-        scores = tree.scores if tree.scores is not None else np.zeros(tree.size)
-        sources = tree.sources if tree.sources is not None else np.full(tree.size, SOURCE_HEAD, np.uint8)
-        return np.searchsorted(SCORE_EDGES, np.minimum(scores, 0.0)), sources.astype(np.int64)
+        return _bins_and_sources(_scores(tree), _sources(tree))
 
     def scale(self, band: str, source: int) -> float:
         """How much more (> 1) or less (< 1) often the source's nodes were accepted in `band` than
@@ -183,11 +181,16 @@ class AcceptanceModel:
         return p
 
     def update(self, tree: DraftTree, accepted_nodes: np.ndarray, band: str = GREEDY) -> None:
-        if not tree.size:
-            return
-        bins, sources = self._keys(tree)
+        """Learn from a verified tree: which of its nodes were accepted."""
         hit = np.zeros(tree.size, dtype=bool)
         hit[accepted_nodes] = True
+        self.update_nodes(_scores(tree), _sources(tree), hit, band)
+
+    def update_nodes(self, scores: np.ndarray, sources: np.ndarray, hit: np.ndarray, band: str = GREEDY) -> None:
+        """Learn from nodes (path scores, source bits) known to have been accepted (`hit`) or not."""
+        if not len(hit):
+            return
+        bins, sources = _bins_and_sources(scores, sources)
         for source in np.unique(sources):
             accepted, offered = self._table(band, int(source))
             rows = sources == source
@@ -243,6 +246,7 @@ class TreeSizer:
     _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("rounds", "expected_accepted", "accepted", "predicted_verify_s", "verify_s"), 0.0))
     _last_fit: tuple[float, float] | None = None  # (expected accepted nodes, predicted verify s)
+    _proposed: list[DraftTree] | None = None  # the last fitted round's trees before the cut
 
     def latency_for(self, batch: int) -> LatencyModel:
         """The verify cost curve of forwards over `batch` sequences. Batch shapes differ in more than
@@ -372,13 +376,25 @@ class TreeSizer:
             else:
                 self._model_paid()
         self._last_fit = (gain - len(trees), seconds - self.overhead_seconds)
+        self._proposed = trees
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
-                bands: list[str] | None = None) -> None:
+                bands: list[str] | None = None, first_tokens: list[int] | None = None) -> None:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
         curve of this batch size; a batch size without one gets a copy of the nearest curve, its
-        level set by this first round and its shape kept until rounds of other sizes correct it)."""
+        level set by this first round and its shape kept until rounds of other sizes correct it).
+
+        `first_tokens` (each sequence's first token committed this round) also grades the first-level
+        nodes the cut left out of the fitted round's trees: verification commits the target's own
+        token (its argmax, or its coupled draw: `dart_worker.verification`) whatever the tree, so a
+        first-level node would have been accepted exactly when its token is that one. Learning only
+        from verified nodes made a winner's curse: the nodes a table is too hopeful about are the
+        ones it keeps verifying, but the nodes it is too gloomy about, or has hardly seen (a head
+        that is mostly paused, at T=1), are cut and never corrected (ShareGPT dev, T=1, batch 16,
+        fp32 EPYC: a probe's 16 head nodes expected to bring 7.7 tokens, 4 accepted in 190 rounds).
+        Deeper cut nodes are not graded: whether one would have been accepted needs tokens that
+        only later rounds commit, and rounds that commit more are those whose trees were right."""
         if self._judge_after_verify:
             self._judge_after_verify = False
             self._judge_model(trees, accepted, verify_seconds)
@@ -388,8 +404,15 @@ class TreeSizer:
             for key, value in (("rounds", 1), ("expected_accepted", expected), ("predicted_verify_s", predicted),
                                ("accepted", sum(len(a) for a in accepted)), ("verify_s", verify_seconds)):
                 self._check[key] += value
-        for tree, nodes, band in zip(trees, accepted, bands or [GREEDY] * len(trees), strict=True):
+        bands = bands or [GREEDY] * len(trees)
+        for tree, nodes, band in zip(trees, accepted, bands, strict=True):
             self.acceptance.update(tree, nodes, band)
+        proposed, self._proposed = self._proposed, None
+        if first_tokens is not None and proposed is not None and len(proposed) == len(trees):
+            for tree, cut, token, band in zip(proposed, trees, first_tokens, bands, strict=True):
+                graded = cut_first_level(tree, cut)
+                self.acceptance.update_nodes(_scores(tree)[graded], _sources(tree)[graded],
+                                             tree.tokens[graded] == token, band)
         batch = len(trees)
         curve = self._latency_by_batch.get(batch)
         if curve is None:
@@ -432,3 +455,23 @@ def _head_only(tree: DraftTree) -> np.ndarray:
     if tree.sources is None:
         return np.ones(tree.size, dtype=bool)
     return tree.sources == np.uint8(SOURCE_HEAD)
+
+
+def _scores(tree: DraftTree) -> np.ndarray:
+    return tree.scores if tree.scores is not None else np.zeros(tree.size)
+
+
+def _sources(tree: DraftTree) -> np.ndarray:
+    return tree.sources if tree.sources is not None else np.full(tree.size, SOURCE_HEAD, np.uint8)
+
+
+def _bins_and_sources(scores: np.ndarray, sources: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(score bin, source bits as int64) of each node: its acceptance table cell."""
+    return np.searchsorted(SCORE_EDGES, np.minimum(scores, 0.0)), np.asarray(sources).astype(np.int64)
+
+
+def cut_first_level(proposed: DraftTree, verified: DraftTree) -> np.ndarray:
+    """Indices of `proposed`'s depth-1 nodes that the sizer cut (not among `verified`'s depth-1 tokens)."""
+    first = np.flatnonzero(proposed.depths == 1)
+    kept = verified.tokens[verified.depths == 1]
+    return first[~np.isin(proposed.tokens[first], kept)]

@@ -363,7 +363,7 @@ class DecodingEngine:
         if self.sizer is None:
             return
         self.sizer.observe(trees, [acc.accepted for acc in acceptances], rows, clock.verified_seconds,
-                           bands=[s.params.band for s in live])
+                           bands=[s.params.band for s in live], first_tokens=[_first_token(acc) for acc in acceptances])
         self.sizer.record_overhead(self._now() - clock.started - clock.verified_seconds - clock.model_seconds)
 
     def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
@@ -561,3 +561,8 @@ def accepted_sources(tree: DraftTree, accepted: np.ndarray) -> dict[str, int] | 
         return None
     bits = tree.sources[accepted]
     return {name: int(np.count_nonzero(bits & bit)) for bit, name in SOURCE_NAMES.items()}
+
+
+def _first_token(acceptance: Acceptance) -> int:
+    """The first token a round committed for a sequence: its first accepted node's, or the bonus."""
+    return int(acceptance.accepted_tokens[0]) if acceptance.num_accepted else int(acceptance.bonus)

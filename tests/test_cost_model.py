@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.calibration import make_sizer
-from dart_worker.cost_model import PROBE_SHARE, AcceptanceModel, LatencyModel, TreeSizer
+from dart_worker.cost_model import PROBE_SHARE, SCORE_EDGES, AcceptanceModel, LatencyModel, TreeSizer
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
@@ -372,6 +372,29 @@ def test_a_paused_head_catches_up_to_the_logits_of_one_that_never_paused(model):
     lazy.run_model(True)  # one call over everything since the prefill
     torch.testing.assert_close(lazy.logits, eager.logits, rtol=1e-4, atol=1e-4)
     assert np.array_equal(lazy.cache.lengths, eager.cache.lengths)
+
+
+def test_first_level_nodes_the_cut_left_out_are_graded_by_the_committed_token():
+    """Verification commits the target's own first token whatever the tree, so a cut first-level
+    node counts as accepted exactly when its token is that one; verified nodes are counted once,
+    deeper cut nodes not at all (their fate needs tokens later rounds commit)."""
+    siblings = DraftTree(np.array([3, 4, 5, 6], np.int32), np.array([-1, -1, -1, 0], np.int32),
+                         np.array([1, 1, 1, 2], np.int32), np.array([-0.1, -1.0, -2.0, -0.2]),
+                         np.full(4, SOURCE_HEAD, np.uint8))
+    dear = TreeSizer(LatencyModel([1, 2, 128], [0.05, 0.5, 30.0]), max_budget=8)
+    sized = dear.fit([siblings], model_ran=False, bands=["1.0"])
+    assert sized.trees[0].size == 0
+    dear.observe(sized.trees, [np.zeros(0, np.int64)], rows=1, verify_seconds=0.05, bands=["1.0"], first_tokens=[5])
+    accepted, offered = dear.acceptance.accepted[("1.0", SOURCE_HEAD)], dear.acceptance.offered[("1.0", SOURCE_HEAD)]
+    assert offered.sum() == 3 and accepted.sum() == 1  # the three first-level nodes, token 5 was committed
+    assert accepted[np.searchsorted(SCORE_EDGES, -2.0)] == 1
+
+    free = TreeSizer(LatencyModel([1, 128], [0.05, 0.0500001]), max_budget=8)
+    sized = free.fit([siblings], model_ran=False, bands=["1.0"])
+    assert sized.trees[0].size == 4
+    free.observe(sized.trees, [np.array([0, 3])], rows=5, verify_seconds=0.05, bands=["1.0"], first_tokens=[3])
+    assert free.acceptance.offered[("1.0", SOURCE_HEAD)].sum() == 4  # verified only, none graded twice
+    assert free.acceptance.accepted[("1.0", SOURCE_HEAD)].sum() == 2
 
 
 def test_a_head_paused_for_long_reads_only_its_latest_rows(model):
