@@ -8,7 +8,6 @@ distinct forwards in a job:
 - sequences: 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, ... capped at the engine's `max_live`
   (`batch_bucket`: the rows' family; under continuous batching a job's tail shrinks the live
   batch one finished sequence at a time, and without buckets every size would be a new shape);
-
 - rows per sequence: 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, ... (`rows_bucket`: powers of two, with
   1.5x steps from 8 on, so padding never exceeds half the real rows; the calibration's grid of
   1, 2, 4, ... rows per sequence lands on buckets, so its curve prices bucketed forwards);
