@@ -245,6 +245,9 @@ class TreeSizer:
     # Bucketed verify shapes (`dart_worker.shape_buckets`): rows per sequence -> the rows the
     # forward actually runs, so a size is priced at its bucket's cost. None: exact shapes.
     rows_bucket: Callable[[np.ndarray], np.ndarray] | None = None
+    # Bucketed verify shapes: live sequences -> the sequences the forward runs (padding included,
+    # `DecodingEngine.forward_batch`), whose curve prices and learns the round. None: exact shapes.
+    batch_bucket: Callable[[int], int] | None = None
     # What the model predicted for the rounds it sized against what they did (`describe`'s
     # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
     _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
@@ -275,8 +278,9 @@ class TreeSizer:
 
     def probe_pause(self, batch: int) -> int:
         """Rounds of plain steps at `batch` over which one probe of the model (its forward, at the
-        model's measured seconds) is PROBE_SHARE of the time."""
-        step = float(self.latency_for(batch).predict(np.array([batch]))[0]) + self.overhead_seconds
+        model's measured seconds) is PROBE_SHARE of the time (a step of the forward's padded batch)."""
+        forward = self._forward_batch(batch)
+        step = float(self.latency_for(forward).predict(np.array([forward]))[0]) + self.overhead_seconds
         return int(np.ceil(self.model_seconds / (PROBE_SHARE * max(step, 1e-9))))
 
     def record_model_seconds(self, seconds: float) -> None:
@@ -303,7 +307,8 @@ class TreeSizer:
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
             gain += cumulative[np.minimum(sizes, len(p))]
         rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
-        seconds = self.latency_for(batch).predict(batch * rows) + self.overhead_seconds
+        forward = self._forward_batch(batch)
+        seconds = self.latency_for(forward).predict(forward * rows) + self.overhead_seconds
         seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
         rate = gain / seconds
         best = int(np.argmax(rate))
@@ -339,6 +344,10 @@ class TreeSizer:
             self._model_paid()
         else:
             self._model_failed(sampled=True, batch=len(trees))
+
+    def _forward_batch(self, live: int) -> int:
+        """Sequences the verify forward of `live` live ones runs (its batch bucket, when bucketed)."""
+        return live if self.batch_bucket is None else self.batch_bucket(live)
 
     def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
@@ -417,7 +426,7 @@ class TreeSizer:
                 graded = cut_first_level(tree, cut)
                 self.acceptance.update_nodes(_scores(tree)[graded], _sources(tree)[graded],
                                              tree.tokens[graded] == token, band)
-        batch = len(trees)
+        batch = self._forward_batch(len(trees))
         curve = self._latency_by_batch.get(batch)
         if curve is None:
             curve = self._latency_by_batch[batch] = copy.deepcopy(self.latency_for(batch))

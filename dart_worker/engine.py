@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dart_worker import shape_buckets
 from dart_worker.cost_model import TreeSizer
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.kernels import logits_for, shapes_for
@@ -38,9 +39,9 @@ from dart_worker.sampling import (
     request_key,
     warp_logits_to_probs,
 )
-from dart_worker.shape_buckets import rows_bucket
+from dart_worker.shape_buckets import batch_bucket, rows_bucket
 from dart_worker.stats import RequestStats
-from dart_worker.target import TargetAdapter
+from dart_worker.target import ForwardOutput, TargetAdapter, TargetState
 from dart_worker.transfer import move_to, to_device, to_host
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import (
@@ -138,7 +139,9 @@ class DecodingEngine:
         and a walk would add a host round trip per tree level.
 
         `shapes`: the verify block's shapes, `bucketed` or `exact` (None = the `shapes` strategy
-        of `dart_worker.kernels`: bucketed on CUDA, for CUDA graphs; `dart_worker.shape_buckets`)."""
+        of `dart_worker.kernels`: bucketed on CUDA, for CUDA graphs; `dart_worker.shape_buckets`).
+        Bucketed, the target's state holds `forward_batch(live)` sequences, padding after the live
+        ones."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -149,6 +152,7 @@ class DecodingEngine:
         self.defer_logits = defer_logits
         self.sync_timing = sync_timing
         self.bucketed = (shapes or shapes_for(self.device)) == "bucketed"
+        self._max_live: int | None = None  # the running `generate`'s, which caps batch buckets
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
         # drafter's trees as built (`fixed`).
         self.sizer = sizer
@@ -286,6 +290,18 @@ class DecodingEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def forward_batch(self, live: int) -> int:
+        """Sequences a verify forward over `live` live ones runs: with bucketed shapes their batch
+        bucket, capped at the running batch's `max_live` (`shape_buckets.batch_bucket`); with
+        exact shapes `live` itself. The tree sizer prices rounds with it (`TreeSizer.batch_bucket`)."""
+        return batch_bucket(live, self._max_live) if self.bucketed and live else live
+
+    def _pad_batch(self, state: TargetState, live: int) -> None:
+        """Bucketed shapes: the state's sequences past the `live` ones become padding up to
+        `forward_batch(live)` (`TargetState.resize_batch`); exact shapes: nothing to do."""
+        if self.bucketed:
+            state.resize_batch(self.forward_batch(live))
+
     # ------------------------------------------------------------- main loop
 
     def _decode(self, waiting: deque[list[_Sequence]], max_live: int, results: list[list[GenerationResult]]) -> None:
@@ -294,6 +310,7 @@ class DecodingEngine:
         target, drafter = self.target, self.drafter
         live: list[_Sequence] = []
         state = None
+        self._max_live = max_live
         drafter.retire(NOTHING_FINISHED, keep=[])  # an empty batch (whatever a batch that raised left)
         while live or waiting:
             if any(s.finish_reason for s in live):
@@ -304,7 +321,8 @@ class DecodingEngine:
                     if seq.finish_reason:
                         results[seq.index][seq.sample] = self._result(seq)
                 if keep:
-                    state.select(keep)
+                    state.select(keep)  # padding sequences are dropped with the finished ones
+                    self._pad_batch(state, len(keep))
                 live = [live[b] for b in keep]
             joining: list[list[_Sequence]] = []
             free = max_live - len(live)
@@ -321,14 +339,12 @@ class DecodingEngine:
             clock = _RoundClock(self, live)
             trees, clock.model_seconds, model_ran = self._draft(live, state)
             with clock.stage("tree"):
-                pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
-                batch = TreeBatch.from_trees([s.tokens[-1] for s in live], trees, self.device,
-                                             vocab_size=target.vocab_size, pad_to=pad_rows)
+                batch = self._tree_batch(live, trees, state.batch_size)
             with clock.stage("verify"):
                 deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
                                                      and not s.params.logprobs for s in live)
-                out = target.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=deferred,
-                                    bucketed=self.bucketed)
+                out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
+                                               defer_logits=deferred, bucketed=self.bucketed), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
                 if deferred:  # the walk's vocabulary projections are part of verifying
                     acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
@@ -349,12 +365,24 @@ class DecodingEngine:
                                            accepted_sources(tree, acc.accepted), live=len(live), model_ran=model_ran)
                     self._append(seq, acc.tokens.tolist())
                 rows = [acc.committed_rows.tolist() for acc in acceptances]
-                target.commit(state, block_start, rows)
+                target.commit(state, block_start, rows + [[]] * (state.batch_size - len(live)))  # padding: none
                 self._finish_at_context_limit(live, state)
             if not all(s.finish_reason for s in live):  # hand the drafter the rows just committed
                 with clock.stage("draft"):
                     drafter.observe(CommittedBlock(taps=out.taps, rows=rows, tokens=[s.tokens for s in live]))
             self._learn(clock, trees, acceptances, batch.batch_size * batch.seq_len, live)
+
+    def _tree_batch(self, live: list[_Sequence], trees: list[DraftTree], batch_size: int) -> TreeBatch:
+        """The verify block of `live`'s trees. Bucketed shapes: rows padded to their bucket, and
+        after the live sequences one root-only tree of `PADDING_TOKEN` per padding sequence of the
+        state (`batch_size` in all), so the block has the state's batch."""
+        roots = [s.tokens[-1] for s in live]
+        padding = batch_size - len(live)
+        if padding:
+            roots += [shape_buckets.PADDING_TOKEN] * padding
+            trees = [*trees, *(empty_tree() for _ in range(padding))]
+        pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
+        return TreeBatch.from_trees(roots, trees, self.device, vocab_size=self.target.vocab_size, pad_to=pad_rows)
 
     def _learn(self, clock: _RoundClock, trees: list[DraftTree], acceptances: list[Acceptance], rows: int,
                live: list[_Sequence]) -> None:
@@ -404,9 +432,12 @@ class DecodingEngine:
         self._finish_at_context_limit(joining, fresh)
         t0 = self._now()
         if live:
+            if self.bucketed:  # joiners take the padding sequences' rows
+                state.resize_batch(len(live))
             state.extend(fresh)
         else:
             state = fresh
+        self._pad_batch(state, len(live) + len(joining))
         drafter.observe(CommittedBlock(taps=taps, rows=[range(s.num_prompt) for s in joining],
                                        tokens=[s.tokens for s in joining], joined=True))
         self._charge(joining, "draft", t0)
@@ -543,6 +574,15 @@ class DecodingEngine:
 def _histories(live: list[_Sequence]) -> list[TokenHistory | None]:
     """What each sequence's penalties count (None for sequences without penalties)."""
     return [TokenHistory(s.tokens, s.num_prompt) if s.params.has_penalties else None for s in live]
+
+
+def _live_rows(out: ForwardOutput, live: int) -> ForwardOutput:
+    """The live sequences' part of a verify forward's outputs (views: nothing is copied); padding
+    sequences come after them and nothing reads theirs."""
+    if out.taps.shape[0] == live:
+        return out
+    return ForwardOutput(logits=None if out.logits is None else out.logits[:live], taps=out.taps[:live],
+                         hidden=None if out.hidden is None else out.hidden[:live])
 
 
 def _row_logits(target: TargetAdapter, hidden: torch.Tensor):

@@ -81,7 +81,8 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     verify costs are measured at build for each live batch size in `batches`, once per machine and
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
-    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows.
+    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows and
+    a round at its batch bucket's sequences.
     `drafter`: one the caller built with `build_drafter(parts, mode, tree)` and keeps a hand on (a
     benchmark reading the drafter's own records; nothing reaches it through the engine); None:
     built here."""
@@ -95,6 +96,7 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
         engine.sizer = make_sizer(parts.target, sizing, tree.budget, engine.defer_logits, batches)
         if engine.sizer is not None and engine.bucketed:
             engine.sizer.rows_bucket = rows_buckets
+            engine.sizer.batch_bucket = engine.forward_batch
     return engine
 
 

@@ -21,12 +21,14 @@ tensors (`forced`), so no result can depend on a branch that only one kind of de
   (transformers' own: K/V copied per query head), `pack` (each group's query heads folded into
   its K/V head's rows, the mask repeated instead) or `enable_gqa` (SDPA's own). Preferred:
   `repeat` on a CPU, `pack` on CUDA (see `gqa_for`).
-- `shapes` (the verify forward's block): `bucketed` (rows per sequence, 1 + tree size, and the
-  cached context rounded up to a few buckets, `dart_worker.shape_buckets`: padding rows see only
-  themselves and nothing sees them, stale context slots are masked, so results are identical;
-  a GPU can capture each bucket's forward in a CUDA graph) or `exact` (the block as the trees
-  make it). Preferred: `bucketed` on CUDA, `exact` on a CPU, where a padded row or context slot
-  costs its full share of a forward (see `shapes_for`).
+- `shapes` (the verify forward's block): `bucketed` (the batch, rows per sequence, 1 + tree size,
+  and the cached context rounded up to a few buckets, `dart_worker.shape_buckets`: padding rows
+  see only themselves and nothing sees them, padding sequences after the live ones hold no
+  context, verify an empty tree and commit nothing, stale context slots are masked, so results
+  are identical; a GPU can capture each bucket's forward in a CUDA graph) or `exact` (the block
+  as the trees make it, over the live sequences only). Preferred: `bucketed` on CUDA, `exact` on a
+  CPU, where a padded row, sequence or context slot costs its full share of a forward (see
+  `shapes_for`).
 
 The target's attention implementation must take the ready-made tree masks: `dart_tree` (the
 adapter installs it in place of `sdpa`), `sdpa` or `eager`; `TargetAdapter` refuses the others.

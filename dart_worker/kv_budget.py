@@ -13,7 +13,9 @@ character), so
 is what the cache can reach in the worst case, whatever the inputs. With bucketed verify shapes
 (`dart_worker.shape_buckets`, the strategy on CUDA) a forward widens the cached context to its
 bucket (up to 1.5x the tokens) and pads the block to its rows bucket, so there the bound is taken
-over `context_bucket(min(context, prompt + new tokens)) + rows_bucket(tree rows)` slots.
+over `context_bucket(min(context, prompt + new tokens)) + rows_bucket(tree rows)` slots. Its
+padding sequences (the batch rounded up to its bucket) are capped at `max_live` with the live
+ones, so the rows stay `max_live`.
 `--dry-run` prints it for the configured target, dtype, device and `max_live`, with the figure at
 a typical context beside it.
 """

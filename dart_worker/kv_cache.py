@@ -97,6 +97,24 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._key_buffer[:batch, :, :slots]
         self.values = self._value_buffer[:batch, :, :slots]
 
+    def resize_batch(self, batch: int) -> None:
+        """Views over the first `batch` buffer rows (bucketed shapes: padding sequences after the
+        live ones). Narrowing drops the last sequences; widening exposes rows that hold a finished
+        sequence's stale K/V or zeros, never copied or cleared: a padding sequence has no
+        context, so nothing reads them. Grows the buffers only past the rows they have."""
+        if not self.is_initialized or self.keys.dim() != 4 or batch == self.keys.shape[0]:
+            return
+        used = self.keys.shape[-2]
+        if batch < self.keys.shape[0]:
+            self.keys, self.values = self.keys[:batch], self.values[:batch]  # still prefix views
+            return
+        if not self._views_buffer():
+            self._adopt(self.keys, self.values, used, used)
+        if batch > self._key_buffer.shape[0]:
+            self._grow(batch, used, used)
+        self.keys = self._key_buffer[:batch, :, :used]
+        self.values = self._value_buffer[:batch, :, :used]
+
     @torch.no_grad()
     def keep_sequences(self, order: list[int], index: torch.Tensor | None = None) -> None:
         """Keep sequences `order` (source indices, new order) in place: only the sequences whose
@@ -214,6 +232,11 @@ class GrowingCache(DynamicCache):
         index = per_device(moved_index(order))  # one upload per device, shared by its layers
         for layer in self.layers:
             layer.keep_sequences(order, index(layer.keys.device))
+
+    def resize_batch(self, batch: int) -> None:
+        """Every layer's views over `batch` sequences (`GrowingLayer.resize_batch`)."""
+        for layer in self.layers:
+            layer.resize_batch(batch)
 
     def pad_slots(self, slots: int) -> None:
         """Every layer's views widened to `slots` slots (`GrowingLayer.pad_slots`)."""

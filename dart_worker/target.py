@@ -129,6 +129,18 @@ class TargetState:
             self.cache.repeat_sequences(index if index is not None else np.asarray(order, dtype=np.int64))
         self.lengths = self._lengths[order]
 
+    def resize_batch(self, batch: int) -> None:
+        """Hold `batch` sequences (bucketed shapes, `shape_buckets.batch_bucket`): the first ones
+        stay as they are; sequences past them are dropped, or added as padding sequences of length
+        0, whose rows are never read by a real row nor (having no context) by their own, so nothing
+        is copied or cleared for them (`GrowingCache.resize_batch`)."""
+        if batch == self.batch_size:
+            return
+        if len(self.cache.layers):
+            self.cache.resize_batch(batch)
+        kept = self._lengths[:batch]
+        self.lengths = np.concatenate([kept, np.zeros(batch - len(kept), dtype=np.int64)])
+
     @torch.no_grad()
     def extend(self, other: TargetState) -> None:
         """Append `other`'s sequences after these (continuous batching: newly prefilled requests

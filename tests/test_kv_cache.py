@@ -139,3 +139,26 @@ def test_stale_slots_are_finite_whatever_memory_held(monkeypatch):
     layer.append_sequences(torch.randn(2, 2, 400, 3), torch.randn(2, 2, 400, 3))  # grows past the spare slots
     cache.update(torch.randn(5, 2, 1, 3), torch.randn(5, 2, 1, 3), 0)
     assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+def test_resizing_the_batch_keeps_the_live_rows_and_copies_nothing_it_can_view():
+    """Bucketed shapes pad the batch with sequences after the live ones (`resize_batch`): narrowing
+    and widening within the buffer's rows are views of it, widening past them grows it once, and
+    the live sequences' rows are the same throughout (a cache not viewing its buffer is adopted)."""
+    cache = GrowingCache()
+    keys = torch.arange(3 * 2 * 5 * 3, dtype=torch.float32).reshape(3, 2, 5, 3)
+    cache.update(keys, -keys, 0)
+    layer = cache.layers[0]
+    buffer = layer._key_buffer
+    cache.resize_batch(2)
+    assert layer._key_buffer is buffer and layer.keys.shape == (2, 2, 5, 3)
+    cache.resize_batch(3)  # the dropped row's stale K/V, not cleared: padding has no context
+    assert layer._key_buffer is buffer and torch.equal(layer.keys, keys) and torch.equal(layer.values, -keys)
+    cache.resize_batch(4)
+    assert layer._key_buffer is not buffer and layer.keys.shape == (4, 2, 5, 3)
+    assert torch.equal(layer.keys[:3], keys) and torch.isfinite(layer.keys).all()
+    cache.repeat_sequences([0, 1])  # fresh tensors, no buffer
+    cache.resize_batch(3)
+    assert layer._views_buffer() and torch.equal(layer.keys[:2], keys[:2]) and torch.equal(layer.values[:2], -keys[:2])
+    cache.update(torch.ones(3, 2, 1, 3), torch.ones(3, 2, 1, 3), 0)  # the forward writes after the views
+    assert layer.keys.shape == (3, 2, 6, 3) and torch.equal(layer.keys[:2, :, :5], keys[:2])

@@ -126,3 +126,33 @@ def test_the_counter_sees_a_wait_per_sequence(parts, monkeypatch):
         engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=12))
     assert syncs.count > GREEDY_BOUND * rounds.verifies + rounds.prefills
     assert syncs.by_op["__int__"] >= 4 * rounds.verifies
+
+
+@pytest.mark.parametrize(("mode", "sizing"), [("ar", "fixed"), ("dart", "fixed"), ("dart_lookup", "auto")])
+def test_padding_sequences_add_no_waits(parts, mode, sizing, monkeypatch):
+    """Bucketed shapes (the CUDA strategy) keep the verify forward's batch a bucket while the live
+    batch shrinks (`shape_buckets.batch_bucket`): resizing the state to padding sequences and
+    verifying their root-only trees reads nothing back, so the bound holds as it does unpadded."""
+    with kernels.forced(logits="batched", warp="dense", shapes="bucketed"):
+        engine = build_engine(parts, mode, TreeParams(budget=12), sizing=sizing, batches=(1, 5))
+        rounds = Rounds(parts.target, monkeypatch)
+        padded = []
+        resize = engine._pad_batch
+
+        def recording_pad(state, live):
+            resize(state, live)
+            padded.append(state.batch_size > live)
+
+        monkeypatch.setattr(engine, "_pad_batch", recording_pad)
+        requests = prompts(9, seed=9)
+        for temperature, bound in ((0.0, GREEDY_BOUND), (0.9, SAMPLED_BOUND)):
+            params = [SamplingParams(temperature=temperature, top_p=0.95, seed=3, max_new_tokens=6 + 3 * (i % 4))
+                      for i in range(9)]
+            rounds.verifies = rounds.prefills = 0
+            with SyncCounter("cpu") as syncs:
+                results = engine.generate(requests, params, max_live=5)
+            assert all(r.error is None for r in results)
+            allowed = bound * rounds.verifies + rounds.prefills
+            assert syncs.count <= allowed, (f"{mode} T={temperature}: {syncs.count} waits in {rounds.verifies} "
+                                            f"rounds + {rounds.prefills} admissions: {dict(syncs.by_op)}")
+    assert any(padded)  # the tail did run with padding sequences

@@ -4,6 +4,8 @@ On CUDA the verify block's rows per sequence and its cached context are rounded 
 (`dart_worker.shape_buckets`) so CUDA graphs can capture the forwards; here both strategies run
 on CPU tensors: greedy output equals `ar`, seeded sampling commits `ar`'s tokens, the verify
 logits of the real rows are the exact ones, and a bucketed job's forwards come from the buckets.
+Under continuous batching the live batch shrinks in a job's tail; bucketed, the forward's batch
+stays a bucket (capped at max_live): padding sequences after the live ones, which change nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dart_worker import kernels
+from dart_worker import kernels, shape_buckets
 from dart_worker.cost_model import LatencyModel, TreeSizer
 from dart_worker.sampling import SamplingParams
-from dart_worker.shape_buckets import context_bucket, rows_bucket, rows_buckets
+from dart_worker.shape_buckets import batch_bucket, context_bucket, rows_bucket, rows_buckets
 from dart_worker.target import TargetAdapter
 from ngram_native.trees import DraftTree
 from tests.test_engine import greedy, make_engine, random_prompts
@@ -37,6 +39,49 @@ def test_buckets_round_up_to_a_small_set():
     assert rows_buckets(np.array([1, 3, 9, 17])).tolist() == [1, 4, 12, 24]
     with pytest.raises(ValueError):
         rows_bucket(0)
+
+
+def test_batch_buckets_are_the_rows_family_capped_at_max_live():
+    for n in range(1, 129):
+        assert batch_bucket(n) == rows_bucket(n)
+        for max_live in (n, n + 1, 5, 24, 1000):
+            if n <= max_live:
+                assert n <= batch_bucket(n, max_live) == min(rows_bucket(n), max_live)
+    assert [batch_bucket(n, 5) for n in range(1, 6)] == [1, 2, 4, 4, 5]
+    assert [batch_bucket(n, 64) for n in (33, 49, 64)] == [48, 64, 64]
+    with pytest.raises(ValueError):
+        batch_bucket(0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_sequences_change_no_logits_and_commit_nothing(family):
+    """Verify of 3 sequences, alone and with 2 padding sequences after them (`resize_batch`, a
+    root-only tree each): the live rows' logits and cache are the same, the padding stays empty,
+    and narrowing back drops it (joiners then take its rows)."""
+    model = tiny_model(family)
+    outs = {}
+    for padding in (0, 2):
+        adapter = TargetAdapter(model)
+        state = adapter.new_state(3)
+        adapter.prefill(state, prompts())
+        state.resize_batch(3 + padding)
+        assert state.lengths.tolist()[3:] == [0] * padding
+        ids, depth, ancestor, _ = ragged_trees(3, seed=3)
+        if padding:
+            width = ids.shape[1]
+            ids = torch.cat([ids, torch.full((padding, width), 7)])
+            depth = torch.cat([depth, torch.zeros(padding, width, dtype=depth.dtype)])
+            ancestor = torch.cat([ancestor, torch.eye(width, dtype=torch.bool).expand(padding, -1, -1)])
+        out = adapter.verify(state, ids, depth, ancestor, bucketed=True)
+        assert out.logits.shape[0] == 3 + padding
+        adapter.commit(state, state.cache_len() - ids.shape[1], [[0, 1], [0], [0, 2]] + [[]] * padding)
+        assert state.lengths.tolist()[3:] == [0] * padding
+        state.resize_batch(3)
+        follow = adapter.verify(state, ids[:3, :1], depth[:3, :1], ancestor[:3, :1, :1])
+        outs[padding] = out.logits[:3].float(), follow.logits.float(), state.lengths.tolist()
+    torch.testing.assert_close(outs[2][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[2][1], outs[0][1], atol=1e-5, rtol=1e-5)
+    assert outs[2][2] == outs[0][2]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -122,3 +167,74 @@ def test_bucketed_sizer_prices_a_size_at_its_buckets_cost():
     _, exact_size, _, exact_seconds = exact._best([tree], probs, 0.0)
     assert exact_seconds == pytest.approx(float(curve.predict(1 + exact_size)))  # exact: priced at its own rows
     assert float(bucketed.latency.predict(rows_bucket(10))) > float(curve.predict(10))  # 9 nodes cost 12 rows
+
+
+MAX_LIVE = 5
+
+
+def padded_rounds(engine) -> list[tuple[int, int]]:
+    """(live sequences, forward batch) of every verify round `engine` runs from now on; checks as
+    it goes that padding sequences come after the live ones, hold no context and verify a
+    root-only tree of `PADDING_TOKEN`."""
+    seen, live_counts = [], []
+    verify, tree_batch = engine.target.verify, engine._tree_batch
+
+    def recording_tree_batch(live, trees, batch_size):
+        live_counts.append(len(live))
+        return tree_batch(live, trees, batch_size)
+
+    def recording_verify(state, tokens, depths, ancestor, *args, **kwargs):
+        live = live_counts[-1]
+        assert state.batch_size == tokens.shape[0]
+        assert (state.lengths[:live] > 0).all() and (state.lengths[live:] == 0).all()
+        assert (tokens[live:, 0] == shape_buckets.PADDING_TOKEN).all() and not depths[live:].any()
+        seen.append((live, int(tokens.shape[0])))
+        return verify(state, tokens, depths, ancestor, *args, **kwargs)
+
+    engine._tree_batch = recording_tree_batch
+    engine.target.verify = recording_verify
+    return seen
+
+
+@pytest.mark.parametrize(("family", "mode"), [("llama", "chain"), ("llama", "dart"), ("llama", "lookup"),
+                                              ("llama", "dart_lookup"), ("gemma3", "ddtree_lookup")])
+def test_bucketed_batch_shrinking_in_the_tail_equals_ar(family, mode, monkeypatch):
+    """11 requests of different lengths, at most 5 live: the live batch passes through sizes that
+    are no bucket (3); bucketed, every verify forward's batch is a batch bucket capped at 5, and
+    greedy output equals `ar`, seeded sampling commits `ar`'s tokens, and another padding token
+    changes nothing (padding leaked into no result)."""
+    model = tiny_model(family, vocab_size=32)
+    requests = random_prompts(11, seed=5)
+    greedy_params = [greedy(3 + 5 * (i % 4)) for i in range(11)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_new_tokens=3 + 4 * (s % 3)) for s in range(11)]
+    ar = make_engine(model, "ar")
+    expected = [r.token_ids for r in ar.generate(requests, greedy_params, max_live=MAX_LIVE)]
+    expected_sampled = [r.token_ids for r in ar.generate(requests, sampled, max_live=MAX_LIVE)]
+    with kernels.forced(shapes="bucketed"):
+        engine = make_engine(model, mode, budget=10)
+    seen = padded_rounds(engine)
+    assert [r.token_ids for r in engine.generate(requests, greedy_params, max_live=MAX_LIVE)] == expected
+    assert [r.token_ids for r in engine.generate(requests, sampled, max_live=MAX_LIVE)] == expected_sampled
+    monkeypatch.setattr(shape_buckets, "PADDING_TOKEN", 31)
+    assert [r.token_ids for r in engine.generate(requests, greedy_params, max_live=MAX_LIVE)] == expected
+    assert all(batch == batch_bucket(live, MAX_LIVE) for live, batch in seen)
+    assert any(batch > live for live, batch in seen)  # the tail did run padded
+    assert {batch for _, batch in seen} <= {1, 2, 4, 5}
+
+
+def test_bucketed_sizer_prices_and_learns_at_the_padded_batch():
+    """With a batch bucket, 3 live trees are priced on the curve of the 4 sequences the forward runs
+    (at 4 x rows), and the round's cost is learnt there."""
+    curve1 = LatencyModel([1, 2, 4, 8, 16, 32], [0.010, 0.011, 0.012, 0.014, 0.030, 0.060])
+    curve4 = LatencyModel([4, 8, 16, 32, 64], [0.020, 0.022, 0.040, 0.080, 0.160])
+    trees = [DraftTree(tokens=np.arange(3, 7, dtype=np.int32), parents=np.arange(-1, 3, dtype=np.int32),
+                       depths=np.arange(1, 5, dtype=np.int32)) for _ in range(3)]
+    probs = [np.full(4, 0.5)] * 3
+    sizer = TreeSizer(curve1, max_budget=4, batch_bucket=lambda live: batch_bucket(live, 5))
+    sizer._latency_by_batch[4] = curve4
+    _, size, _, seconds = sizer._best(trees, probs, 0.0)
+    assert seconds == pytest.approx(float(curve4.predict(4 * (1 + size))))
+    before = float(curve4.predict(20))
+    sizer.observe(trees, [np.zeros(0, np.int64)] * 3, rows=4 * 5, verify_seconds=1.0)
+    assert set(sizer._latency_by_batch) == {4}  # learnt on the forward's curve, not one of batch 3
+    assert float(sizer._latency_by_batch[4].predict(20)) > before
