@@ -75,16 +75,7 @@ class LatencyModel:
 
     def update(self, rows: int, seconds: float) -> None:
         """Move the grid points around `rows` toward one observed forward (multiplicatively, each by
-        its interpolation weight), so drifts (longer contexts, a busy machine) are followed.
-
-        A forward dearer than predicted moves the points above it by the same factor: what made it
-        dearer (a longer context than the calibration's, load) makes bigger ones dearer too.
-        Moving only the bracketing points made the sizes above look cheap next to them: at batch
-        16, T=1 (fp32 EPYC) plain steps observed at 333 ms lifted the 16-row point, the calibrated
-        32-row one stayed, and trees of one node per sequence looked +25% dear where they cost
-        +44%: six such rounds in 190 cost 1.3 s. A cheaper one does not pull the sizes above down:
-        a size priced too cheap is verified at a loss, one priced too dear only waits (its
-        per-row cost is capped by the sizes below, `_make_consistent`)."""
+        its interpolation weight), so drifts (longer contexts, a busy machine) are followed."""
         if seconds <= 0:
             return
         ratio = min(3.0, max(1 / 3, seconds / float(self.predict(rows))))
@@ -97,8 +88,6 @@ class LatencyModel:
             lo, hi = self.rows[upper - 1], self.rows[upper]
             w = (rows - lo) / (hi - lo)
             weights = {upper - 1: 1.0 - w, upper: w}
-        if ratio > 1:
-            weights |= dict.fromkeys(range(upper + 1, len(self.rows)), 1.0)
         for i, w in weights.items():
             self.seconds[i] *= ratio ** (LATENCY_STEP * w)
         # Keep the curve non-decreasing (more rows never cost less), moving the other points

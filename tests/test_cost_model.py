@@ -111,25 +111,6 @@ def test_latency_interpolates_extrapolates_and_follows_observations():
     assert model.predict(1) <= model.predict(4)
 
 
-def test_an_observation_moves_the_sizes_above_it_by_the_same_factor():
-    """Plain steps of 16 rows found 20% dearer than calibrated (a longer context than the
-    calibration's) make 32 and 64 rows 20% dearer too: the extra rows of a tree keep their
-    calibrated share of a step instead of looking cheaper next to it. Sizes below move only as
-    interpolation weights say, and cheaper ones move no size above them (priced too cheap, a size
-    is verified at a loss; priced too dear, it only waits)."""
-    model = LatencyModel([1, 16, 32, 64], [0.1, 0.3, 0.42, 0.7])
-    for _ in range(60):
-        model.update(16, 0.36)
-    assert model.predict(16) == pytest.approx(0.36, rel=0.01)
-    assert model.predict(32) == pytest.approx(0.42 * 1.2, rel=0.01)
-    assert model.predict(64) == pytest.approx(0.7 * 1.2, rel=0.01)
-    assert model.predict(1) == pytest.approx(0.1)
-    for _ in range(60):  # cheaper plain steps leave the sizes above where they were
-        model.update(16, 0.3)
-    assert model.predict(16) == pytest.approx(0.3, rel=0.01)
-    assert model.predict(32) == pytest.approx(0.42 * 1.2, rel=0.01)
-
-
 def test_a_grid_point_that_a_burst_of_load_made_dear_is_capped_per_row():
     """Measured 8 rows at 0.34 s, then 16 rows at 2.4 s (a burst elsewhere on the machine): 16
     rows cannot cost more than two 8-row forwards, so the sizer still sees trees of 15 nodes as
