@@ -326,7 +326,8 @@ class TreeSizer:
         be worth the model's seconds: h tokens more in (S + m) seconds beats the T - h tokens the
         round would have committed in S seconds without it, i.e. h (S + m) > T m.
         """
-        head_only = sum(int(np.count_nonzero(_head_only(tree)[nodes])) for tree, nodes in zip(trees, accepted))
+        head_only = sum(int(np.count_nonzero(_sources(tree)[nodes] == SOURCE_HEAD))
+                        for tree, nodes in zip(trees, accepted, strict=True))
         committed = len(trees) + sum(len(nodes) for nodes in accepted)
         seconds = verify_seconds + self.overhead_seconds
         if head_only * (seconds + self.model_seconds) > committed * self.model_seconds:
@@ -412,6 +413,8 @@ class TreeSizer:
         proposed, self._proposed = self._proposed, None
         if first_tokens is not None and proposed is not None and len(proposed) == len(trees):
             for tree, cut, token, band in zip(proposed, trees, first_tokens, bands, strict=True):
+                if cut is tree:  # nothing was cut (`fit` keeps such trees as they are)
+                    continue
                 graded = cut_first_level(tree, cut)
                 self.acceptance.update_nodes(_scores(tree)[graded], _sources(tree)[graded],
                                              tree.tokens[graded] == token, band)
@@ -450,13 +453,6 @@ def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.
     # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
     # the kept set is a tree.
     return subtree(tree, keep), p[keep]
-
-
-def _head_only(tree: DraftTree) -> np.ndarray:
-    """Per node, whether only the drafter's model proposed it (a tree without sources is all model)."""
-    if tree.sources is None:
-        return np.ones(tree.size, dtype=bool)
-    return tree.sources == np.uint8(SOURCE_HEAD)
 
 
 def _scores(tree: DraftTree) -> np.ndarray:
