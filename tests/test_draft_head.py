@@ -207,6 +207,8 @@ def test_skipped_rows_keep_the_positions_of_the_rows_after_them(family):
     cache.select([0, 0])
     assert cache.skipped.tolist() == [9, 9]
     assert type(cache).concat([cache, head.new_cache(1)]).next_positions().tolist() == [20, 20, 0]
+    with pytest.raises(ValueError, match=r"skipped .* must match lengths"):
+        type(cache)(cache.keys, cache.values, cache.lengths, skipped=[1, 2, 3])
 
 
 class ShiftedEmbedding(torch.nn.Embedding):
