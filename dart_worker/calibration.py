@@ -212,10 +212,13 @@ def _now(device: torch.device) -> float:
 def make_sizer(target, sizing: str, budget: int, defer_logits: bool, batches=(1,)) -> TreeSizer | None:
     """The engine's sizer for `decoding.sizing` ("auto": measured; "fixed": None, trees as built),
     with a verify cost curve for each live batch size in `batches` (measured once per machine and
-    model shape, then read from the cache)."""
+    model shape, then read from the cache). An engine that defers the vocabulary projection
+    (`defer_logits`) does so only on greedy rounds; its sampled rounds project every row, so
+    those forwards get curves of their own."""
     if sizing not in SIZING_MODES:
         raise ValueError(f"sizing must be one of {SIZING_MODES}, got {sizing!r}")
     if sizing == "fixed" or budget == 0:
         return None
     curves = latency_curves(target, defer_logits, batches)
-    return TreeSizer(curves[1], max_budget=budget, _latency_by_batch=curves)
+    full = latency_curves(target, False, batches) if defer_logits else None
+    return TreeSizer(curves[1], max_budget=budget, _latency_by_batch=curves, _full_logits_latency_by_batch=full)

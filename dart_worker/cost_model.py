@@ -9,9 +9,10 @@ is a constant; every round the engine asks:
 - `LatencyModel`: seconds of one verify forward carrying R rows (batch x (1 + tree size)),
   measured at start-up over a grid of R and refined online from every round it runs, one curve
   per live batch size (16 sequences x 9 rows cost 1.8x one sequence's 128 rows on a CPU);
-- `AcceptanceModel`: the probability that a draft node ends up on the accepted path, as a
-  function of the drafter's score of its path and of which drafter proposed it, calibrated
-  online from every verification (prior: exp(score), a calibrated drafter's path probability);
+- `AcceptanceModel`: the probability that a draft node ends up on the accepted path: the product
+  along its path of each step's probability of being accepted once its parent was, a function of
+  the drafter's score of that step and of which drafter proposed it, calibrated online from every
+  verification (prior: exp(step score), a calibrated drafter's probability of the token);
 - `TreeSizer`: from those, the tree size N (every tree cut to its best min(N, size) nodes, so
   the padded verify block has B x (1 + N) rows) that maximises expected committed tokens per
   second for the whole batch, 0 included (a plain decoding step). It also decides whether the
@@ -107,15 +108,25 @@ class LatencyModel:
 
 
 class AcceptanceModel:
-    """P(node on the accepted path | score bin, source bits), calibrated online per temperature
-    band (dart_worker.sampling.temperature_band) and source.
+    """P(node accepted | its parent accepted; its own score bin, its source bits), calibrated online
+    per temperature band (dart_worker.sampling.temperature_band) and source. A node is on the
+    accepted path with the product of those along its path (`probabilities`).
+
+    Conditional, not marginal: the bin is the node's own step, its path score less its parent's
+    (a head's log-probability of its token given the path; 0 for each node of a context-lookup
+    continuation that occurred once, whose path score stays ln(1/1) = 0 however deep). Keyed by path
+    score, a 24-node lookup chain sat in the top bin at every depth and every node got the bin's
+    rate: ShareGPT dev, T=1, batch 4, fp32 EPYC, verified lookup nodes expected to bring 24.7 tokens
+    brought 7, and one 100-row forward (five plain steps) expected 13.8 and committed none. Only
+    nodes whose parent was accepted (or is the root) teach the table: the others' fate says nothing
+    about their own step.
 
     Greedy verification accepts a node when it is the target's argmax, sampled verification when
     it is the target's draw: the same drafter score means a much higher rate greedy than at T=1,
     and a job (or one batch) can hold both. One table per band keeps a greedy row's trees from
     being priced by sampled rows' misses and the other way round.
 
-    A bin with few observations leans on its prior, exp(score) scaled by what the source's
+    A bin with few observations leans on its prior, exp(step score) scaled by what the source's
     observed nodes of all bins say about its scores (accepted / the prior's expectation over
     them). Unscaled, the prior made sampled rounds pick exactly the bins nobody had observed yet
     (the head's most confident ones, prior 0.9-0.975): a winner's curse. At T=1 (ShareGPT dev,
@@ -141,7 +152,7 @@ class AcceptanceModel:
 
     @staticmethod
     def _keys(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-        return _bins_and_sources(_scores(tree), _sources(tree))
+        return _bins_and_sources(step_scores(tree), _sources(tree))
 
     def scale(self, band: str, source: int) -> float:
         """How much more (> 1) or less (< 1) often the source's nodes were accepted in `band` than
@@ -160,8 +171,9 @@ class AcceptanceModel:
         return (accepted + PRIOR_WEIGHT * prior) / (offered + PRIOR_WEIGHT)
 
     def probabilities(self, tree: DraftTree, band: str = GREEDY) -> np.ndarray:
-        """Per node, the calibrated probability, never above its parent's (a child is accepted
-        only with its parent), so ranking by it keeps every prefix of the ranking a tree."""
+        """Per node, the probability that it is on the accepted path: its step's calibrated rate
+        times its parent's probability, so a node never outranks its parent and every prefix of
+        the ranking is a tree."""
         bins, sources = self._keys(tree)
         p = np.empty(tree.size)
         for source in np.unique(sources):
@@ -169,18 +181,22 @@ class AcceptanceModel:
             p[rows] = self._rates(band, int(source))[bins[rows]]
         parents = tree.parents
         for i in range(tree.size):  # canonical order: parents first
-            if parents[i] >= 0 and p[parents[i]] < p[i]:
-                p[i] = p[parents[i]]
+            if parents[i] >= 0:
+                p[i] *= p[parents[i]]
         return p
 
     def update(self, tree: DraftTree, accepted_nodes: np.ndarray, band: str = GREEDY) -> None:
-        """Learn from a verified tree: which of its nodes were accepted."""
+        """Learn from a verified tree: which of its nodes were accepted. Nodes under a rejected
+        parent are left out (see the class doc)."""
         hit = np.zeros(tree.size, dtype=bool)
         hit[accepted_nodes] = True
-        self.update_nodes(_scores(tree), _sources(tree), hit, band)
+        parents = tree.parents
+        reached = (parents < 0) | hit[np.maximum(parents, 0)]
+        self.update_nodes(step_scores(tree)[reached], _sources(tree)[reached], hit[reached], band)
 
     def update_nodes(self, scores: np.ndarray, sources: np.ndarray, hit: np.ndarray, band: str = GREEDY) -> None:
-        """Learn from nodes (path scores, source bits) known to have been accepted (`hit`) or not."""
+        """Learn from nodes whose parent was accepted (or is the root), given their step scores
+        (`step_scores`) and source bits, known to have been accepted (`hit`) or not."""
         if not len(hit):
             return
         bins, sources = _bins_and_sources(scores, sources)
@@ -231,6 +247,12 @@ class TreeSizer:
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
     _latency_by_batch: dict[int, LatencyModel] = field(default_factory=dict)
+    # The same for forwards that project every row to the vocabulary (`full_logits` rounds: sampled
+    # rows, penalties, logprobs, whose verification reads every node's distribution), where a tree
+    # row costs its vocabulary projection on top: Gemma-3-270M's 262k-token head is more than the
+    # rest of a row (fp32 EPYC, T=1, batch 4: 32 rows took 476 ms where the deferred curve said
+    # 289). None: the engine never defers, and `_latency_by_batch` measures those forwards already.
+    _full_logits_latency_by_batch: dict[int, LatencyModel] | None = None
     # Bucketed verify shapes (`dart_worker.shape_buckets`): rows per sequence -> the rows the
     # forward actually runs, so a size is priced at its bucket's cost. None: exact shapes.
     rows_bucket: Callable[[np.ndarray], np.ndarray] | None = None
@@ -244,17 +266,24 @@ class TreeSizer:
     _last_fit: tuple[float, float] | None = None  # (expected accepted nodes, predicted verify s)
     _proposed: list[DraftTree] | None = None  # the last fitted round's trees before the cut
 
-    def latency_for(self, batch: int) -> LatencyModel:
-        """The verify cost curve of forwards over `batch` sequences. Batch shapes differ in more than
-        their row count: attention reads one cache per sequence and a tree row costs its sequence's
-        context, so a curve of batch 1 misprices rows at batch 16 and the other way round. Until a
-        batch size has its own curve, the nearest one (in log batch size) stands in."""
-        curve = self._latency_by_batch.get(batch)
+    def latency_for(self, batch: int, full_logits: bool = False) -> LatencyModel:
+        """The verify cost curve of forwards over `batch` sequences (`full_logits`: of forwards that
+        project every row to the vocabulary). Batch shapes differ in more than their row count:
+        attention reads one cache per sequence and a tree row costs its sequence's context, so a
+        curve of batch 1 misprices rows at batch 16 and the other way round. Until a batch size has
+        its own curve, the nearest one (in log batch size) stands in."""
+        curves = self._curves(full_logits)
+        curve = curves.get(batch)
         if curve is not None:
             return curve
-        known = [*self._latency_by_batch, 1]
+        known = [*curves, 1]
         nearest = min(known, key=lambda b: (abs(np.log(b / batch)), b))
-        return self._latency_by_batch.get(nearest, self.latency)
+        return curves.get(nearest, self.latency)
+
+    def _curves(self, full_logits: bool) -> dict[int, LatencyModel]:
+        if full_logits and self._full_logits_latency_by_batch is not None:
+            return self._full_logits_latency_by_batch
+        return self._latency_by_batch
 
     # ------------------------------------------------------------- the model
 
@@ -265,11 +294,11 @@ class TreeSizer:
             return False
         return True
 
-    def probe_pause(self, batch: int) -> int:
+    def probe_pause(self, batch: int, full_logits: bool = False) -> int:
         """Rounds of plain steps at `batch` over which one probe of the model (its forward, at the
         model's measured seconds) is PROBE_SHARE of the time (a step of the forward's padded batch)."""
         forward = self._forward_batch(batch)
-        step = float(self.latency_for(forward).predict(np.array([forward]))[0]) + self.overhead_seconds
+        step = float(self.latency_for(forward, full_logits).predict(np.array([forward]))[0]) + self.overhead_seconds
         return int(np.ceil(self.model_seconds / (PROBE_SHARE * max(step, 1e-9))))
 
     def record_model_seconds(self, seconds: float) -> None:
@@ -286,7 +315,7 @@ class TreeSizer:
 
     # ------------------------------------------------------------ the size
 
-    def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float):
+    def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float, full_logits: bool = False):
         """(rate, N, expected tokens, verify seconds) of the best common size N for these trees."""
         batch = len(trees)
         top = min(self.max_budget, max((t.size for t in trees), default=0))
@@ -297,23 +326,24 @@ class TreeSizer:
             gain += cumulative[np.minimum(sizes, len(p))]
         rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
         forward = self._forward_batch(batch)
-        seconds = self.latency_for(forward).predict(forward * rows) + self.overhead_seconds
+        seconds = self.latency_for(forward, full_logits).predict(forward * rows) + self.overhead_seconds
         seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
         rate = gain / seconds
         best = int(np.argmax(rate))
         return float(rate[best]), best, float(gain[best]), float(seconds[best])
 
-    def _model_failed(self, sampled: bool, batch: int) -> None:
+    def _model_failed(self, sampled: bool, batch: int, full_logits: bool) -> None:
         """The model did not pay this round: pause it for the back-off (see `fit`)."""
         self._failed_probes = self._failed_probes + 1 if sampled else 0
-        floor = self.probe_pause(batch) if self._failed_probes >= 2 else 0
+        floor = self.probe_pause(batch, full_logits) if self._failed_probes >= 2 else 0
         self._pause_left = max(self._pause_length, floor)
         self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))
 
     def _model_paid(self) -> None:
         self._pause_length, self._failed_probes = 1, 0
 
-    def _judge_model(self, trees: list[DraftTree], accepted: list[np.ndarray], verify_seconds: float) -> None:
+    def _judge_model(self, trees: list[DraftTree], accepted: list[np.ndarray], verify_seconds: float,
+                     full_logits: bool) -> None:
         """On a batch of sampled rows, whether the model paid is judged from what its nodes did, not
         from what the acceptance table expected of them.
 
@@ -333,15 +363,18 @@ class TreeSizer:
         if head_only * (seconds + self.model_seconds) > committed * self.model_seconds:
             self._model_paid()
         else:
-            self._model_failed(sampled=True, batch=len(trees))
+            self._model_failed(sampled=True, batch=len(trees), full_logits=full_logits)
 
     def _forward_batch(self, live: int) -> int:
         """Sequences the verify forward of `live` live ones runs (its batch bucket, when bucketed)."""
         return live if self.batch_bucket is None else self.batch_bucket(live)
 
-    def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None) -> SizedRound:
+    def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None,
+            full_logits: bool = False) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
         `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
+        `full_logits`: the verify forward will project every row to the vocabulary (priced on
+        those forwards' curves).
 
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
@@ -354,7 +387,7 @@ class TreeSizer:
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
-        _, size, gain, seconds = self._best(trees, probs, 0.0)
+        _, size, gain, seconds = self._best(trees, probs, 0.0, full_logits)
         out = []
         for tree, p in zip(trees, probs):
             if tree.size <= size:
@@ -366,14 +399,14 @@ class TreeSizer:
             out.append(subtree(tree, keep))
         without = 0.0
         if model_ran:
-            with_model, *_ = self._best(trees, probs, self.model_seconds)
+            with_model, *_ = self._best(trees, probs, self.model_seconds, full_logits)
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
-            without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0)
+            without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits)
             # Only sampled rows: greedy text is where a head is usually right and a miss is a
             # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
             sampled = all(band != GREEDY for band in bands)
             if without >= with_model:
-                self._model_failed(sampled, len(trees))
+                self._model_failed(sampled, len(trees), full_logits)
             elif sampled:
                 self._judge_after_verify = True  # see `_judge_model`
             else:
@@ -383,10 +416,12 @@ class TreeSizer:
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
-                bands: list[str] | None = None, first_tokens: list[int] | None = None) -> None:
+                bands: list[str] | None = None, first_tokens: list[int] | None = None,
+                full_logits: bool = False) -> None:
         """Learn from one verified round: which nodes were accepted, what the forward cost (on the
-        curve of this batch size; a batch size without one gets a copy of the nearest curve, its
-        level set by this first round and its shape kept until rounds of other sizes correct it).
+        curve of this batch size and logits path, `full_logits` as in `fit`; a batch size without
+        one gets a copy of the nearest curve, its level set by this first round and its shape kept
+        until rounds of other sizes correct it).
 
         `first_tokens` (each sequence's first token committed this round) also grades the first-level
         nodes the cut left out of the fitted round's trees: verification commits the target's own
@@ -400,7 +435,7 @@ class TreeSizer:
         only later rounds commit, and rounds that commit more are those whose trees were right."""
         if self._judge_after_verify:
             self._judge_after_verify = False
-            self._judge_model(trees, accepted, verify_seconds)
+            self._judge_model(trees, accepted, verify_seconds, full_logits)
         if self._last_fit is not None:  # the round `fit` sized last
             expected, predicted = self._last_fit
             self._last_fit = None
@@ -416,12 +451,13 @@ class TreeSizer:
                 if cut is tree:  # nothing was cut (`fit` keeps such trees as they are)
                     continue
                 graded = cut_first_level(tree, cut)
-                self.acceptance.update_nodes(_scores(tree)[graded], _sources(tree)[graded],
+                self.acceptance.update_nodes(step_scores(tree)[graded], _sources(tree)[graded],
                                              tree.tokens[graded] == token, band)
         batch = self._forward_batch(len(trees))
-        curve = self._latency_by_batch.get(batch)
+        curves = self._curves(full_logits)
+        curve = curves.get(batch)
         if curve is None:
-            curve = self._latency_by_batch[batch] = copy.deepcopy(self.latency_for(batch))
+            curve = curves[batch] = copy.deepcopy(self.latency_for(batch, full_logits))
             curve.rescale(rows, verify_seconds)
         else:
             curve.update(rows, verify_seconds)
@@ -439,6 +475,8 @@ class TreeSizer:
     def describe(self) -> dict:
         return {"latency_ms_by_rows": self.latency.describe(),
                 "latency_ms_by_batch_and_rows": {b: c.describe() for b, c in sorted(self._latency_by_batch.items())},
+                "latency_ms_by_batch_and_rows_full_logits": {
+                    b: c.describe() for b, c in sorted((self._full_logits_latency_by_batch or {}).items())},
                 "acceptance_by_band_and_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2),
                 "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()}}
@@ -457,6 +495,14 @@ def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.
 
 def _scores(tree: DraftTree) -> np.ndarray:
     return tree.scores if tree.scores is not None else np.zeros(tree.size)
+
+
+def step_scores(tree: DraftTree) -> np.ndarray:
+    """Each node's own step: its path score less its parent's (a first-level node's is its path
+    score). A drafter's path score never grows along a path, so steps are <= 0."""
+    scores = _scores(tree)
+    parents = tree.parents
+    return scores - np.where(parents >= 0, scores[np.maximum(parents, 0)], 0.0)
 
 
 def _sources(tree: DraftTree) -> np.ndarray:

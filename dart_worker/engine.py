@@ -341,8 +341,7 @@ class DecodingEngine:
             with clock.stage("tree"):
                 batch = self._tree_batch(live, trees, state.batch_size)
             with clock.stage("verify"):
-                deferred = self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties
-                                                     and not s.params.logprobs for s in live)
+                deferred = self._defers(live)
                 out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
                                                defer_logits=deferred, bucketed=self.bucketed), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
@@ -384,6 +383,13 @@ class DecodingEngine:
         pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
         return TreeBatch.from_trees(roots, trees, self.device, vocab_size=self.target.vocab_size, pad_to=pad_rows)
 
+    def _defers(self, live: list[_Sequence]) -> bool:
+        """Whether this round's verify forward defers the vocabulary projection to the rows the
+        greedy walk reads: only when every live row is greedy without penalties or logprobs, since
+        sampled verification, penalties and logprobs read every node's distribution."""
+        return self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties and not s.params.logprobs
+                                         for s in live)
+
     def _learn(self, clock: _RoundClock, trees: list[DraftTree], acceptances: list[Acceptance], rows: int,
                live: list[_Sequence]) -> None:
         """The sizer's feedback from one round: what was accepted of its trees, what the verify
@@ -391,7 +397,8 @@ class DecodingEngine:
         if self.sizer is None:
             return
         self.sizer.observe(trees, [acc.accepted for acc in acceptances], rows, clock.verified_seconds,
-                           bands=[s.params.band for s in live], first_tokens=[_first_token(acc) for acc in acceptances])
+                           bands=[s.params.band for s in live], first_tokens=[_first_token(acc) for acc in acceptances],
+                           full_logits=not self._defers(live))
         self.sizer.record_overhead(self._now() - clock.started - clock.verified_seconds - clock.model_seconds)
 
     def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
@@ -468,7 +475,8 @@ class DecodingEngine:
         if model_on:
             sizer.record_model_seconds(model_seconds + tree_seconds)
             model_seconds += tree_seconds
-        sized = sizer.fit(trees, model_ran=model_on, bands=[s.params.band for s in live])
+        sized = sizer.fit(trees, model_ran=model_on, bands=[s.params.band for s in live],
+                          full_logits=not self._defers(live))
         return sized.trees, model_seconds, model_on
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:

@@ -95,6 +95,20 @@ def test_the_sizer_starts_with_a_curve_per_calibrated_batch(cache):
     assert sizer.latency_for(1) is sizer._latency_by_batch[1]
 
 
+def test_a_sizer_that_defers_logits_has_curves_of_full_logits_forwards_for_sampled_rounds(cache):
+    """Greedy rounds of a deferring engine project a few rows to the vocabulary, sampled rounds all
+    of them: each kind of round is priced and learnt on the curves of its own forwards."""
+    target = TargetAdapter(tiny_model("gemma3"))
+    sizer = make_sizer(target, "auto", 8, True, batches=(1, 4))
+    full = sizer._full_logits_latency_by_batch
+    assert set(full) == {1, 4} and set(sizer._latency_by_batch) == {1, 4}
+    assert sizer.latency_for(4, full_logits=True) is full[4]
+    assert sizer.latency_for(3, full_logits=True) is full[4]
+    assert sizer.latency_for(4) is sizer._latency_by_batch[4]
+    assert full[4].describe() == latency_curves(target, False, [4])[4].describe()
+    assert make_sizer(target, "auto", 8, False, batches=(1, 4))._full_logits_latency_by_batch is None
+
+
 def test_the_cache_can_be_switched_off(cache, monkeypatch):
     monkeypatch.setenv(calibration.DISABLE_ENV, "1")
     latency_curves(TargetAdapter(tiny_model("llama")), False, [2])
@@ -140,7 +154,8 @@ def test_a_second_start_measures_nothing(cache, monkeypatch):
     # Switched off, the cache neither answers nor stores.
     monkeypatch.setenv(calibration.DISABLE_ENV, "1")
     start()
-    assert decided == [1] and sorted(measured) == [1, 4]
+    # (an engine that defers measures its sampled rounds' full-logits forwards too)
+    assert decided == [1] and sorted(measured) == ([1, 1, 4, 4] if flipped else [1, 4])
 
 
 def test_a_curve_measured_under_load_is_used_but_not_stored(cache, monkeypatch):

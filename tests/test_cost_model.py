@@ -151,6 +151,42 @@ def _chain(scores: list[float], source: int = SOURCE_HEAD) -> DraftTree:
                      np.full(n, source, np.uint8))
 
 
+def test_full_logits_rounds_are_priced_and_learnt_on_their_own_curves():
+    """Rows are nearly free when only the walk's rows meet the vocabulary head and dear when every
+    row does (a sampled round): the same confident chain is verified whole on a greedy round and
+    not at all on a sampled one, and each round's forward teaches only its own curve."""
+    confident = [_chain([-0.01 * (d + 1) for d in range(8)])]
+    deferred = LatencyModel([1, 128], [0.05, 0.0500001])
+    full = {1: LatencyModel([1, 2, 128], [0.06, 0.6, 40.0])}
+    sizer = TreeSizer(deferred, max_budget=8, _latency_by_batch={1: deferred}, _full_logits_latency_by_batch=full)
+    assert sizer.fit(confident, model_ran=False).trees[0].size == 8
+    sized = sizer.fit(confident, model_ran=False, full_logits=True)
+    assert sized.trees[0].size == 0 and sized.predicted_seconds == pytest.approx(0.06)
+    before = deferred.describe()
+    sizer.observe(sized.trees, [np.zeros(0, np.int64)], rows=1, verify_seconds=0.09, full_logits=True)
+    assert deferred.describe() == before and float(full[1].predict(1)) > 0.06
+
+
+def test_a_chain_of_equal_path_scores_is_priced_by_the_product_of_its_steps():
+    """A context-lookup continuation that occurred once scores ln(1/1) = 0 at every depth. Each of
+    its steps here is accepted half the time once its parent was, so depth d is on the accepted
+    path with probability 0.5 ** d; a table keyed by path score prices every depth alike (the
+    bin's average, ~0.16), the deep nodes far too high and the first far too low. Nodes under a
+    rejected parent teach nothing."""
+    chain = _chain([0.0] * 6, source=SOURCE_CONTEXT)
+    model = AcceptanceModel()
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        depth = 0
+        while depth < chain.size and rng.random() < 0.5:
+            depth += 1
+        model.update(chain, np.arange(depth), "1.0")
+    assert model.probabilities(chain, "1.0") == pytest.approx(0.5 ** np.arange(1, 7), rel=0.15)
+    untaught = AcceptanceModel()
+    untaught.update(chain, np.zeros(0, np.int64), "1.0")
+    assert untaught.offered[("1.0", SOURCE_CONTEXT)].sum() == 1
+
+
 def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dear():
     confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
     free = TreeSizer(LatencyModel([1, 128], [0.05, 0.0500001]), max_budget=16)
