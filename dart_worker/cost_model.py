@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,11 @@ _MAX_PAUSE_ROUNDS = 32
 # probes every 32 rounds alone took 2-3% of decoding. From its second failure in a row, a model
 # pauses at least long enough that its probes take at most this share of the decoding time.
 PROBE_SHARE = 0.01
+# `OnlineBias`: pseudo-rounds at "the model was right" (ratio 1), the weight left to older rounds'
+# evidence at each new tree round, and the range of the correction.
+BIAS_PRIOR_ROUNDS = 2.0
+BIAS_MEMORY = 0.97
+BIAS_RANGE = (0.25, 4.0)
 
 
 class LatencyModel:
@@ -221,6 +227,58 @@ class AcceptanceModel:
 
 
 @dataclass
+class OnlineBias:
+    """What one side of the cost model is off by on the rounds it chose trees for: observed over
+    predicted (accepted nodes over expected, or a tree's extra verify seconds over its predicted
+    extra), over recent tree rounds, shrunk toward 1 by BIAS_PRIOR_ROUNDS.
+
+    Both sides are biased exactly where the sizer acts, and neither table sees it alone. A sizer
+    verifies the trees it rates highest, so its acceptance estimates on them are too high (a
+    winner's curse over bins: ShareGPT dev, T=1, batch 4, fp32 EPYC, 22.5 accepted nodes expected,
+    13 accepted). And a tree's extra rows are priced on grid points that only tree rounds correct,
+    and those are rare where trees seldom pay: the same run's 16- to 32-row forwards cost 2.6-3.1x
+    the extra over a plain step that the curve predicted. One ratio per side carries what every
+    tree round shows to every size and bin."""
+
+    observed: float = 0.0
+    predicted: float = 0.0
+    rounds: float = 0.0
+
+    def add(self, observed: float, predicted: float) -> None:
+        self.observed = BIAS_MEMORY * self.observed + observed
+        self.predicted = BIAS_MEMORY * self.predicted + predicted
+        self.rounds = BIAS_MEMORY * self.rounds + 1.0
+
+    @property
+    def ratio(self) -> float:
+        if self.predicted <= 0:
+            return 1.0
+        measured = min(max(self.observed / self.predicted, BIAS_RANGE[0]), BIAS_RANGE[1])
+        return (self.rounds * measured + BIAS_PRIOR_ROUNDS) / (self.rounds + BIAS_PRIOR_ROUNDS)
+
+
+class _Choice(NamedTuple):
+    """`TreeSizer._best`'s answer for one common size."""
+
+    rate: float  # expected committed tokens per second
+    size: int
+    gain: float  # expected committed tokens (bias-corrected)
+    seconds: float  # the round's predicted seconds (bias-corrected, overhead and extra included)
+    nodes: float  # expected accepted nodes, as the acceptance table says
+    plain_seconds: float  # the curve's verify seconds of a plain step
+    tree_seconds: float  # the curve's extra verify seconds of the trees over a plain step
+
+
+class _Fitted(NamedTuple):
+    """What `fit` predicted for the round `observe` learns from next."""
+
+    choice: _Choice
+    batch: int
+    full_logits: bool
+    sampled: bool
+
+
+@dataclass
 class SizedRound:
     """What `TreeSizer.fit` chose for one round."""
 
@@ -263,7 +321,11 @@ class TreeSizer:
     # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
     _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("rounds", "expected_accepted", "accepted", "predicted_verify_s", "verify_s"), 0.0))
-    _last_fit: tuple[float, float] | None = None  # (expected accepted nodes, predicted verify s)
+    _last_fit: _Fitted | None = None
+    # `OnlineBias` of expected accepted nodes, by whether the batch is all sampled rows, and of a
+    # tree's extra verify seconds, by logits path (`full_logits`).
+    _gain_bias: dict[bool, OnlineBias] = field(default_factory=dict)
+    _tree_seconds_bias: dict[bool, OnlineBias] = field(default_factory=dict)
     _proposed: list[DraftTree] | None = None  # the last fitted round's trees before the cut
 
     def latency_for(self, batch: int, full_logits: bool = False) -> LatencyModel:
@@ -315,22 +377,32 @@ class TreeSizer:
 
     # ------------------------------------------------------------ the size
 
-    def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float, full_logits: bool = False):
-        """(rate, N, expected tokens, verify seconds) of the best common size N for these trees."""
+    def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float, full_logits: bool = False,
+              sampled: bool = False) -> _Choice:
+        """The best common size N for these trees, its tables' predictions corrected by what tree
+        rounds of the same kind showed (`OnlineBias`)."""
         batch = len(trees)
         top = min(self.max_budget, max((t.size for t in trees), default=0))
         sizes = np.arange(top + 1)
-        gain = np.full(top + 1, float(batch))
+        nodes = np.zeros(top + 1)
         for p in probs:
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
-            gain += cumulative[np.minimum(sizes, len(p))]
+            nodes += cumulative[np.minimum(sizes, len(p))]
+        gain = batch + self._bias(self._gain_bias, sampled).ratio * nodes
         rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
         forward = self._forward_batch(batch)
-        seconds = self.latency_for(forward, full_logits).predict(forward * rows) + self.overhead_seconds
-        seconds = seconds + np.where(sizes > 0, extra_seconds, 0.0)
+        verify = self.latency_for(forward, full_logits).predict(forward * rows)
+        tree_seconds = verify - verify[0]
+        seconds = (verify[0] + self._bias(self._tree_seconds_bias, full_logits).ratio * tree_seconds
+                   + self.overhead_seconds + np.where(sizes > 0, extra_seconds, 0.0))
         rate = gain / seconds
         best = int(np.argmax(rate))
-        return float(rate[best]), best, float(gain[best]), float(seconds[best])
+        return _Choice(float(rate[best]), best, float(gain[best]), float(seconds[best]), float(nodes[best]),
+                       float(verify[0]), float(tree_seconds[best]))
+
+    @staticmethod
+    def _bias(biases: dict[bool, OnlineBias], key: bool) -> OnlineBias:
+        return biases.setdefault(key, OnlineBias())
 
     def _model_failed(self, sampled: bool, batch: int, full_logits: bool) -> None:
         """The model did not pay this round: pause it for the back-off (see `fit`)."""
@@ -387,7 +459,9 @@ class TreeSizer:
         """
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
-        _, size, gain, seconds = self._best(trees, probs, 0.0, full_logits)
+        sampled = all(band != GREEDY for band in bands)
+        choice = self._best(trees, probs, 0.0, full_logits, sampled)
+        size, gain, seconds = choice.size, choice.gain, choice.seconds
         out = []
         for tree, p in zip(trees, probs):
             if tree.size <= size:
@@ -399,19 +473,18 @@ class TreeSizer:
             out.append(subtree(tree, keep))
         without = 0.0
         if model_ran:
-            with_model, *_ = self._best(trees, probs, self.model_seconds, full_logits)
+            with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled).rate
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
-            without, *_ = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits)
+            without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled).rate
             # Only sampled rows: greedy text is where a head is usually right and a miss is a
             # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
-            sampled = all(band != GREEDY for band in bands)
             if without >= with_model:
                 self._model_failed(sampled, len(trees), full_logits)
             elif sampled:
                 self._judge_after_verify = True  # see `_judge_model`
             else:
                 self._model_paid()
-        self._last_fit = (gain - len(trees), seconds - self.overhead_seconds)
+        self._last_fit = _Fitted(choice, len(trees), full_logits, sampled)
         self._proposed = trees
         return SizedRound(out, gain, seconds - self.overhead_seconds, without)
 
@@ -436,12 +509,17 @@ class TreeSizer:
         if self._judge_after_verify:
             self._judge_after_verify = False
             self._judge_model(trees, accepted, verify_seconds, full_logits)
-        if self._last_fit is not None:  # the round `fit` sized last
-            expected, predicted = self._last_fit
-            self._last_fit = None
-            for key, value in (("rounds", 1), ("expected_accepted", expected), ("predicted_verify_s", predicted),
-                               ("accepted", sum(len(a) for a in accepted)), ("verify_s", verify_seconds)):
+        fitted, self._last_fit = self._last_fit, None
+        if fitted is not None:  # the round `fit` sized last
+            choice, hits = fitted.choice, sum(len(a) for a in accepted)
+            for key, value in (("rounds", 1), ("expected_accepted", choice.gain - fitted.batch),
+                               ("predicted_verify_s", choice.seconds - self.overhead_seconds),
+                               ("accepted", hits), ("verify_s", verify_seconds)):
                 self._check[key] += value
+            if choice.size > 0:
+                self._bias(self._gain_bias, fitted.sampled).add(hits, choice.nodes)
+                self._bias(self._tree_seconds_bias, fitted.full_logits).add(
+                    verify_seconds - choice.plain_seconds, choice.tree_seconds)
         bands = bands or [GREEDY] * len(trees)
         for tree, nodes, band in zip(trees, accepted, bands, strict=True):
             self.acceptance.update(tree, nodes, band)
@@ -479,7 +557,11 @@ class TreeSizer:
                     b: c.describe() for b, c in sorted((self._full_logits_latency_by_batch or {}).items())},
                 "acceptance_by_band_and_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2),
-                "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()}}
+                "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()},
+                "bias": {"accepted_nodes": {("sampled" if k else "greedy"): round(b.ratio, 3)
+                                            for k, b in self._gain_bias.items()},
+                         "tree_seconds": {("full_logits" if k else "deferred"): round(b.ratio, 3)
+                                          for k, b in self._tree_seconds_bias.items()}}}
 
 
 def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.ndarray]:

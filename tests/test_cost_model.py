@@ -15,8 +15,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dart_worker import cost_model
 from dart_worker.calibration import make_sizer
-from dart_worker.cost_model import PROBE_SHARE, SCORE_EDGES, AcceptanceModel, LatencyModel, TreeSizer
+from dart_worker.cost_model import (
+    BIAS_RANGE,
+    PROBE_SHARE,
+    SCORE_EDGES,
+    AcceptanceModel,
+    LatencyModel,
+    OnlineBias,
+    TreeSizer,
+)
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
@@ -165,6 +174,42 @@ def test_full_logits_rounds_are_priced_and_learnt_on_their_own_curves():
     before = deferred.describe()
     sizer.observe(sized.trees, [np.zeros(0, np.int64)], rows=1, verify_seconds=0.09, full_logits=True)
     assert deferred.describe() == before and float(full[1].predict(1)) > 0.06
+
+
+def test_online_bias_is_observed_over_predicted_shrunk_toward_one():
+    bias = OnlineBias()
+    assert bias.ratio == 1.0
+    bias.add(1.0, 2.0)
+    assert bias.ratio == pytest.approx((0.5 + 2.0) / 3.0)  # one round against BIAS_PRIOR_ROUNDS = 2
+    for _ in range(300):
+        bias.add(1.0, 2.0)
+    assert bias.ratio == pytest.approx(0.5, abs=0.05)
+    for _ in range(300):  # recent rounds outweigh old ones, and the ratio stays in range
+        bias.add(50.0, 1.0)
+    assert bias.ratio == pytest.approx(BIAS_RANGE[1], abs=0.2)
+
+
+def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
+    """One-node trees whose forwards cost 5x the extra over a plain step that the curve predicts
+    (a curve that has not learnt it yet: its online step is switched off here): the bias learns
+    the ratio (capped at BIAS_RANGE) and a tree that would pay at the predicted price, not at
+    the real one, is no longer verified; with the bias held at 1 it still is."""
+    monkeypatch.setattr(cost_model, "LATENCY_STEP", 0.0)
+
+    def trained() -> TreeSizer:
+        curve = LatencyModel([1, 2, 4, 8], [0.1, 0.11, 0.12, 0.14])
+        sizer = TreeSizer(curve, max_budget=3, _latency_by_batch={1: curve})
+        for _ in range(30):
+            sized = sizer.fit([_chain([-0.01])], model_ran=False)
+            assert sized.trees[0].size == 1
+            sizer.observe(sized.trees, [np.array([0])], rows=2, verify_seconds=0.15)
+        return sizer
+    doubtful = [_chain([-1.2, -2.4, -3.6])]
+    sizer = trained()
+    assert sizer.describe()["bias"]["tree_seconds"]["deferred"] == pytest.approx(BIAS_RANGE[1], rel=0.15)
+    assert sizer.fit(doubtful, model_ran=False).trees[0].size == 0
+    monkeypatch.setattr(OnlineBias, "ratio", property(lambda self: 1.0))
+    assert trained().fit(doubtful, model_ran=False).trees[0].size >= 1
 
 
 def test_a_chain_of_equal_path_scores_is_priced_by_the_product_of_its_steps():
