@@ -392,6 +392,34 @@ def test_auto_sizing_decodes_what_ar_decodes(model, mode):
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
 
 
+def test_a_deferring_engine_fits_and_learns_sampled_rounds_on_full_logits_curves(model):
+    """A greedy round of an engine that defers the vocabulary projection projects only the rows its
+    walk reads, a sampled round every row: each is priced and learnt on the curves of its own forwards."""
+    engine = build_engine(_parts(model, with_head=False), "lookup", TreeParams(budget=4), defer_logits=True,
+                          sizing="auto")
+    sizer = engine.sizer
+    paths = []
+    fit, observe = sizer.fit, sizer.observe
+    sizer.fit = lambda *a, full_logits, **k: paths.append(("fit", full_logits)) or fit(*a, full_logits=full_logits, **k)
+    sizer.observe = lambda *a, full_logits, **k: (paths.append(("observe", full_logits)),
+                                                  observe(*a, full_logits=full_logits, **k))[1]
+    prompt = [[5, 6, 7, 8] * 4]
+
+    def curves() -> tuple[dict, dict]:
+        described = sizer.describe()
+        return described["latency_ms_by_batch_and_rows"], described["latency_ms_by_batch_and_rows_full_logits"]
+
+    deferred, full = curves()
+    engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert paths and {flag for _, flag in paths} == {False}
+    assert curves()[1] == full and curves()[0] != deferred
+    paths.clear()
+    deferred = curves()[0]
+    engine.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_new_tokens=12))
+    assert paths and {flag for _, flag in paths} == {True}
+    assert curves()[0] == deferred and curves()[1] != full
+
+
 def test_paused_engine_still_decodes_what_ar_decodes(model):
     """A sizer that pauses the head every other round: the head catches up, outputs stay exact."""
     prompts = [[3, 4, 5, 9, 11, 3, 4], [7] * 9]
