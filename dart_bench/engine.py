@@ -1,7 +1,7 @@
 """Side-by-side decoding benchmark of the engine: `python -m jobs.bench engine [key=value ...]`.
 
-Every mode decodes the same ShareGPT dev prompts in one process, interleaved prompt by prompt
-(so drift in machine load hits all modes alike) and repeated; figures are medians. Modes:
+Every mode decodes the same ShareGPT dev prompts in one process, interleaved batch by batch in
+alternating order (so drift in machine load hits all modes alike) and repeated; figures are medians. Modes:
 the engine's `ar`, `chain`, `ddtree`, `dart`, and transformers' own `generate` (greedy and
 prompt-lookup decoding) as outside baselines. Reported per mode: tokens/s, the per-prompt
 speedup over `ar` (median of ratios), tau, per-stage time per round and, for greedy runs, the
@@ -186,13 +186,14 @@ def sampling_params(cfg, group: list[int]) -> list[SamplingParams]:
 
 def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, list[dict]]:
     """Every cell on every prompt, `batch_size` prompts per generate call, cells interleaved
-    batch by batch (so drift in machine load hits all cells alike), `cfg.repeats` times."""
+    batch by batch (so drift in machine load hits all cells alike), `cfg.repeats` times, in
+    `cell_order` (A B, then B A: a cell is not always the one that runs second)."""
     records: dict[str, list[dict]] = {m: [] for m in cfg.modes}
     groups = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     for repeat in range(cfg.repeats):
         for g, group in enumerate(groups):
             params = sampling_params(cfg, group)
-            for mode in cfg.modes:
+            for mode in cell_order(cfg.modes, repeat * len(groups) + g):
                 if mode in HF_MODES:
                     (n,) = group
                     token_ids, seconds = run_hf(model, prompts[n][1], mode, cfg.max_new_tokens, eos,
@@ -204,6 +205,14 @@ def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, l
                 records[mode].extend(run_record(prompts[n][0], repeat, result, g) for n, result in zip(group, results))
             print(f"  batch size {batch_size}: repeat {repeat} batch {g + 1}/{len(groups)} done", flush=True)
     return records
+
+
+def cell_order(modes: list[str], turn: int) -> list[str]:
+    """The order the cells run in on their `turn`-th batch: as listed on even turns, reversed on
+    odd ones. Run always in one order, the second cell of a pair met the machine as the first
+    left it (on a 2-core EPYC the same `ar` batch took 309 ms a step in one place and 380 in
+    another, minutes apart), and a ratio carried that as if it were the cell's own cost."""
+    return list(modes) if turn % 2 == 0 else list(reversed(modes))
 
 
 def print_sweep(sweeps: dict[int, dict[str, dict]]) -> None:

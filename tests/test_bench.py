@@ -482,3 +482,32 @@ def test_pipeline_bench_alternates_the_order_of_whole_jobs_and_reports_medians()
     # start-up: its own median over the repeats (one slow start does not pick it)
     assert median["repeats_startup_s"] == [9.0, 7.0, 30.0, 8.0] and median["startup_s_median"] == 8.0
     assert median_run(runs[:3])["rows_per_s"] == 0.20
+
+
+def test_engine_bench_alternates_which_cell_runs_first_batch_by_batch():
+    """A cell that always ran second met the machine as the first left it: the order flips every
+    batch, so over two batches every cell runs once in every position."""
+    from types import SimpleNamespace
+
+    from dart_bench.engine import cell_order, run_cells
+
+    assert cell_order(["ar", "dart_lookup"], 0) == ["ar", "dart_lookup"]
+    assert cell_order(["ar", "dart_lookup"], 1) == ["dart_lookup", "ar"]
+    calls = []
+
+    class Recording:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, params):
+            calls.append(self.name)
+            stats = SimpleNamespace(wall_seconds=1.0, to_row=dict)
+            return [SimpleNamespace(token_ids=[1], stats=stats) for _ in prompts]
+
+    modes = ["ar", "dart", "dart_lookup"]
+    cfg = SimpleNamespace(modes=modes, repeats=2, temperature=0.0, seed=0, max_new_tokens=4, min_p=0.0,
+                          repetition_penalty=1.0)
+    records = run_cells(cfg, {m: Recording(m) for m in modes}, None, [], [(f"p{i}", [1, 2]) for i in range(3)], 2)
+    # 2 batches a repeat, 2 repeats: turns 0, 1, 2, 3
+    assert calls == modes + modes[::-1] + modes + modes[::-1]
+    assert all(len(rows) == 6 for rows in records.values())
