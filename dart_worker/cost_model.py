@@ -45,8 +45,12 @@ _MAX_PAUSE_ROUNDS = 32
 # Probing a model that keeps failing (the draft head at T=1, where its nodes are rarely accepted)
 # costs its forward every probe: at batch 16 on a 2-core EPYC 234 ms against a 380 ms step, so
 # probes every 32 rounds alone took 2-3% of decoding. From its second failure in a row, a model
-# pauses at least long enough that its probes take at most this share of the decoding time.
+# pauses at least long enough that its probes take at most this share of the decoding time; and
+# each failure after that halves the share, down to PROBE_SHARE / 2**PROBE_DOUBLINGS: at T=1 a head
+# that failed its first probes keeps failing (ShareGPT dev, batch 16, fp32 EPYC: 8 probes of ~90 ms
+# in 186 rounds, none paid), and its probes were a third of what the sampled cell lost to `ar`.
 PROBE_SHARE = 0.01
+PROBE_DOUBLINGS = 3
 # `OnlineBias`: pseudo-rounds at "the model was right" (ratio 1), the weight left to older rounds'
 # evidence at each new tree round, and the range of the correction.
 BIAS_PRIOR_ROUNDS = 2.0
@@ -407,7 +411,9 @@ class TreeSizer:
     def _model_failed(self, sampled: bool, batch: int, full_logits: bool) -> None:
         """The model did not pay this round: pause it for the back-off (see `fit`)."""
         self._failed_probes = self._failed_probes + 1 if sampled else 0
-        floor = self.probe_pause(batch, full_logits) if self._failed_probes >= 2 else 0
+        floor = 0
+        if self._failed_probes >= 2:
+            floor = self.probe_pause(batch, full_logits) << min(self._failed_probes - 2, PROBE_DOUBLINGS)
         self._pause_left = max(self._pause_length, floor)
         self._pause_length = min(2 * self._pause_length, max(_MAX_PAUSE_ROUNDS, floor))
 
@@ -453,7 +459,8 @@ class TreeSizer:
         a back-off of 1, 2, 4 ... 32 rounds, and after a round where it paid the back-off resets.
         From the second failure in a row on a batch of sampled rows only (T > 0, where a head's
         nodes are seldom accepted), the pause is also at least `probe_pause(batch)` rounds, so
-        probing a model that keeps failing there costs at most PROBE_SHARE of the decoding time;
+        probing a model that keeps failing there costs at most PROBE_SHARE of the decoding time,
+        and twice as many rounds at each further failure (up to PROBE_DOUBLINGS times);
         and there a round the table expects to pay is judged again from its verification
         (`_judge_model`, in `observe`) before it counts as paying.
         """

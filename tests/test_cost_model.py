@@ -19,6 +19,7 @@ from dart_worker import cost_model
 from dart_worker.calibration import make_sizer
 from dart_worker.cost_model import (
     BIAS_RANGE,
+    PROBE_DOUBLINGS,
     PROBE_SHARE,
     SCORE_EDGES,
     AcceptanceModel,
@@ -253,7 +254,7 @@ def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dea
 def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of_the_time():
     """A model (a probe costs 3 plain steps) that does not pay on sampled rows: its first pause is
     the usual one round, then every pause is long enough that probes take at most PROBE_SHARE of
-    the time (until the doubling back-off is longer still). On greedy rows the same failures keep
+    the time, and each further failure doubles it (PROBE_DOUBLINGS times at most). On greedy rows the same failures keep
     the short back-off (a head that is usually right there misses only passingly), and one round
     where the model pays resets both."""
     confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
@@ -278,7 +279,8 @@ def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of
     sampled = dear_sizer()
     floor = sampled.probe_pause(1)
     assert abs(floor - 3 / PROBE_SHARE) <= 1  # ~300 rounds: a probe of 3 steps is 1% of 300 steps
-    assert pauses_of(sampled, ["1.0"]) == [1, floor, floor]
+    assert pauses_of(sampled, ["1.0"], count=7) == [1, floor, 2 * floor, 4 * floor, 8 * floor, 8 * floor, 8 * floor]
+    assert PROBE_DOUBLINGS == 3
     assert pauses_of(dear_sizer(), [GREEDY]) == [1, 2, 4]
 
     cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
