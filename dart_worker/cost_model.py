@@ -184,20 +184,24 @@ class AcceptanceModel:
         """Per node, the probability that it is on the accepted path: its step's calibrated rate
         times its parent's probability, so a node never outranks its parent and every prefix of
         the ranking is a tree."""
+        if not tree.size:  # most trees of a round where nothing pays (T=1: the head paused, no lookup)
+            return np.zeros(0)
         bins, sources = self._keys(tree)
         p = np.empty(tree.size)
         for source in np.unique(sources):
             rows = sources == source
             p[rows] = self._rates(band, int(source))[bins[rows]]
-        parents = tree.parents
-        for i in range(tree.size):  # canonical order: parents first
-            if parents[i] >= 0:
-                p[i] *= p[parents[i]]
+        parents, depths = tree.parents, tree.depths
+        for depth in range(2, int(depths.max()) + 1):  # a level at a time: its parents are final
+            rows = depths == depth
+            p[rows] *= p[parents[rows]]
         return p
 
     def update(self, tree: DraftTree, accepted_nodes: np.ndarray, band: str = GREEDY) -> None:
         """Learn from a verified tree: which of its nodes were accepted. Nodes under a rejected
         parent are left out (see the class doc)."""
+        if not tree.size:
+            return
         hit = np.zeros(tree.size, dtype=bool)
         hit[accepted_nodes] = True
         parents = tree.parents

@@ -91,6 +91,15 @@ def test_cut_trees_are_the_best_prefix_closed_nodes(tree, size, data):
         sizer.acceptance.update(tree, hits)
     probs = sizer.acceptance.probabilities(tree)
     assert all(probs[i] <= probs[p] for i, p in enumerate(tree.parents) if p >= 0)
+    # Brute force: the product of the calibrated step rates along each node's path.
+    bins = np.searchsorted(SCORE_EDGES, np.minimum(cost_model.step_scores(tree), 0.0))
+    sources = cost_model._sources(tree)
+    for i in range(tree.size):
+        path, node = 1.0, i
+        while node >= 0:
+            rate = sizer.acceptance._rates(GREEDY, int(sources[node]))[bins[node]]
+            path, node = path * rate, int(tree.parents[node])
+        assert probs[i] == pytest.approx(path, rel=1e-12)
     order = np.lexsort((np.arange(tree.size), -probs))[:size]
     keep = np.zeros(tree.size, dtype=bool)
     keep[order] = True
