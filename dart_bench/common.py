@@ -137,7 +137,8 @@ def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[
 
 def run_record(prompt_id: str, repeat: int, result, group: int = 0) -> dict:
     """One engine run as a benchmark record: the request's stats row plus what the summary pairs on.
-    `seconds` is the wall time of the whole batch the prompt was decoded in (`group`)."""
+    `seconds` is the request's own wall time, from joining its batch (`group`) to finishing; the
+    batch's wall time is the longest of its requests' (`summarize`)."""
     return {"prompt": prompt_id, "repeat": repeat, "group": group, "tokens": len(result.token_ids),
             "seconds": result.stats.wall_seconds, "token_ids": result.token_ids, **result.stats.to_row()}
 
@@ -156,7 +157,12 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
                   for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
                   and ar[_run_key(r)]["tokens"]]
         agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
-        walls = {(r.get("group", 0), r.get("repeat", 0)): r["seconds"] for r in rows}
+        # A batch's wall time is its last sequence's: rows of one batch join together and finish
+        # apart (a row that stops early at its end-of-text token has the shorter wall).
+        walls: dict[tuple[int, int], float] = {}
+        for r in rows:
+            key = (r.get("group", 0), r.get("repeat", 0))
+            walls[key] = max(walls.get(key, 0.0), r["seconds"])
         entry = {
             "tokens_per_second": statistics.median(tps) if tps else 0.0,
             # Whole-run throughput: every token over the wall time of every batch.

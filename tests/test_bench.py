@@ -511,3 +511,16 @@ def test_engine_bench_alternates_which_cell_runs_first_batch_by_batch():
     # 2 batches a repeat, 2 repeats: turns 0, 1, 2, 3
     assert calls == modes + modes[::-1] + modes + modes[::-1]
     assert all(len(rows) == 6 for rows in records.values())
+
+
+def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
+    """Requests of one batch join together and finish apart: the batch took as long as its
+    slowest request, whatever order the records come in."""
+    from dart_bench.common import summarize
+
+    def row(prompt, group, tokens, seconds):
+        return {"prompt": prompt, "repeat": 0, "group": group, "tokens": tokens, "seconds": seconds,
+                "token_ids": [0] * tokens}
+
+    records = {"ar": [row("a", 0, 10, 4.0), row("b", 0, 10, 1.0), row("c", 1, 10, 2.0)]}
+    assert summarize(records)["ar"]["throughput"] == pytest.approx(30 / (4.0 + 2.0))
