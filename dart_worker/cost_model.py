@@ -56,6 +56,9 @@ PROBE_DOUBLINGS = 3
 BIAS_PRIOR_ROUNDS = 2.0
 BIAS_MEMORY = 0.97
 BIAS_RANGE = (0.25, 4.0)
+# A draining batch (`TreeSizer.token_values`): rows within this many tokens of the most tokens
+# left count as its longest.
+STRAGGLER_SLACK = 4
 
 
 class LatencyModel:
@@ -268,9 +271,10 @@ class OnlineBias:
 class _Choice(NamedTuple):
     """`TreeSizer._best`'s answer for one common size."""
 
-    rate: float  # expected committed tokens per second
+    rate: float  # expected committed tokens per second (each token at its row's value: `token_values`)
     size: int
-    gain: float  # expected committed tokens (bias-corrected)
+    gain: float  # expected committed tokens (bias-corrected), each at its row's value
+    expected_accepted: float  # expected accepted nodes (bias-corrected)
     seconds: float  # the round's predicted seconds (bias-corrected, overhead and extra included)
     nodes: float  # expected accepted nodes, as the acceptance table says
     plain_seconds: float  # the curve's verify seconds of a plain step
@@ -386,17 +390,21 @@ class TreeSizer:
     # ------------------------------------------------------------ the size
 
     def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float, full_logits: bool = False,
-              sampled: bool = False) -> _Choice:
+              sampled: bool = False, values: np.ndarray | None = None) -> _Choice:
         """The best common size N for these trees, its tables' predictions corrected by what tree
-        rounds of the same kind showed (`OnlineBias`)."""
+        rounds of the same kind showed (`OnlineBias`); `values`: each row's token value
+        (`token_values`; None: all 1)."""
         batch = len(trees)
+        values = np.ones(batch) if values is None else values
         top = min(self.max_budget, max((t.size for t in trees), default=0))
         sizes = np.arange(top + 1)
-        nodes = np.zeros(top + 1)
-        for p in probs:
+        nodes, valued = np.zeros(top + 1), np.zeros(top + 1)
+        for p, value in zip(probs, values, strict=True):
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
             nodes += cumulative[np.minimum(sizes, len(p))]
-        gain = batch + self._bias(self._gain_bias, sampled).ratio * nodes
+            valued += value * cumulative[np.minimum(sizes, len(p))]
+        ratio = self._bias(self._gain_bias, sampled).ratio
+        gain = values.sum() + ratio * valued
         rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
         forward = self._forward_batch(batch)
         verify = self.latency_for(forward, full_logits).predict(forward * rows)
@@ -405,8 +413,33 @@ class TreeSizer:
                    + self.overhead_seconds + np.where(sizes > 0, extra_seconds, 0.0))
         rate = gain / seconds
         best = int(np.argmax(rate))
-        return _Choice(float(rate[best]), best, float(gain[best]), float(seconds[best]), float(nodes[best]),
-                       float(verify[0]), float(tree_seconds[best]))
+        return _Choice(float(rate[best]), best, float(gain[best]), ratio * float(nodes[best]), float(seconds[best]),
+                       float(nodes[best]), float(verify[0]), float(tree_seconds[best]))
+
+    def token_values(self, remaining: list[int] | None, batch: int, full_logits: bool = False) -> np.ndarray | None:
+        """What a committed token of each row is worth, against one of the batch's longest rows, in a
+        batch that drains (`remaining`: each row's tokens left; None: rows wait to take a finished
+        row's slot, and every token is worth the same).
+
+        A draining batch ends with its longest row, so a token of a row that will finish earlier
+        anyway does not bring the end nearer: it saves that row's place in a later round, i.e. one
+        row of a forward, where a token of a longest row saves a whole round. Valued alike, trees
+        for the rows that repeat their prompt (context lookup at T=0.7) made every round of a
+        static batch of 16 dearer (its verify block is 16 x (1 + N) rows) while its longest rows,
+        with nothing to look up, took as many rounds as before (ShareGPT dev, fp32 EPYC: the
+        batch took 38.4 s against `ar`'s 31.7 s, every sequence's tokens per second up). A row's
+        place costs the curve's second row per sequence relative to its first: near 1 where
+        forwards cost their rows (a CPU without matrix units), near 0 where they do not (a GPU)."""
+        if remaining is None or len(remaining) < 2:
+            return None
+        left = np.asarray(remaining, dtype=np.float64)
+        longest = left > left.max() - STRAGGLER_SLACK
+        if longest.all():
+            return None
+        forward = self._forward_batch(batch)
+        plain, doubled = self.latency_for(forward, full_logits).predict(np.array([forward, 2 * forward]))
+        place = float(np.clip((doubled - plain) / max(plain, 1e-9), 0.0, 1.0))
+        return np.where(longest, 1.0, place)
 
     @staticmethod
     def _bias(biases: dict[bool, OnlineBias], key: bool) -> OnlineBias:
@@ -452,11 +485,12 @@ class TreeSizer:
         return live if self.batch_bucket is None else self.batch_bucket(live)
 
     def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None,
-            full_logits: bool = False) -> SizedRound:
+            full_logits: bool = False, remaining: list[int] | None = None) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
         `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
         `full_logits`: the verify forward will project every row to the vocabulary (priced on
-        those forwards' curves).
+        those forwards' curves). `remaining`: each row's tokens left when the batch drains (no
+        request waits for a slot; None otherwise), which values its tokens (`token_values`).
 
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
@@ -471,8 +505,9 @@ class TreeSizer:
         bands = bands or [GREEDY] * len(trees)
         probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
         sampled = all(band != GREEDY for band in bands)
-        choice = self._best(trees, probs, 0.0, full_logits, sampled)
-        size, gain, seconds = choice.size, choice.gain, choice.seconds
+        values = self.token_values(remaining, len(trees), full_logits)
+        choice = self._best(trees, probs, 0.0, full_logits, sampled, values)
+        size, seconds = choice.size, choice.seconds
         out = []
         for tree, p in zip(trees, probs):
             if tree.size <= size:
@@ -484,9 +519,9 @@ class TreeSizer:
             out.append(subtree(tree, keep))
         without = 0.0
         if model_ran:
-            with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled).rate
+            with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, values).rate
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
-            without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled).rate
+            without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled, values).rate
             # Only sampled rows: greedy text is where a head is usually right and a miss is a
             # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
             if without >= with_model:
@@ -497,7 +532,7 @@ class TreeSizer:
                 self._model_paid()
         self._last_fit = _Fitted(choice, len(trees), full_logits, sampled)
         self._proposed = trees
-        return SizedRound(out, gain, seconds - self.overhead_seconds, without)
+        return SizedRound(out, len(trees) + choice.expected_accepted, seconds - self.overhead_seconds, without)
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
                 bands: list[str] | None = None, first_tokens: list[int] | None = None,
@@ -523,7 +558,7 @@ class TreeSizer:
         fitted, self._last_fit = self._last_fit, None
         if fitted is not None:  # the round `fit` sized last
             choice, hits = fitted.choice, sum(len(a) for a in accepted)
-            for key, value in (("rounds", 1), ("expected_accepted", choice.gain - fitted.batch),
+            for key, value in (("rounds", 1), ("expected_accepted", choice.expected_accepted),
                                ("predicted_verify_s", choice.seconds - self.overhead_seconds),
                                ("accepted", hits), ("verify_s", verify_seconds)):
                 self._check[key] += value

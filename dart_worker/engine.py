@@ -337,7 +337,7 @@ class DecodingEngine:
                 continue
 
             clock = _RoundClock(self, live)
-            trees, clock.model_seconds, model_ran = self._draft(live, state)
+            trees, clock.model_seconds, model_ran = self._draft(live, state, draining=not waiting)
             with clock.stage("tree"):
                 batch = self._tree_batch(live, trees, state.batch_size)
             with clock.stage("verify"):
@@ -450,13 +450,14 @@ class DecodingEngine:
         self._charge(joining, "draft", t0)
         return state
 
-    def _draft(self, live: list[_Sequence], state) -> tuple[list[DraftTree], float, bool]:
+    def _draft(self, live: list[_Sequence], state, draining: bool = False) -> tuple[list[DraftTree], float, bool]:
         """This round's trees, the seconds the drafter's model took (0 when it did not run) and
         whether it ran.
 
         With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
-        cut to the size the cost model chooses. Model work is charged as 'draft', building the
-        trees as 'tree'.
+        cut to the size the cost model chooses; `draining` (no request waits for a slot) hands it
+        each row's tokens left, since the batch then ends with its longest row
+        (`TreeSizer.token_values`). Model work is charged as 'draft', building the trees as 'tree'.
         """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:
@@ -475,8 +476,9 @@ class DecodingEngine:
         if model_on:
             sizer.record_model_seconds(model_seconds + tree_seconds)
             model_seconds += tree_seconds
+        remaining = [s.params.max_new_tokens - len(s.generated) for s in live] if draining else None
         sized = sizer.fit(trees, model_ran=model_on, bands=[s.params.band for s in live],
-                          full_logits=not self._defers(live))
+                          full_logits=not self._defers(live), remaining=remaining)
         return sized.trees, model_seconds, model_on
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:

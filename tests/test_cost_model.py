@@ -222,6 +222,43 @@ def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
     assert trained().fit(doubtful, model_ran=False).trees[0].size >= 1
 
 
+def test_a_draining_batch_drafts_for_its_longest_rows_only_where_rows_cost_little():
+    """Row 0 repeats its prompt (a confident lookup chain) and is 30 tokens ahead; row 1, the
+    longest, has nothing to draft. Here a second row per sequence costs 10% of a plain step's:
+    while rows wait for slots every token counts alike and row 0's tree pays; once the batch
+    drains, row 0's tokens only free its place in later rounds, which costs little, so no tree;
+    a row level with the longest counts in full again."""
+    confident = _chain([-0.01], SOURCE_CONTEXT)
+    curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
+    sizer = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1, _latency_by_batch={2: curve})
+    trees = [confident, _chain([])]
+    assert sizer.token_values(None, 2) is None
+    assert sizer.token_values([40, 38], 2) is None  # within STRAGGLER_SLACK: both are the longest
+    assert sizer.token_values([10, 40], 2) == pytest.approx([0.1, 1.0])
+    assert sizer.fit(trees, model_ran=False).trees[0].size == 1
+    assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
+    assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 1
+    flat = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
+                     _latency_by_batch={2: LatencyModel([2, 4, 8], [0.2, 0.4, 0.8])})  # rows cost in full
+    assert flat.token_values([10, 40], 2) == pytest.approx([1.0, 1.0])
+
+
+def test_the_engine_hands_the_sizer_tokens_left_only_while_its_batch_drains(model):
+    """Three requests, two slots: while the third waits, every token counts alike (None); once it
+    has joined and nothing waits, the sizer gets each row's tokens left."""
+    engine = build_engine(_parts(model, with_head=False), "lookup", TreeParams(budget=4), sizing="auto")
+    seen = []
+    fit = engine.sizer.fit
+    engine.sizer.fit = lambda *a, remaining=None, **k: seen.append(remaining) or fit(*a, remaining=remaining, **k)
+    prompts = [[5, 6, 7, 8] * 3, [9, 3, 4] * 4, [4, 4, 5] * 4]
+    lengths = [6, 20, 20]
+    engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=n) for n in lengths], max_live=2)
+    assert seen[0] is None and seen[-1] is not None
+    first_draining = next(i for i, r in enumerate(seen) if r is not None)
+    assert all(r is None for r in seen[:first_draining]) and all(r is not None for r in seen[first_draining:])
+    assert all(len(r) >= 1 and max(r) <= 20 for r in seen[first_draining:])
+
+
 def test_a_chain_of_equal_path_scores_is_priced_by_the_product_of_its_steps():
     """A context-lookup continuation that occurred once scores ln(1/1) = 0 at every depth. Each of
     its steps here is accepted half the time once its parent was, so depth d is on the accepted

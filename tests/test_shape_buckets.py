@@ -160,11 +160,13 @@ def test_bucketed_sizer_prices_a_size_at_its_buckets_cost():
                      depths=np.arange(1, 21, dtype=np.int32))
     probs = [np.full(20, 0.5)]
     bucketed = TreeSizer(curve, max_budget=20, rows_bucket=rows_buckets)
-    size, seconds = bucketed._best([tree], probs, 0.0)[1:4:2]
+    choice = bucketed._best([tree], probs, 0.0)
+    size, seconds = choice.size, choice.seconds
     assert seconds == pytest.approx(float(curve.predict(rows_bucket(1 + size))))
     assert rows_bucket(1 + size) == 1 + size or size == 20
     exact = TreeSizer(curve, max_budget=20)
-    exact_size, exact_seconds = exact._best([tree], probs, 0.0)[1:4:2]
+    choice = exact._best([tree], probs, 0.0)
+    exact_size, exact_seconds = choice.size, choice.seconds
     assert exact_seconds == pytest.approx(float(curve.predict(1 + exact_size)))  # exact: priced at its own rows
     assert float(bucketed.latency.predict(rows_bucket(10))) > float(curve.predict(10))  # 9 nodes cost 12 rows
 
@@ -232,7 +234,8 @@ def test_bucketed_sizer_prices_and_learns_at_the_padded_batch():
     probs = [np.full(4, 0.5)] * 3
     sizer = TreeSizer(curve1, max_budget=4, batch_bucket=lambda live: batch_bucket(live, 5))
     sizer._latency_by_batch[4] = curve4
-    size, seconds = sizer._best(trees, probs, 0.0)[1:4:2]
+    choice = sizer._best(trees, probs, 0.0)
+    size, seconds = choice.size, choice.seconds
     assert seconds == pytest.approx(float(curve4.predict(4 * (1 + size))))
     before = float(curve4.predict(20))
     sizer.observe(trees, [np.zeros(0, np.int64)] * 3, rows=4 * 5, verify_seconds=1.0)
