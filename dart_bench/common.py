@@ -157,8 +157,8 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
                   for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
                   and ar[_run_key(r)]["tokens"]]
         agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
-        # A batch's wall time is its last sequence's: rows of one batch join together and finish
-        # apart (a row that stops early at its end-of-text token has the shorter wall).
+        # A batch's wall time is its longest request's: the requests of one batch join together and
+        # finish apart (one whose trees were accepted, or that stopped at end-of-text, finishes first).
         walls: dict[tuple[int, int], float] = {}
         for r in rows:
             key = (r.get("group", 0), r.get("repeat", 0))
