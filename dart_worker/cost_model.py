@@ -56,9 +56,15 @@ PROBE_DOUBLINGS = 3
 BIAS_PRIOR_ROUNDS = 2.0
 BIAS_MEMORY = 0.97
 BIAS_RANGE = (0.25, 4.0)
-# A draining batch (`TreeSizer.token_values`): rows within this many tokens of the most tokens
+# `RowAcceptance`: pseudo-nodes at the table's rate, and the weight left to a row's older trees at
+# each new one.
+ROW_PRIOR_NODES = 2.0
+ROW_MEMORY = 0.9
+# A draining batch (`TreeSizer.token_values`): rows within this many rounds of the most rounds
 # left count as its longest.
 STRAGGLER_SLACK = 4
+# `row_pace`: pseudo-rounds of one token each that a row's pace starts from.
+PACE_PRIOR_ROUNDS = 4.0
 
 
 class LatencyModel:
@@ -268,6 +274,32 @@ class OnlineBias:
         return (self.rounds * measured + BIAS_PRIOR_ROUNDS) / (self.rounds + BIAS_PRIOR_ROUNDS)
 
 
+@dataclass
+class RowAcceptance:
+    """One sequence's own record against the acceptance table: its verified trees' accepted nodes
+    over what the table expected of them, recent trees weighing more (ROW_MEMORY), shrunk toward 1
+    by ROW_PRIOR_NODES. The engine keeps one per live sequence and hands them to `TreeSizer.fit`,
+    which scales that row's probabilities by `scale`.
+
+    The table is shared by every row of a temperature band and source, and rows differ: at T=0.7
+    the context lookup of a row that repeats its prompt is right nearly every time, that of a row
+    that does not nearly never, and the table's rate is their mix. Priced by it, 8 lookup nodes of a
+    row with nothing to repeat were expected to bring 6.4 tokens, and again a few rounds later
+    after bringing none (ShareGPT dev, T=0.7, batch 4, fp32 EPYC: trees of 8-16 nodes cost a
+    batch of 4 two to three plain steps each, and brought 0, 0 and 1 tokens)."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def add(self, accepted: int, expected: float) -> None:
+        self.accepted = ROW_MEMORY * self.accepted + accepted
+        self.expected = ROW_MEMORY * self.expected + expected
+
+    @property
+    def scale(self) -> float:
+        return (self.accepted + ROW_PRIOR_NODES) / (self.expected + ROW_PRIOR_NODES)
+
+
 class _Choice(NamedTuple):
     """`TreeSizer._best`'s answer for one common size."""
 
@@ -339,6 +371,8 @@ class TreeSizer:
     _gain_bias: dict[bool, OnlineBias] = field(default_factory=dict)
     _tree_seconds_bias: dict[bool, OnlineBias] = field(default_factory=dict)
     _proposed: list[DraftTree] | None = None  # the last fitted round's trees before the cut
+    # The last fitted round's `RowAcceptance`s, each with what the table expected of its cut tree.
+    _rows: list[tuple[RowAcceptance, float]] | None = None
 
     def latency_for(self, batch: int, full_logits: bool = False) -> LatencyModel:
         """The verify cost curve of forwards over `batch` sequences (`full_logits`: of forwards that
@@ -416,29 +450,43 @@ class TreeSizer:
         return _Choice(float(rate[best]), best, float(gain[best]), ratio * float(nodes[best]), float(seconds[best]),
                        float(nodes[best]), float(verify[0]), float(tree_seconds[best]))
 
-    def token_values(self, remaining: list[int] | None, batch: int, full_logits: bool = False) -> np.ndarray | None:
+    def token_values(self, remaining: list[int] | None, batch: int, full_logits: bool = False,
+                     paces: list[float] | None = None) -> np.ndarray | None:
         """What a committed token of each row is worth, against one of the batch's longest rows, in a
         batch that drains (`remaining`: each row's tokens left; None: rows wait to take a finished
-        row's slot, and every token is worth the same).
+        row's slot, and every token is worth the same). `paces`: each row's tokens per round so far
+        (`row_pace`; None: 1 each), so a row's rounds left are its tokens left over its pace.
 
-        A draining batch ends with its longest row, so a token of a row that will finish earlier
-        anyway does not bring the end nearer: it saves that row's place in a later round, i.e. one
-        row of a forward, where a token of a longest row saves a whole round. Valued alike, trees
-        for the rows that repeat their prompt (context lookup at T=0.7) made every round of a
-        static batch of 16 dearer (its verify block is 16 x (1 + N) rows) while its longest rows,
-        with nothing to look up, took as many rounds as before (ShareGPT dev, fp32 EPYC: the
-        batch took 38.4 s against `ar`'s 31.7 s, every sequence's tokens per second up). A row's
-        place costs the curve's second row per sequence relative to its first: near 1 where
-        forwards cost their rows (a CPU without matrix units), near 0 where they do not (a GPU)."""
+        A draining batch ends with its longest row, the one with the most rounds left, so a token of
+        a row that will finish earlier anyway does not bring the end nearer: it saves that row's
+        place in a later round, i.e. one row of a forward, where a token of a longest row saves a
+        round at the batch's end, which runs the longest rows alone. Valued alike, trees for the
+        rows that repeat their prompt (context lookup at T=0.7) made every round of a static batch
+        dearer (its verify block is B x (1 + N) rows) while its longest rows, with nothing to look
+        up, took as many rounds as before (ShareGPT dev, fp32 EPYC: batch 16 took 38.4 s against
+        `ar`'s 31.7 s, every sequence's tokens per second up).
+
+        So a row's place is worth one more row of this round's forward over a plain round of the
+        k longest rows, times k (a token of one of k rows that end together brings the end nearer
+        by 1/k of a round, which the plain round's k tokens already count): near 1 where forwards
+        cost their rows, near 0 where they do not (a GPU); on a 2-core EPYC in fp32, batch 4, about
+        0.1 (a row 10 ms, a round alone 150). Longest by rounds, not tokens: at T=0.7 rows level in
+        tokens left were priced alike, and trees for the ones that had been repeating their prompt
+        kept being chosen at full value while the row without anything to look up set the end."""
         if remaining is None or len(remaining) < 2:
             return None
-        left = np.asarray(remaining, dtype=np.float64)
-        longest = left > left.max() - STRAGGLER_SLACK
+        pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
+        rounds = np.asarray(remaining, dtype=np.float64) / pace
+        longest = rounds > rounds.max() - STRAGGLER_SLACK
         if longest.all():
             return None
         forward = self._forward_batch(batch)
         plain, doubled = self.latency_for(forward, full_logits).predict(np.array([forward, 2 * forward]))
-        place = float(np.clip((doubled - plain) / max(plain, 1e-9), 0.0, 1.0))
+        row = (doubled - plain) / forward
+        k = int(longest.sum())
+        alone = self._forward_batch(k)
+        end_round = float(self.latency_for(alone, full_logits).predict(np.array([alone]))[0]) + self.overhead_seconds
+        place = float(np.clip(k * row / max(end_round, 1e-9), 0.0, 1.0))
         return np.where(longest, 1.0, place)
 
     @staticmethod
@@ -485,12 +533,15 @@ class TreeSizer:
         return live if self.batch_bucket is None else self.batch_bucket(live)
 
     def fit(self, trees: list[DraftTree], model_ran: bool, bands: list[str] | None = None,
-            full_logits: bool = False, remaining: list[int] | None = None) -> SizedRound:
+            full_logits: bool = False, remaining: list[int] | None = None,
+            paces: list[float] | None = None, rows: list[RowAcceptance] | None = None) -> SizedRound:
         """Cut every tree to the size that maximises the batch's expected tokens per second.
         `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
         `full_logits`: the verify forward will project every row to the vocabulary (priced on
         those forwards' curves). `remaining`: each row's tokens left when the batch drains (no
-        request waits for a slot; None otherwise), which values its tokens (`token_values`).
+        request waits for a slot; None otherwise), which values its tokens (`token_values`, with each
+        row's `paces`). `rows`: each sequence's `RowAcceptance`, which scales its nodes' probabilities
+        and learns, in `observe`, what its verified tree brought against what the table expected.
 
         The model's seconds are sunk this round (it ran); they count in the decision whether it
         should run next round: if trees without its nodes would have been as fast, it pauses for
@@ -503,20 +554,24 @@ class TreeSizer:
         (`_judge_model`, in `observe`) before it counts as paying.
         """
         bands = bands or [GREEDY] * len(trees)
-        probs = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
+        table = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
+        probs = table if rows is None else [np.minimum(p * row.scale, 1.0) for p, row in zip(table, rows, strict=True)]
         sampled = all(band != GREEDY for band in bands)
-        values = self.token_values(remaining, len(trees), full_logits)
+        values = self.token_values(remaining, len(trees), full_logits, paces)
         choice = self._best(trees, probs, 0.0, full_logits, sampled, values)
         size, seconds = choice.size, choice.seconds
-        out = []
-        for tree, p in zip(trees, probs):
+        out, expected = [], []
+        for tree, p, q in zip(trees, probs, table):
             if tree.size <= size:
                 out.append(tree)
+                expected.append(float(q.sum()))
                 continue
             order = np.lexsort((np.arange(tree.size), -p))[:size]  # best first, parents before children
             keep = np.zeros(tree.size, dtype=bool)
             keep[order] = True
             out.append(subtree(tree, keep))
+            expected.append(float(q[keep].sum()))
+        self._rows = None if rows is None else list(zip(rows, expected, strict=True))
         without = 0.0
         if model_ran:
             with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, values).rate
@@ -556,6 +611,11 @@ class TreeSizer:
             self._judge_after_verify = False
             self._judge_model(trees, accepted, verify_seconds, full_logits)
         fitted, self._last_fit = self._last_fit, None
+        records, self._rows = self._rows, None
+        if records is not None and len(records) == len(trees):
+            for (row, expected), tree, nodes in zip(records, trees, accepted):
+                if tree.size:
+                    row.add(len(nodes), expected)
         if fitted is not None:  # the round `fit` sized last
             choice, hits = fitted.choice, sum(len(a) for a in accepted)
             for key, value in (("rounds", 1), ("expected_accepted", choice.expected_accepted),
@@ -640,6 +700,12 @@ def _sources(tree: DraftTree) -> np.ndarray:
 def _bins_and_sources(scores: np.ndarray, sources: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(score bin, source bits as int64) of each node: its acceptance table cell."""
     return np.searchsorted(SCORE_EDGES, np.minimum(scores, 0.0)), np.asarray(sources).astype(np.int64)
+
+
+def row_pace(accepted: int, rounds: int) -> float:
+    """A row's tokens per round so far (its accepted draft tokens plus one per round), shrunk toward
+    one token a round by PACE_PRIOR_ROUNDS: what `TreeSizer.token_values` divides its tokens left by."""
+    return 1.0 + accepted / (rounds + PACE_PRIOR_ROUNDS)
 
 
 def cut_first_level(proposed: DraftTree, verified: DraftTree) -> np.ndarray:

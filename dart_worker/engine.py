@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dart_worker import shape_buckets
-from dart_worker.cost_model import TreeSizer
+from dart_worker.cost_model import RowAcceptance, TreeSizer, row_pace
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.kernels import logits_for, shapes_for
 from dart_worker.kv_cache import retire_order
@@ -87,6 +87,7 @@ class _Sequence:
     started: float = 0.0  # perf_counter when it joined the batch (its wall time starts there)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when params.logprobs > 0
     sample: int = 0  # which of its prompt's completions (generate_samples)
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its trees against the sizer's table
 
     @property
     def generated(self) -> list[int]:
@@ -456,7 +457,7 @@ class DecodingEngine:
 
         With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
         cut to the size the cost model chooses; `draining` (no request waits for a slot) hands it
-        each row's tokens left, since the batch then ends with its longest row
+        each row's tokens left and pace, since the batch then ends with its longest row
         (`TreeSizer.token_values`). Model work is charged as 'draft', building the trees as 'tree'.
         """
         caps = self._depth_caps(live, state)
@@ -477,8 +478,10 @@ class DecodingEngine:
             sizer.record_model_seconds(model_seconds + tree_seconds)
             model_seconds += tree_seconds
         remaining = [s.params.max_new_tokens - len(s.generated) for s in live] if draining else None
+        paces = [row_pace(s.stats.accepted_tokens, s.stats.rounds) for s in live] if draining else None
         sized = sizer.fit(trees, model_ran=model_on, bands=[s.params.band for s in live],
-                          full_logits=not self._defers(live), remaining=remaining)
+                          full_logits=not self._defers(live), remaining=remaining, paces=paces,
+                          rows=[s.acceptance for s in live])
         return sized.trees, model_seconds, model_on
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:

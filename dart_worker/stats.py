@@ -41,6 +41,7 @@ class RequestStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
+    accepted_tokens: int = 0  # their sum (read every round by the engine's sizer: `row_pace`)
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
     batch_live: list[int] = field(default_factory=list)  # sequences verified together per round
@@ -59,6 +60,7 @@ class RequestStats:
         for source, count in (accepted_sources or {}).items():
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + count
         self.accept_lengths.append(accepted)
+        self.accepted_tokens += accepted
         self.tree_sizes.append(tree_size)
         self.tree_depths.append(tree_depth)
 

@@ -25,7 +25,9 @@ from dart_worker.cost_model import (
     AcceptanceModel,
     LatencyModel,
     OnlineBias,
+    RowAcceptance,
     TreeSizer,
+    row_pace,
 )
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
@@ -241,6 +243,78 @@ def test_a_draining_batch_drafts_for_its_longest_rows_only_where_rows_cost_littl
     flat = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
                      _latency_by_batch={2: LatencyModel([2, 4, 8], [0.2, 0.4, 0.8])})  # rows cost in full
     assert flat.token_values([10, 40], 2) == pytest.approx([1.0, 1.0])
+
+
+def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_not_most_tokens_left():
+    """Both rows have 40 tokens left, but row 0 has committed three tokens a round: it has about 13
+    rounds left against row 1's 40, so row 1 alone is the longest and row 0's tokens are worth its
+    place. A place is one more row of this forward over a plain round of the k longest rows,
+    times k: here a row 0.01 s against 0.1 s alone, and with two rows level 2 x 0.01 / 0.15."""
+    curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
+    sizer = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1, _latency_by_batch={2: curve})
+    assert sizer.token_values([40, 40], 2) is None
+    assert sizer.token_values([40, 40], 2, paces=[3.0, 1.0]) == pytest.approx([0.1, 1.0])
+    assert sizer.token_values([40, 40], 2, paces=[1.0, 1.02]) is None  # within STRAGGLER_SLACK rounds
+    three = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
+                      _latency_by_batch={3: LatencyModel([3, 6], [0.3, 0.33]), 2: LatencyModel([2, 4], [0.15, 0.2])})
+    assert three.token_values([40, 40, 10], 3) == pytest.approx([1.0, 1.0, 2 * 0.01 / 0.15])
+    assert row_pace(0, 10) == 1.0 and row_pace(8, 4) == pytest.approx(2.0)
+    assert row_pace(8, 0) > row_pace(8, 12) > 1.0  # a short record leans on one token a round
+
+
+def test_a_row_whose_trees_were_not_accepted_gets_none_where_the_table_would_give_one():
+    """Two rows with the same confident lookup node: the table expects it accepted, and it was,
+    on row 1, every time; on row 0 never. Each row's record scales its own probabilities: row 0
+    stops getting its node, row 1 keeps it. The record learns what the table expected of the
+    verified (cut) tree, and forgets old trees (ROW_MEMORY)."""
+    record = RowAcceptance()
+    assert record.scale == 1.0
+    record.add(0, 6.0)
+    assert record.scale == pytest.approx(cost_model.ROW_PRIOR_NODES / (6.0 + cost_model.ROW_PRIOR_NODES))
+    for _ in range(200):
+        record.add(1, 1.0)
+    assert record.scale == pytest.approx(1.0, abs=1e-6)
+
+    def sizer():
+        return TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
+                         _latency_by_batch={2: LatencyModel([2, 4], [0.2, 0.24])})
+
+    confident = _chain([-0.01], SOURCE_CONTEXT)
+    rows = [RowAcceptance(), RowAcceptance()]
+    fitted = sizer()
+    for _ in range(6):
+        sized = fitted.fit([confident, confident], model_ran=False, rows=rows)
+        accepted = [np.zeros(0, np.int64), np.arange(sized.trees[1].size)]
+        fitted.observe(sized.trees, accepted, rows=2 * (1 + sized.trees[0].size), verify_seconds=0.24)
+    assert rows[0].scale < 0.5 < 1.0 < rows[1].scale
+    sized = sizer().fit([confident, confident], model_ran=False, rows=rows)
+    assert [t.size for t in sized.trees] == [1, 1]  # a common size: row 1's node pays for both
+    alone = TreeSizer(LatencyModel([1, 2], [0.1, 0.15]), max_budget=1)  # a node pays when p > 0.5
+    assert alone.fit([confident], model_ran=False).trees[0].size == 1
+    assert alone.fit([confident], model_ran=False, rows=[rows[0]]).trees[0].size == 0
+    assert alone.fit([confident], model_ran=False, rows=[rows[1]]).trees[0].size == 1
+
+
+def test_the_engine_hands_the_sizer_each_sequences_own_acceptance_record(model):
+    """One `RowAcceptance` per request, the same object every round whatever its place in the batch
+    (finished sequences leave holes that the last ones fill), and it learns from its trees."""
+    engine = build_engine(_parts(model, with_head=False), "lookup", TreeParams(budget=4), sizing="auto")
+    seen, live_prompts = [], []
+    fit, propose = engine.sizer.fit, engine.drafter.propose
+    engine.sizer.fit = lambda *a, rows=None, **k: seen.append(list(rows)) or fit(*a, rows=rows, **k)
+    engine.drafter.propose = lambda tokens, caps: live_prompts.append([tuple(t[:12]) for t in tokens]) or propose(
+        tokens, caps)
+    prompts = [[5, 6, 7, 8] * 3, [9, 3, 4] * 4, [4, 4, 5] * 4, [7, 8, 9, 10] * 3]
+    lengths = [6, 20, 14, 9]
+    engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=n) for n in lengths])
+    assert len(seen) == len(live_prompts) and len(seen[-1]) < len(prompts)  # some finished before others
+    owner = {}
+    for rows, prompts_of_round in zip(seen, live_prompts, strict=True):
+        assert len(rows) == len(prompts_of_round) == len({id(r) for r in rows})
+        for record, prompt in zip(rows, prompts_of_round, strict=True):
+            assert owner.setdefault(id(record), prompt) == prompt
+    assert len(owner) == len(prompts)
+    assert any(r.expected > 0 for rows in seen for r in rows)  # trees were verified and learnt from
 
 
 def test_the_engine_hands_the_sizer_tokens_left_only_while_its_batch_drains(model):
