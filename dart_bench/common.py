@@ -135,38 +135,40 @@ def select_prompts(tokenizer, num_prompts: int, max_prompt_tokens: int) -> list[
     return prompts
 
 
-def run_record(prompt_id: str, repeat: int, result, group: int = 0) -> dict:
+def run_record(prompt_id: str, repeat: int, result, group: int | None = None) -> dict:
     """One engine run as a benchmark record: the request's stats row plus what the summary pairs on.
-    `seconds` is the request's own wall time, from joining its batch (`group`) to finishing; the
-    batch's wall time is the longest of its requests' (`summarize`)."""
+    `seconds` is the request's own wall time, from joining its batch (`group`; None: it ran alone)
+    to finishing; the batch's wall time is the longest of its requests' (`summarize`)."""
     return {"prompt": prompt_id, "repeat": repeat, "group": group, "tokens": len(result.token_ids),
             "seconds": result.stats.wall_seconds, "token_ids": result.token_ids, **result.stats.to_row()}
 
 
 def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
-    """Medians per mode; speedup = median over runs of (ar seconds per token / mode seconds per token).
+    """Medians per mode; speedup = median over batches of (ar seconds per token / mode seconds per
+    token), each batch's seconds its longest request's (`batch_walls`).
 
-    Each run is paired with the `ar` run of the same prompt and repeat (runs of one repeat are
-    interleaved, so they saw the same machine load).
+    Each batch is paired with the `ar` batch of the same prompts and repeat (runs of one repeat are
+    interleaved, so they saw the same machine load). A run without a batch (`group` None or absent)
+    is a batch of its own, so at batch 1 this is the median of per-prompt ratios. Pairing requests
+    instead compared each request's own wall time: at T=0.7, batch 4 a per-request median of 1.09
+    stood beside a whole-run throughput of 0.90x `ar`, the requests that finish early counted as if
+    their batch had finished with them.
     """
     ar = {_run_key(r): r for r in records.get("ar", [])}
+    ar_batches = batch_walls(records.get("ar", []))
     summary = {}
     for mode, rows in records.items():
         tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
-        ratios = [(ar[_run_key(r)]["seconds"] / ar[_run_key(r)]["tokens"]) / (r["seconds"] / r["tokens"])
-                  for r in rows if _run_key(r) in ar and r["tokens"] and r["seconds"] > 0
-                  and ar[_run_key(r)]["tokens"]]
+        batches = batch_walls(rows)
+        ratios = [(ar_batches[key][0] / ar_batches[key][1]) / (seconds / tokens)
+                  for key, (seconds, tokens) in batches.items()
+                  if key in ar_batches and tokens and seconds > 0 and ar_batches[key][1]]
         agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
-        # A batch's wall time is its longest request's: the requests of one batch join together and
-        # finish apart (one whose trees were accepted, or that stopped at end-of-text, finishes first).
-        walls: dict[tuple[int, int], float] = {}
-        for r in rows:
-            key = (r.get("group", 0), r.get("repeat", 0))
-            walls[key] = max(walls.get(key, 0.0), r["seconds"])
+        wall = sum(seconds for seconds, _ in batches.values())
         entry = {
             "tokens_per_second": statistics.median(tps) if tps else 0.0,
             # Whole-run throughput: every token over the wall time of every batch.
-            "throughput": sum(r["tokens"] for r in rows) / sum(walls.values()) if sum(walls.values()) else 0.0,
+            "throughput": sum(r["tokens"] for r in rows) / wall if wall else 0.0,
             "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
             "agreement_with_ar": sum(agree) / len(agree) if agree else None,
             "runs": len(rows),
@@ -189,6 +191,19 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             ]
         summary[mode] = entry
     return summary
+
+
+def batch_walls(rows: list[dict]) -> dict[tuple, tuple[float, int]]:
+    """Per batch (its `group` and repeat; a run without a group is a batch of its own), its wall
+    seconds and tokens. A batch's wall time is its longest request's: the requests of one batch join
+    together and finish apart (one whose trees were accepted, or that stopped at end-of-text, first)."""
+    out: dict[tuple, tuple[float, int]] = {}
+    for r in rows:
+        group = r.get("group")
+        key = ("group", group, r.get("repeat", 0)) if group is not None else ("run", *_run_key(r))
+        seconds, tokens = out.get(key, (0.0, 0))
+        out[key] = (max(seconds, r["seconds"]), tokens + r["tokens"])
+    return out
 
 
 def _run_key(record: dict) -> tuple:

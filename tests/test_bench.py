@@ -515,7 +515,7 @@ def test_engine_bench_alternates_which_cell_runs_first_batch_by_batch():
 
 def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
     """Requests of one batch join together and finish apart: the batch took as long as its
-    slowest request, whatever order the records come in."""
+    slowest request, whatever order the records come in, in throughput and in the speedup."""
     from dart_bench.common import summarize
 
     def row(prompt, group, tokens, seconds):
@@ -524,3 +524,11 @@ def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
 
     records = {"ar": [row("a", 0, 10, 4.0), row("b", 0, 10, 1.0), row("c", 1, 10, 2.0)]}
     assert summarize(records)["ar"]["throughput"] == pytest.approx(30 / (4.0 + 2.0))
+    # The speedup pairs whole batches too: batch 0 took 3 s against ar's 4, batch 1 1 s against 2
+    # (per request it would be the median of 4, 1/3 and 2).
+    records["dart"] = [row("a", 0, 10, 1.0), row("b", 0, 10, 3.0), row("c", 1, 10, 1.0)]
+    assert summarize(records)["dart"]["speedup_vs_ar"] == pytest.approx(statistics.median([4 / 3, 2.0]))
+    # Runs without a batch are batches of their own: per prompt and repeat.
+    alone = {mode: [{k: v for k, v in r.items() if k != "group"} for r in rows] for mode, rows in records.items()}
+    assert summarize(alone)["dart"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert summarize(alone)["ar"]["throughput"] == pytest.approx(30 / 7.0)
