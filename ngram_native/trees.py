@@ -110,13 +110,19 @@ class DraftTree:
         """How many tokens of `continuation` (what came after the root) one path of this tree
         spells from the root: the tokens verification accepts when the target commits
         `continuation`, greedy or with coupled sampling (whose draws do not depend on the tree)."""
-        node, matched = -1, 0
+        return self.walk(continuation)[1]
+
+    def walk(self, continuation: Sequence[int], node: int = -1) -> tuple[int, int]:
+        """Follow `continuation` down from `node` (-1 = root) as far as the tree spells it: the node
+        reached and how many tokens it matched. A walk resumes from where an earlier one stopped
+        when the continuation grows (`dart_worker.drafters.hybrid.LookupPayoff`)."""
+        matched = 0
         for token in continuation:
-            node = self.find_child(node, int(token))
-            if node < 0:
+            child = self.find_child(node, int(token))
+            if child < 0:
                 break
-            matched += 1
-        return matched
+            node, matched = child, matched + 1
+        return node, matched
 
     def ancestor_mask(self) -> np.ndarray:
         """bool [N + 1, N + 1], see the module-level `ancestor_mask`."""

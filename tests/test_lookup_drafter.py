@@ -139,6 +139,9 @@ def test_matched_length_is_the_longest_path_prefix_of_the_continuation():
     assert tree.matched_length([8, 8]) == 1
     assert tree.matched_length([4]) == 0
     assert tree.matched_length([]) == 0
+    node, matched = tree.walk([5])  # a walk resumes where an earlier one stopped
+    assert matched == 1 and tree.walk([6, 7, 1], node)[1] == 2 and tree.walk([9], node)[1] == 1
+    assert tree.walk([6], node)[0] == tree.walk([5, 6])[0] != node and tree.walk([4], node) == (node, 0)
 
 
 def test_lookup_payoff_judges_a_tree_once_everything_it_could_match_is_known():

@@ -37,7 +37,8 @@ LOOKUP_EMA = 0.3
 @dataclass
 class _Payoff:
     """One sequence's record: `gain`, the EMA of the tokens its lookup trees would have had
-    accepted, and `pending`, its lookup trees not judged yet: (tokens it had, tree, tree depth)."""
+    accepted, and `pending`, its lookup trees not judged yet: (tokens it had, tree, tree depth, the
+    node its walk reached so far, tokens matched so far)."""
 
     gain: float = LOOKUP_MIN_TOKENS
     pending: deque = field(default_factory=deque)
@@ -62,20 +63,25 @@ class LookupPayoff(Part):
     def proposed(self, b: int, length: int, tree: DraftTree) -> None:
         """Sequence `b` had `length` tokens when its lookup proposed `tree`."""
         if tree.size:
-            self.records[b].pending.append((length, tree, int(tree.depths.max())))
+            self.records[b].pending.append((length, tree, int(tree.depths.max()), -1, 0))
 
     def observe(self, block: CommittedBlock) -> None:
+        """Walk each waiting tree on with the tokens committed since its last walk (from the node it
+        had reached), so a tree costs its depth in steps over its life: walked again from the root
+        every round, the waiting trees (one a round per sequence, 20-40 deep where a sequence
+        repeats its prompt) took 16 ms a round at batch 16 (ShareGPT dev, T=0.7, fp32 EPYC)."""
         first = self.records.observe(block)  # newcomers have nothing to judge yet
         for record, seq in zip(self.records[first:], block.tokens, strict=True):
             waiting = record.pending
             for _ in range(len(waiting)):
-                length, tree, depth = entry = waiting.popleft()
-                known = seq[length:length + depth]
-                matched = tree.matched_length(known)
-                if matched < len(known) or len(known) == depth:  # final: a miss, or every level known
+                length, tree, depth, node, matched = waiting.popleft()
+                new = seq[length + matched:length + depth]
+                node, more = tree.walk(new, node)
+                matched += more
+                if more < len(new) or matched == depth:  # final: a miss, or every level known
                     record.gain += LOOKUP_EMA * (matched - record.gain)
                 else:
-                    waiting.append(entry)
+                    waiting.append((length, tree, depth, node, matched))
 
 
 class HybridDrafter(Composite, ModelDrafter):
