@@ -156,31 +156,48 @@ def deferral_pays(target) -> bool:
     (a 2-core fp32 EPYC: 16 rows 172 ms against 3 x 61 ms), so a worker that measured it afresh at
     every start could flip under a burst of load elsewhere, miss its own curves and spend its
     start-up calibrating again. Stored, every start on the machine decides alike."""
-    if target._deferral_pays is not None:
-        return target._deferral_pays
+    if target._deferral_pays is None:
+        target._deferral_pays = bool(_measured_once(target, "deferred_logits_pay", target.deferred_logits_pay))
+    return target._deferral_pays
+
+
+def projection_row_seconds(target) -> float:
+    """`target.projection_row_seconds()` (what one row adds to a vocabulary projection), measured
+    once per machine and model shape, then read from the cache: the tree sizer prices a verify
+    block's unprojected padding rows with it (`TreeSizer.projection_row_seconds`)."""
+    memo = target.__dict__
+    if "_projection_row_seconds" not in memo:
+        memo["_projection_row_seconds"] = float(_measured_once(target, "projection_row_seconds",
+                                                               target.projection_row_seconds))
+    return memo["_projection_row_seconds"]
+
+
+def _measured_once(target, name: str, measure_now):
+    """The value `measure_now()` gave on this machine for this model shape (the `name`d measurement
+    under `calibration_key`, the `logits` choice aside), from the cache; measured and stored when
+    absent. A measurement taken under load is used but not stored."""
     use_disk = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
     key = calibration_key(target, defer_logits=False)
     key["kernels"] = {k: v for k, v in key["kernels"].items() if k != "logits"}
-    key["decision"] = "deferred_logits_pay"
+    key["decision"] = name
     path = _path(key)
     if use_disk:
         try:
             data = json.loads(path.read_text())
             if data.get("key") == json.loads(json.dumps(key, default=str)):
-                target._deferral_pays = bool(data["pays"])
-                return target._deferral_pays
+                return data["value"]
         except (OSError, ValueError, KeyError, TypeError):
             pass
     with ContentionMeter() as meter:
-        pays = target.deferred_logits_pay()
+        value = measure_now()
     if use_disk and not meter.quiet:
-        log.warning("not caching the logits decision: measured under load (%s)", meter.describe())
+        log.warning("not caching the %s measurement: measured under load (%s)", name, meter.describe())
     elif use_disk:
         try:
-            write_text_atomically(path, json.dumps({"key": key, "pays": pays}, indent=1, default=str))
+            write_text_atomically(path, json.dumps({"key": key, "value": value}, indent=1, default=str))
         except OSError as err:
-            log.warning("could not cache the logits decision at %s: %s", path, err)
-    return pays
+            log.warning("could not cache the %s measurement at %s: %s", name, path, err)
+    return value
 
 
 def _load(path: Path, key: dict) -> dict[int, LatencyModel]:

@@ -14,7 +14,8 @@ is a constant; every round the engine asks:
   the drafter's score of that step and of which drafter proposed it, calibrated online from every
   verification (prior: exp(step score), a calibrated drafter's probability of the token);
 - `TreeSizer`: from those, the tree size N (every tree cut to its best min(N, size) nodes, so
-  the padded verify block has B x (1 + N) rows) that maximises expected committed tokens per
+  the padded verify block has B x (1 + N) rows, of which only the real ones are projected to the
+  vocabulary where shapes are exact) that maximises expected committed tokens per
   second for the whole batch, 0 included (a plain decoding step). It also decides whether the
   drafter's model forward (the draft head) is worth running next round: when trees without it
   would commit tokens faster, the model pauses and is probed again after a back-off.
@@ -60,8 +61,8 @@ BIAS_RANGE = (0.25, 4.0)
 # each new one.
 ROW_PRIOR_NODES = 2.0
 ROW_MEMORY = 0.9
-# A draining batch (`TreeSizer.token_values`): rows within this many rounds of the most rounds
-# left count as its longest.
+# A draining batch (`TreeSizer.drain`): rows within this many rounds of the most rounds left are
+# those its last rounds run (their cost is what a round saved at the end is worth).
 STRAGGLER_SLACK = 4
 # `row_pace`: pseudo-rounds of one token each that a row's pace starts from.
 PACE_PRIOR_ROUNDS = 4.0
@@ -303,14 +304,31 @@ class RowAcceptance:
 class _Choice(NamedTuple):
     """`TreeSizer._best`'s answer for one common size."""
 
-    rate: float  # expected committed tokens per second (each token at its row's value: `token_values`)
+    rate: float  # what `_best` maximises: tokens per second, or in a draining batch seconds saved (`Drain`)
     size: int
-    gain: float  # expected committed tokens (bias-corrected), each at its row's value
+    gain: float  # expected committed tokens (bias-corrected)
     expected_accepted: float  # expected accepted nodes (bias-corrected)
     seconds: float  # the round's predicted seconds (bias-corrected, overhead and extra included)
     nodes: float  # expected accepted nodes, as the acceptance table says
     plain_seconds: float  # the curve's verify seconds of a plain step
     tree_seconds: float  # the curve's extra verify seconds of the trees over a plain step
+
+
+class Drain(NamedTuple):
+    """A draining batch's outlook (`TreeSizer.drain`): what its rows' tokens this round save."""
+
+    rounds: np.ndarray  # [B] each row's rounds left: tokens left over its pace
+    paces: np.ndarray  # [B] each row's tokens per round (>= 1)
+    end_round: float  # seconds of a round at the end, which runs the longest rows alone
+    row: float  # seconds one row adds to a forward (what a row's place in a later round costs)
+
+    def saved_seconds(self, accepted: np.ndarray) -> np.ndarray:
+        """Expected seconds saved, per candidate size, by `accepted` [B, sizes] expected accepted
+        nodes of each row: the end comes earlier by the rounds the longest row (after this round)
+        gains, a round at the end each, and every row's rounds saved free its place sooner."""
+        gained = accepted / self.paces[:, None]
+        nearer = self.rounds.max() - (self.rounds[:, None] - gained).max(axis=0)
+        return self.end_round * nearer + self.row * gained.sum(axis=0)
 
 
 class _Fitted(NamedTuple):
@@ -361,6 +379,14 @@ class TreeSizer:
     # Bucketed verify shapes: live sequences -> the sequences the forward runs (padding included,
     # `DecodingEngine.forward_batch`), whose curve prices and learns the round. None: exact shapes.
     batch_bucket: Callable[[int], int] | None = None
+    # Exact shapes: seconds the vocabulary projection of one row costs, which a block's padding rows
+    # do not pay in forwards that project (`full_logits`): the engine projects only the real rows
+    # (`TargetAdapter.verify`'s `projected_rows`). The curves are of blocks of equal trees, all rows
+    # real; a block of unequal trees costs its curve less this for each padding row. On a CPU
+    # without matrix units it is most of a row (fp32 EPYC, Gemma-3-270M, batch 4: 36 rows 180 ms
+    # of decoder and 272 of projection): one sequence's 8-node tree in a batch of 4 costs 8
+    # projected rows, not 32. 0: every row is priced at the curve (bucketed shapes, not measured).
+    projection_row_seconds: float = 0.0
     # What the model predicted for the rounds it sized against what they did (`describe`'s
     # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
     _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
@@ -424,70 +450,70 @@ class TreeSizer:
     # ------------------------------------------------------------ the size
 
     def _best(self, trees: list[DraftTree], probs: list[np.ndarray], extra_seconds: float, full_logits: bool = False,
-              sampled: bool = False, values: np.ndarray | None = None) -> _Choice:
+              sampled: bool = False, drain: Drain | None = None) -> _Choice:
         """The best common size N for these trees, its tables' predictions corrected by what tree
-        rounds of the same kind showed (`OnlineBias`); `values`: each row's token value
-        (`token_values`; None: all 1)."""
-        batch = len(trees)
-        values = np.ones(batch) if values is None else values
+        rounds of the same kind showed (`OnlineBias`): the most expected tokens per second, or with
+        `drain` (a batch that ends with its longest row) the most seconds saved net of the trees'
+        own (`Drain.saved_seconds`), 0 for a plain step."""
         top = min(self.max_budget, max((t.size for t in trees), default=0))
         sizes = np.arange(top + 1)
-        nodes, valued = np.zeros(top + 1), np.zeros(top + 1)
-        for p, value in zip(probs, values, strict=True):
+        per_row = np.zeros((len(trees), top + 1))  # expected accepted nodes of each row, per size
+        for b, p in enumerate(probs):
             cumulative = np.concatenate([[0.0], np.cumsum(np.sort(p)[::-1])])
-            nodes += cumulative[np.minimum(sizes, len(p))]
-            valued += value * cumulative[np.minimum(sizes, len(p))]
+            per_row[b] = cumulative[np.minimum(sizes, len(p))]
+        nodes = per_row.sum(axis=0)
         ratio = self._bias(self._gain_bias, sampled).ratio
-        gain = values.sum() + ratio * valued
+        gain = len(trees) + ratio * nodes
         rows = 1 + sizes if self.rows_bucket is None else self.rows_bucket(1 + sizes)
-        forward = self._forward_batch(batch)
-        verify = self.latency_for(forward, full_logits).predict(forward * rows)
+        forward = self._forward_batch(len(trees))
+        real = len(trees) + sum(np.minimum(sizes, t.size) for t in trees)  # roots and kept nodes, per size
+        verify = self._verify_seconds(forward, forward * rows, real, full_logits)
         tree_seconds = verify - verify[0]
         seconds = (verify[0] + self._bias(self._tree_seconds_bias, full_logits).ratio * tree_seconds
                    + self.overhead_seconds + np.where(sizes > 0, extra_seconds, 0.0))
-        rate = gain / seconds
+        rate = gain / seconds if drain is None else drain.saved_seconds(ratio * per_row) - (seconds - seconds[0])
         best = int(np.argmax(rate))
         return _Choice(float(rate[best]), best, float(gain[best]), ratio * float(nodes[best]), float(seconds[best]),
                        float(nodes[best]), float(verify[0]), float(tree_seconds[best]))
 
-    def token_values(self, remaining: list[int] | None, batch: int, full_logits: bool = False,
-                     paces: list[float] | None = None) -> np.ndarray | None:
-        """What a committed token of each row is worth, against one of the batch's longest rows, in a
-        batch that drains (`remaining`: each row's tokens left; None: rows wait to take a finished
-        row's slot, and every token is worth the same). `paces`: each row's tokens per round so far
-        (`row_pace`; None: 1 each), so a row's rounds left are its tokens left over its pace.
+    def _verify_seconds(self, forward: int, rows: np.ndarray, real: np.ndarray, full_logits: bool) -> np.ndarray:
+        """Seconds of verify forwards over `forward` sequences and `rows` rows in all, `real` of
+        them roots or nodes (the others padding): the curve's, less the projection the padding rows
+        skip (`projection_row_seconds`), and never less than a block of the real rows alone."""
+        curve = self.latency_for(forward, full_logits)
+        seconds = curve.predict(rows)
+        if full_logits and self.projection_row_seconds > 0:
+            seconds = np.maximum(seconds - self.projection_row_seconds * (rows - real), curve.predict(real))
+        return seconds
 
-        A draining batch ends with its longest row, the one with the most rounds left, so a token of
-        a row that will finish earlier anyway does not bring the end nearer: it saves that row's
-        place in a later round, i.e. one row of a forward, where a token of a longest row saves a
-        round at the batch's end, which runs the longest rows alone. Valued alike, trees for the
-        rows that repeat their prompt (context lookup at T=0.7) made every round of a static batch
-        dearer (its verify block is B x (1 + N) rows) while its longest rows, with nothing to look
-        up, took as many rounds as before (ShareGPT dev, fp32 EPYC: batch 16 took 38.4 s against
-        `ar`'s 31.7 s, every sequence's tokens per second up).
+    def drain(self, remaining: list[int] | None, batch: int, full_logits: bool = False,
+              paces: list[float] | None = None) -> Drain | None:
+        """What a round's tokens are worth in a batch that drains (`remaining`: each row's tokens left;
+        None: rows wait to take a finished row's slot, every token is worth the same, and this
+        returns None). `paces`: each row's tokens per round so far (`row_pace`; None: 1 each), so a
+        row's rounds left are its tokens left over its pace.
 
-        So a row's place is worth one more row of this round's forward over a plain round of the
-        k longest rows, times k (a token of one of k rows that end together brings the end nearer
-        by 1/k of a round, which the plain round's k tokens already count): near 1 where forwards
-        cost their rows, near 0 where they do not (a GPU); on a 2-core EPYC in fp32, batch 4, about
-        0.1 (a row 10 ms, a round alone 150). Longest by rounds, not tokens: at T=0.7 rows level in
-        tokens left were priced alike, and trees for the ones that had been repeating their prompt
-        kept being chosen at full value while the row without anything to look up set the end."""
+        A draining batch ends with its longest row, the one with the most rounds left, and tokens
+        are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
+        end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
+        place in a later forward sooner (one row of this round's forward each). Tokens of a row
+        level with the longest do not bring the end nearer unless the longest's do too.
+
+        Tokens used to be worth one each on the longest rows (those within STRAGGLER_SLACK rounds
+        of the most), as if each moved the end by its share: at T=0.7 a static batch of 4 starts
+        with its rows level, and trees for the two with something to look up were bought at full
+        value (a 100-row forward: 824 ms against 170 for a plain step) while the row with nothing
+        to look up took as many rounds as under `ar` and set the end (ShareGPT dev, fp32 EPYC)."""
         if remaining is None or len(remaining) < 2:
             return None
         pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
         rounds = np.asarray(remaining, dtype=np.float64) / pace
-        longest = rounds > rounds.max() - STRAGGLER_SLACK
-        if longest.all():
-            return None
         forward = self._forward_batch(batch)
         plain, doubled = self.latency_for(forward, full_logits).predict(np.array([forward, 2 * forward]))
-        row = (doubled - plain) / forward
-        k = int(longest.sum())
+        k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
         alone = self._forward_batch(k)
         end_round = float(self.latency_for(alone, full_logits).predict(np.array([alone]))[0]) + self.overhead_seconds
-        place = float(np.clip(k * row / max(end_round, 1e-9), 0.0, 1.0))
-        return np.where(longest, 1.0, place)
+        return Drain(rounds, pace, end_round, max(0.0, float(doubled - plain) / forward))
 
     @staticmethod
     def _bias(biases: dict[bool, OnlineBias], key: bool) -> OnlineBias:
@@ -539,7 +565,7 @@ class TreeSizer:
         `bands`: each tree's sequence's temperature band (its acceptance table; default greedy).
         `full_logits`: the verify forward will project every row to the vocabulary (priced on
         those forwards' curves). `remaining`: each row's tokens left when the batch drains (no
-        request waits for a slot; None otherwise), which values its tokens (`token_values`, with each
+        request waits for a slot; None otherwise), which values its tokens (`drain`, with each
         row's `paces`). `rows`: each sequence's `RowAcceptance`, which scales its nodes' probabilities
         and learns, in `observe`, what its verified tree brought against what the table expected.
 
@@ -557,8 +583,8 @@ class TreeSizer:
         table = [self.acceptance.probabilities(t, band) for t, band in zip(trees, bands, strict=True)]
         probs = table if rows is None else [np.minimum(p * row.scale, 1.0) for p, row in zip(table, rows, strict=True)]
         sampled = all(band != GREEDY for band in bands)
-        values = self.token_values(remaining, len(trees), full_logits, paces)
-        choice = self._best(trees, probs, 0.0, full_logits, sampled, values)
+        drain = self.drain(remaining, len(trees), full_logits, paces)
+        choice = self._best(trees, probs, 0.0, full_logits, sampled, drain)
         size, seconds = choice.size, choice.seconds
         out, expected = [], []
         for tree, p, q in zip(trees, probs, table):
@@ -574,9 +600,9 @@ class TreeSizer:
         self._rows = None if rows is None else list(zip(rows, expected, strict=True))
         without = 0.0
         if model_ran:
-            with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, values).rate
+            with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, drain).rate
             others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
-            without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled, values).rate
+            without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled, drain).rate
             # Only sampled rows: greedy text is where a head is usually right and a miss is a
             # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
             if without >= with_model:
@@ -591,11 +617,13 @@ class TreeSizer:
 
     def observe(self, trees: list[DraftTree], accepted: list[np.ndarray], rows: int, verify_seconds: float,
                 bands: list[str] | None = None, first_tokens: list[int] | None = None,
-                full_logits: bool = False) -> None:
-        """Learn from one verified round: which nodes were accepted, what the forward cost (on the
-        curve of this batch size and logits path, `full_logits` as in `fit`; a batch size without
-        one gets a copy of the nearest curve, its level set by this first round and its shape kept
-        until rounds of other sizes correct it).
+                full_logits: bool = False, real_rows: int | None = None) -> None:
+        """Learn from one verified round: which nodes were accepted, what the forward of `rows`
+        rows, `real_rows` of them roots or nodes (None: all), cost (on the curve of this batch size
+        and logits path, `full_logits` as in `fit`, with the projection its padding rows skipped
+        added back: the curves are of equal trees; a batch size without one gets a copy of the
+        nearest curve, its level set by this first round and its shape kept until rounds of other
+        sizes correct it).
 
         `first_tokens` (each sequence's first token committed this round) also grades the first-level
         nodes the cut left out of the fitted round's trees: verification commits the target's own
@@ -637,6 +665,8 @@ class TreeSizer:
                 graded = cut_first_level(tree, cut)
                 self.acceptance.update_nodes(step_scores(tree)[graded], _sources(tree)[graded],
                                              tree.tokens[graded] == token, band)
+        if full_logits and real_rows is not None:  # as if every row had been projected
+            verify_seconds += self.projection_row_seconds * (rows - real_rows)
         batch = self._forward_batch(len(trees))
         curves = self._curves(full_logits)
         curve = curves.get(batch)
@@ -663,6 +693,7 @@ class TreeSizer:
                     b: c.describe() for b, c in sorted((self._full_logits_latency_by_batch or {}).items())},
                 "acceptance_by_band_and_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2),
+                "projection_row_ms": round(self.projection_row_seconds * 1e3, 3),
                 "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()},
                 "bias": {"accepted_nodes": {("sampled" if k else "greedy"): round(b.ratio, 3)
                                             for k, b in self._gain_bias.items()},
@@ -704,7 +735,7 @@ def _bins_and_sources(scores: np.ndarray, sources: np.ndarray) -> tuple[np.ndarr
 
 def row_pace(accepted: int, rounds: int) -> float:
     """A row's tokens per round so far (its accepted draft tokens plus one per round), shrunk toward
-    one token a round by PACE_PRIOR_ROUNDS: what `TreeSizer.token_values` divides its tokens left by."""
+    one token a round by PACE_PRIOR_ROUNDS: what `TreeSizer.drain` divides its tokens left by."""
     return 1.0 + accepted / (rounds + PACE_PRIOR_ROUNDS)
 
 

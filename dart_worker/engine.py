@@ -343,8 +343,13 @@ class DecodingEngine:
                 batch = self._tree_batch(live, trees, state.batch_size)
             with clock.stage("verify"):
                 deferred = self._defers(live)
+                # Exact shapes: the padding rows of unequal trees are not projected to the vocabulary
+                # (on a CPU most of a row's cost); bucketed shapes keep the block's one shape.
+                padded = batch.num_real_rows < batch.batch_size * batch.seq_len
+                projected = batch.real_rows if padded and not (self.bucketed or deferred) else None
                 out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
-                                               defer_logits=deferred, bucketed=self.bucketed), len(live))
+                                               defer_logits=deferred, bucketed=self.bucketed,
+                                               projected_rows=projected), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
                 if deferred:  # the walk's vocabulary projections are part of verifying
                     acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
@@ -370,7 +375,7 @@ class DecodingEngine:
             if not all(s.finish_reason for s in live):  # hand the drafter the rows just committed
                 with clock.stage("draft"):
                     drafter.observe(CommittedBlock(taps=out.taps, rows=rows, tokens=[s.tokens for s in live]))
-            self._learn(clock, trees, acceptances, batch.batch_size * batch.seq_len, live)
+            self._learn(clock, trees, acceptances, batch, live)
 
     def _tree_batch(self, live: list[_Sequence], trees: list[DraftTree], batch_size: int) -> TreeBatch:
         """The verify block of `live`'s trees. Bucketed shapes: rows padded to their bucket, and
@@ -391,15 +396,16 @@ class DecodingEngine:
         return self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties and not s.params.logprobs
                                          for s in live)
 
-    def _learn(self, clock: _RoundClock, trees: list[DraftTree], acceptances: list[Acceptance], rows: int,
+    def _learn(self, clock: _RoundClock, trees: list[DraftTree], acceptances: list[Acceptance], batch: TreeBatch,
                live: list[_Sequence]) -> None:
         """The sizer's feedback from one round: what was accepted of its trees, what the verify
-        forward of `rows` rows cost, and the round's time outside the forward and the model."""
+        forward of `batch` cost, and the round's time outside the forward and the model."""
         if self.sizer is None:
             return
-        self.sizer.observe(trees, [acc.accepted for acc in acceptances], rows, clock.verified_seconds,
-                           bands=[s.params.band for s in live], first_tokens=[_first_token(acc) for acc in acceptances],
-                           full_logits=not self._defers(live))
+        self.sizer.observe(trees, [acc.accepted for acc in acceptances], batch.batch_size * batch.seq_len,
+                           clock.verified_seconds, bands=[s.params.band for s in live],
+                           first_tokens=[_first_token(acc) for acc in acceptances],
+                           full_logits=not self._defers(live), real_rows=batch.num_real_rows)
         self.sizer.record_overhead(self._now() - clock.started - clock.verified_seconds - clock.model_seconds)
 
     def _join(self, groups: list[list[_Sequence]], live: list[_Sequence], state):
@@ -458,7 +464,7 @@ class DecodingEngine:
         With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
         cut to the size the cost model chooses; `draining` (no request waits for a slot) hands it
         each row's tokens left and pace, since the batch then ends with its longest row
-        (`TreeSizer.token_values`). Model work is charged as 'draft', building the trees as 'tree'.
+        (`TreeSizer.drain`). Model work is charged as 'draft', building the trees as 'tree'.
         """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:

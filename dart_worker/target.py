@@ -315,11 +315,15 @@ class TargetAdapter:
         block: torch.Tensor,
         logit_rows: torch.Tensor | None = None,
         defer_logits: bool = False,
+        projected_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run new rows through the target and append their K/V after the current cache slots.
 
         input_ids/positions: [B, S]; block: [B, S, S] bool (row may attend to column);
         logit_rows: [B, R] row indices whose logits are needed (None = all rows).
+        projected_rows: flat indices (b * S + row) of the only rows projected to the vocabulary;
+        the logits keep their [B, S, V] shape and the other rows' values are unspecified (nobody
+        may read them: a verify block's padding rows).
         defer_logits: return the final hidden states instead of logits; `logits_at` turns the
         rows that turn out to be needed into logits (the vocabulary projection is most of a
         small forward's cost on a CPU, and a greedy walk reads only a few rows of a tree).
@@ -338,13 +342,22 @@ class TargetAdapter:
         if not defer_logits:
             if logit_rows is not None:  # the final norm's output is on the last layers' device
                 hidden = torch.take_along_dim(hidden, move_to(logit_rows[..., None], hidden.device), dim=1)
-            logits, hidden = self.logits_at(hidden), None
+            logits = self.logits_at(hidden) if projected_rows is None else self._project_rows(hidden, projected_rows)
+            hidden = None
         # Each tap is captured on its layer's device; the draft head reads them on the engine's.
         taps = torch.cat([move_to(self._captured[i], self.device) for i in self.tap_layers], dim=-1)
         self._captured.clear()
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
         return ForwardOutput(logits=logits, taps=taps, hidden=hidden)
+
+    def _project_rows(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[B, S, V] logits of which only the flat `rows` (b * S + row) are computed."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        picked = self.logits_at(flat.index_select(0, move_to(rows, flat.device)))
+        logits = picked.new_empty((flat.shape[0], picked.shape[-1]))
+        logits.index_copy_(0, move_to(rows, picked.device), picked)
+        return logits.view(*hidden.shape[:-1], picked.shape[-1])
 
     def deferred_logits_pay(self, tree_rows: int = 16, walk_rows: int = 3) -> bool:
         """Measured once per adapter: is projecting `walk_rows` rows one at a time (a greedy walk
@@ -355,22 +368,28 @@ class TargetAdapter:
         against 3 x 61 ms), 16 rows cost about as much as a few single ones and it does not.
         """
         if self._deferral_pays is None:
-            device = self.logits_device
-            hidden = torch.randn(tree_rows, self.config.hidden_size, dtype=self.dtype, device=device)
-
-            def seconds(rows: int) -> float:
-                times = []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    self.logits_at(hidden[:rows])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times.append(time.perf_counter() - start)
-                return sorted(times)[1]
-
-            seconds(1)  # warm-up: first calls pay one-time costs
-            self._deferral_pays = walk_rows * seconds(1) < seconds(tree_rows)
+            self._deferral_pays = walk_rows * self.projection_seconds(1) < self.projection_seconds(tree_rows)
         return self._deferral_pays
+
+    def projection_row_seconds(self, rows: int = 32) -> float:
+        """Seconds one more row adds to a vocabulary projection (`logits_at` of `rows` rows against
+        one row, per extra row; >= 0): what a verify block's padding row saves when only its real
+        rows are projected (`verify`'s `projected_rows`; the tree sizer prices that)."""
+        return max(0.0, (self.projection_seconds(rows) - self.projection_seconds(1)) / (rows - 1))
+
+    def projection_seconds(self, rows: int) -> float:
+        """Measured seconds of `logits_at` over `rows` random hidden rows: the median of 3 after a
+        warm-up call (first calls pay one-time costs)."""
+        device = self.logits_device
+        hidden = torch.randn(rows, self.config.hidden_size, dtype=self.dtype, device=device)
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            self.logits_at(hidden)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[1]
 
     @torch.no_grad()
     def logits_at(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -438,19 +457,24 @@ class TargetAdapter:
         return out
 
     def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
-               ancestor: torch.Tensor, defer_logits: bool = False, bucketed: bool = False) -> ForwardOutput:
+               ancestor: torch.Tensor, defer_logits: bool = False, bucketed: bool = False,
+               projected_rows: torch.Tensor | None = None) -> ForwardOutput:
         """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
 
         Positions are committed length + depth; attention is ancestor-only inside the tree.
         Returns logits at every row (row i predicts the token after row i's path), or with
-        `defer_logits` the final hidden states of every row (see `forward`). `bucketed`: the
+        `defer_logits` the final hidden states of every row (see `forward`). `projected_rows`: only
+        these flat rows (b * S + row; `TreeBatch.real_rows`) get logits, the others' are
+        unspecified: where the projection costs its rows (a CPU), a block of unequal trees then
+        pays it for its real rows only, not for the padding. `bucketed`: the
         cached context is first widened to its bucket (`shape_buckets.context_bucket`; the block
         then starts there: read it as `state.cache_len() - S` afterwards).
         """
         if bucketed:
             state.cache.pad_slots(context_bucket(state.cache_len()))
         positions = state.device_lengths(depths.device)[:, None] + depths
-        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits)
+        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits,
+                            projected_rows=projected_rows)
 
     # ------------------------------------------------------------- compaction
 

@@ -40,6 +40,14 @@ class TreeBatch:
     valid: torch.Tensor  # [B, S] bool, root and real nodes
     ancestor: torch.Tensor  # [B, S, S] bool, row may attend to column (see module doc)
     num_nodes: tuple[int, ...]  # N per sequence (rows 1..N are nodes)
+    # [B + sum N] int64: the flat indices (b * S + row) of the real rows (roots and nodes), in
+    # order: the rows whose logits verification may read (`TargetAdapter.verify`'s `projected_rows`).
+    real_rows: torch.Tensor | None = None
+
+    @property
+    def num_real_rows(self) -> int:
+        """Roots and nodes: the rows that are not padding."""
+        return len(self.num_nodes) + sum(self.num_nodes)
 
     @property
     def batch_size(self) -> int:
@@ -91,6 +99,9 @@ class TreeBatch:
             valid[b, 1 : n + 1] = True
             parent_row[b, 1 : n + 1] = np.asarray(tree.parents, dtype=np.int64) + 1
         ancestor = ancestor_masks(parent_row)
+        real_rows = np.flatnonzero(valid).astype(np.int64)
 
-        tokens_t, depth_t, valid_t, ancestor_t = to_device_packed([tokens, depth, valid, ancestor], device)
-        return cls(tokens=tokens_t, depth=depth_t, valid=valid_t, ancestor=ancestor_t, num_nodes=num_nodes)
+        tokens_t, depth_t, valid_t, ancestor_t, real_t = to_device_packed([tokens, depth, valid, ancestor, real_rows],
+                                                                          device)
+        return cls(tokens=tokens_t, depth=depth_t, valid=valid_t, ancestor=ancestor_t, num_nodes=num_nodes,
+                   real_rows=real_t)

@@ -23,6 +23,7 @@ from dart_worker.cost_model import (
     PROBE_SHARE,
     SCORE_EDGES,
     AcceptanceModel,
+    Drain,
     LatencyModel,
     OnlineBias,
     RowAcceptance,
@@ -188,6 +189,32 @@ def test_full_logits_rounds_are_priced_and_learnt_on_their_own_curves():
     assert deferred.describe() == before and float(full[1].predict(1)) > 0.06
 
 
+def test_padding_rows_that_skip_the_projection_are_priced_without_it():
+    """Exact shapes: a block's padding rows are not projected to the vocabulary. One sequence of
+    four has a confident 4-node chain: priced as 4 x 5 rows at the curve (every row projected)
+    it does not pay; with a padding row's projection (most of a row here) taken off its 12 padding
+    rows it does. A forward that cost what was predicted leaves the curve (of equal trees) where
+    it was; a dearer one raises it. Rounds that defer the projection are priced at the curve."""
+    def curve() -> LatencyModel:
+        return LatencyModel([4, 8, 16, 32], [0.2, 0.28, 0.44, 0.76])
+    trees = [_chain([-0.01, -0.02, -0.03, -0.04], SOURCE_CONTEXT)] + [_chain([])] * 3
+    every_row = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: curve()})
+    assert every_row.fit(trees, model_ran=False, full_logits=True).trees[0].size == 0
+    learnt = curve()
+    real_rows = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: learnt},
+                          projection_row_seconds=0.015)
+    assert real_rows.fit(trees, model_ran=False).trees[0].size == 0  # a deferring round's curve, as it is
+    sized = real_rows.fit(trees, model_ran=False, full_logits=True)
+    assert sized.trees[0].size == 4 and sized.predicted_seconds == pytest.approx(0.52 - 12 * 0.015)
+    accepted = [np.arange(4)] + [np.zeros(0, np.int64)] * 3
+    before = learnt.describe()
+    real_rows.observe(sized.trees, accepted, rows=20, verify_seconds=0.34, full_logits=True, real_rows=8)
+    assert learnt.describe() == pytest.approx(before)
+    real_rows.observe(sized.trees, accepted, rows=20, verify_seconds=0.5, full_logits=True, real_rows=8)
+    assert float(learnt.predict(20)) > 0.52
+    assert real_rows.describe()["projection_row_ms"] == 15.0
+
+
 def test_online_bias_is_observed_over_predicted_shrunk_toward_one():
     bias = OnlineBias()
     assert bias.ratio == 1.0
@@ -224,40 +251,48 @@ def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
     assert trained().fit(doubtful, model_ran=False).trees[0].size >= 1
 
 
-def test_a_draining_batch_drafts_for_its_longest_rows_only_where_rows_cost_little():
-    """Row 0 repeats its prompt (a confident lookup chain) and is 30 tokens ahead; row 1, the
-    longest, has nothing to draft. Here a second row per sequence costs 10% of a plain step's:
-    while rows wait for slots every token counts alike and row 0's tree pays; once the batch
-    drains, row 0's tokens only free its place in later rounds, which costs little, so no tree;
-    a row level with the longest counts in full again."""
+def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_their_place_pays():
+    """Row 0 has a confident lookup chain; row 1 has nothing to draft. Here a second row per
+    sequence costs 10% of a plain step: while rows wait for slots every token counts alike and row
+    0's tree pays. Once the batch drains, its end is row 1's: if row 0 is ahead (or level: the end
+    waits for row 1 either way) its token only frees its place a round sooner, one row of a forward
+    (0.01 s) against the tree's 0.02 s, so no tree; if row 0 is the longest its token brings the end
+    a round nearer (a round of row 0 alone: 0.1 s), and the tree pays."""
     confident = _chain([-0.01], SOURCE_CONTEXT)
     curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
     sizer = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1, _latency_by_batch={2: curve})
     trees = [confident, _chain([])]
-    assert sizer.token_values(None, 2) is None
-    assert sizer.token_values([40, 38], 2) is None  # within STRAGGLER_SLACK: both are the longest
-    assert sizer.token_values([10, 40], 2) == pytest.approx([0.1, 1.0])
+    assert sizer.drain(None, 2) is None and sizer.drain([40], 1) is None
+    drain = sizer.drain([10, 40], 2)
+    assert drain.row == pytest.approx(0.01) and drain.end_round == pytest.approx(0.1)
+    assert sizer.drain([40, 38], 2).end_round == pytest.approx(0.2)  # within STRAGGLER_SLACK: both run to the end
     assert sizer.fit(trees, model_ran=False).trees[0].size == 1
     assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
-    assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 1
+    assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 0
+    assert sizer.fit(trees, model_ran=False, remaining=[40, 10]).trees[0].size == 1
     flat = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
                      _latency_by_batch={2: LatencyModel([2, 4, 8], [0.2, 0.4, 0.8])})  # rows cost in full
-    assert flat.token_values([10, 40], 2) == pytest.approx([1.0, 1.0])
+    assert flat.drain([10, 40], 2).row == pytest.approx(0.1)
 
 
-def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_not_most_tokens_left():
+def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_and_moves_only_with_it():
     """Both rows have 40 tokens left, but row 0 has committed three tokens a round: it has about 13
-    rounds left against row 1's 40, so row 1 alone is the longest and row 0's tokens are worth its
-    place. A place is one more row of this forward over a plain round of the k longest rows,
-    times k: here a row 0.01 s against 0.1 s alone, and with two rows level 2 x 0.01 / 0.15."""
+    rounds left against row 1's 40, so row 1 alone sets the end. The end comes nearer by what the
+    longest row after the round gains: a row level with the longest brings it nearer only as far
+    as the other's tokens do too; every row's rounds gained free its place sooner."""
     curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
     sizer = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1, _latency_by_batch={2: curve})
-    assert sizer.token_values([40, 40], 2) is None
-    assert sizer.token_values([40, 40], 2, paces=[3.0, 1.0]) == pytest.approx([0.1, 1.0])
-    assert sizer.token_values([40, 40], 2, paces=[1.0, 1.02]) is None  # within STRAGGLER_SLACK rounds
+    assert sizer.drain([40, 40], 2, paces=[3.0, 1.0]).rounds == pytest.approx([40 / 3, 40])
+    assert sizer.drain([40, 40], 2, paces=[3.0, 1.0]).end_round == pytest.approx(0.1)  # row 1 alone
     three = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
                       _latency_by_batch={3: LatencyModel([3, 6], [0.3, 0.33]), 2: LatencyModel([2, 4], [0.15, 0.2])})
-    assert three.token_values([40, 40, 10], 3) == pytest.approx([1.0, 1.0, 2 * 0.01 / 0.15])
+    drain = three.drain([40, 40, 10], 3)
+    assert drain.end_round == pytest.approx(0.15) and drain.row == pytest.approx(0.01)  # two rows at the end
+    apart = Drain(np.array([10.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
+    accepted = np.array([[5.0, 0.0, 5.0], [0.0, 1.0, 3.0]])  # rows x candidate sizes
+    assert apart.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.1 * 1 + 0.01, 0.1 * 3 + 0.01 * 8])
+    level = Drain(np.array([12.0, 12.0]), np.array([1.0, 2.0]), end_round=0.1, row=0.01)
+    assert level.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.01 * 0.5, 0.1 * 1.5 + 0.01 * 6.5])
     assert row_pace(0, 10) == 1.0 and row_pace(8, 4) == pytest.approx(2.0)
     assert row_pace(8, 0) > row_pace(8, 12) > 1.0  # a short record leans on one token a round
 

@@ -106,6 +106,29 @@ def test_deferred_and_full_logits_decode_alike(models, self_trie, family):
         [r.token_ids for r in full.generate(prompts, greedy(30))]
 
 
+def test_a_block_of_unequal_trees_projects_its_real_rows_only(models, self_trie):
+    """Exact shapes (a CPU) and full logits: a round's vocabulary projection covers its trees'
+    roots and nodes, never the padding after the smaller trees (a block without padding is projected
+    whole, with no gather), and the output is still `ar`'s,
+    greedy and seeded, in one batch."""
+    model = models["llama"]
+    prompts = random_prompts(4, seed=6)
+    params = [greedy(30), SamplingParams(temperature=0.8, seed=5, max_new_tokens=30)] * 2
+    expected = [r.token_ids for r in make_engine(model, "ar").generate(prompts, params)]
+    engine = make_engine(model, "dart", trie=self_trie, defer_logits=False)
+    blocks = []
+    real_verify = engine.target.verify
+
+    def verify(state, tokens, *args, projected_rows=None, **kwargs):
+        blocks.append((tokens.numel(), None if projected_rows is None else projected_rows.numel()))
+        return real_verify(state, tokens, *args, projected_rows=projected_rows, **kwargs)
+
+    engine.target.verify = verify
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    assert all(real is None or real < rows for rows, real in blocks)  # a block without padding projects whole
+    assert any(real is not None for rows, real in blocks)
+
+
 @pytest.mark.parametrize("mode", SPEC_MODES)
 def test_trees_have_siblings_and_depth(models, self_trie, mode):
     engine = make_engine(models["llama"], mode, trie=self_trie, budget=24)

@@ -111,6 +111,46 @@ def test_deferred_logits_of_any_rows_equal_the_models_own(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_projecting_only_the_real_rows_of_unequal_trees_keeps_their_logits(family):
+    """A verify block of unequal trees (padding after the smaller ones) projected at its real rows
+    only (`TreeBatch.real_rows`) gives every real row the logits of projecting the whole block, and
+    the same taps; the padding rows are left out of the projection."""
+    import numpy as np
+
+    from dart_worker.tree_batch import TreeBatch
+    from ngram_native.trees import DraftTree
+
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 17, 5)]
+    trees = []
+    for b, size in enumerate((0, 11, 4)):
+        parents, tokens = random_tree(size, seed=10 + b)
+        depths = [0] * size
+        for i, p in enumerate(parents):
+            depths[i] = depths[p] + 1 if p >= 0 else 1
+        trees.append(DraftTree(*(np.asarray(a, np.int32) for a in (tokens, parents, depths))))
+    batch = TreeBatch.from_trees([5, 6, 7], trees, "cpu")
+    assert batch.num_real_rows == 3 + 15 and batch.real_rows.tolist() == [0, 12, *range(13, 24), 24, *range(25, 29)]
+    outs, projected = [], []
+    adapter = TargetAdapter(model)
+    real_project = adapter.logits_at
+    adapter.logits_at = lambda hidden: projected.append(hidden.shape[0]) or real_project(hidden)
+    for rows in (None, batch.real_rows):
+        state = adapter.new_state(3)
+        adapter.prefill(state, prompts)
+        projected.clear()
+        outs.append(adapter.verify(state, batch.tokens, batch.depth, batch.ancestor, projected_rows=rows))
+    full, real = outs
+    assert projected == [18]  # the real rows, in one projection
+    assert real.logits.shape == full.logits.shape
+    vocab = full.logits.shape[-1]
+    torch.testing.assert_close(real.logits.reshape(-1, vocab)[batch.real_rows],
+                               full.logits.reshape(-1, vocab)[batch.real_rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(real.taps, full.taps)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_commit_equals_recomputing_the_cache(family):
     model = tiny_model(family)
     adapter = TargetAdapter(model)
