@@ -320,7 +320,7 @@ class Drain(NamedTuple):
     rounds: np.ndarray  # [B] each row's rounds left: tokens left over its pace
     paces: np.ndarray  # [B] each row's tokens per round (>= 1)
     end_round: float  # seconds of a round at the end, which runs the longest rows alone
-    row: float  # seconds one row adds to a forward (what a row's place in a later round costs)
+    row: float  # seconds a sequence's place costs in a round (what finishing a round sooner saves)
 
     def saved_seconds(self, accepted: np.ndarray) -> np.ndarray:
         """Expected seconds saved, per candidate size, by `accepted` [B, sizes] expected accepted
@@ -496,8 +496,9 @@ class TreeSizer:
         A draining batch ends with its longest row, the one with the most rounds left, and tokens
         are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
         end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
-        place in a later forward sooner (one row of this round's forward each). Tokens of a row
-        level with the longest do not bring the end nearer unless the longest's do too.
+        place in later rounds sooner (a place: a sequence's share of a plain step of the batch
+        against one sequence alone, and of the time outside the forward). Tokens of a row level
+        with the longest do not bring the end nearer unless the longest's do too.
 
         Tokens used to be worth one each on the longest rows (those within STRAGGLER_SLACK rounds
         of the most), as if each moved the end by its share: at T=0.7 a static batch of 4 starts
@@ -508,12 +509,17 @@ class TreeSizer:
             return None
         pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
         rounds = np.asarray(remaining, dtype=np.float64) / pace
-        forward = self._forward_batch(batch)
-        plain, doubled = self.latency_for(forward, full_logits).predict(np.array([forward, 2 * forward]))
         k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
-        alone = self._forward_batch(k)
-        end_round = float(self.latency_for(alone, full_logits).predict(np.array([alone]))[0]) + self.overhead_seconds
-        return Drain(rounds, pace, end_round, max(0.0, float(doubled - plain) / forward))
+        end_round = self._plain_seconds(k, full_logits) + self.overhead_seconds
+        # A sequence's place: its share of a plain step's forward over the batch against one
+        # sequence alone, and of the round's time outside it (sampling and committing its row).
+        place = (self._plain_seconds(batch, full_logits) - self._plain_seconds(1, full_logits)) / (batch - 1)
+        return Drain(rounds, pace, end_round, max(0.0, place) + self.overhead_seconds / batch)
+
+    def _plain_seconds(self, live: int, full_logits: bool) -> float:
+        """The verify forward of a plain step of `live` sequences (one row each)."""
+        forward = self._forward_batch(live)
+        return float(self.latency_for(forward, full_logits).predict(np.array([forward]))[0])
 
     @staticmethod
     def _bias(biases: dict[bool, OnlineBias], key: bool) -> OnlineBias:
