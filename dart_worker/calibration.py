@@ -161,17 +161,6 @@ def deferral_pays(target) -> bool:
     return target._deferral_pays
 
 
-def projection_row_seconds(target) -> float:
-    """`target.projection_row_seconds()` (what one row adds to a vocabulary projection), measured
-    once per machine and model shape, then read from the cache: the tree sizer prices a verify
-    block's unprojected padding rows with it (`TreeSizer.projection_row_seconds`)."""
-    memo = target.__dict__
-    if "_projection_row_seconds" not in memo:
-        memo["_projection_row_seconds"] = float(_measured_once(target, "projection_row_seconds",
-                                                               target.projection_row_seconds))
-    return memo["_projection_row_seconds"]
-
-
 def _measured_once(target, name: str, measure_now):
     """The value `measure_now()` gave on this machine for this model shape (the `name`d measurement
     under `calibration_key`, the `logits` choice aside), from the cache; measured and stored when

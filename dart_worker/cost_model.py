@@ -14,8 +14,8 @@ is a constant; every round the engine asks:
   the drafter's score of that step and of which drafter proposed it, calibrated online from every
   verification (prior: exp(step score), a calibrated drafter's probability of the token);
 - `TreeSizer`: from those, the tree size N (every tree cut to its best min(N, size) nodes, so
-  the padded verify block has B x (1 + N) rows, of which only the real ones are projected to the
-  vocabulary where shapes are exact) that maximises expected committed tokens per
+  the verify block has B x (1 + N) rows with bucketed shapes, and only its real ones, packed, with
+  exact shapes) that maximises expected committed tokens per
   second for the whole batch, 0 included (a plain decoding step). It also decides whether the
   drafter's model forward (the draft head) is worth running next round: when trees without it
   would commit tokens faster, the model pauses and is probed again after a back-off.
@@ -379,14 +379,13 @@ class TreeSizer:
     # Bucketed verify shapes: live sequences -> the sequences the forward runs (padding included,
     # `DecodingEngine.forward_batch`), whose curve prices and learns the round. None: exact shapes.
     batch_bucket: Callable[[int], int] | None = None
-    # Exact shapes: seconds the vocabulary projection of one row costs, which a block's padding rows
-    # do not pay in forwards that project (`full_logits`): the engine projects only the real rows
-    # (`TargetAdapter.verify`'s `projected_rows`). The curves are of blocks of equal trees, all rows
-    # real; a block of unequal trees costs its curve less this for each padding row. On a CPU
-    # without matrix units it is most of a row (fp32 EPYC, Gemma-3-270M, batch 4: 36 rows 180 ms
-    # of decoder and 272 of projection): one sequence's 8-node tree in a batch of 4 costs 8
-    # projected rows, not 32. 0: every row is priced at the curve (bucketed shapes, not measured).
-    projection_row_seconds: float = 0.0
+    # Exact shapes: a verify forward runs only its real rows (roots and nodes, packed:
+    # `TargetAdapter.verify`'s `real_rows`), so a block of unequal trees costs its real rows, not
+    # B x (1 + N): the curves are then curves of real rows, priced and learnt by them. On a CPU
+    # without matrix units a padding row cost as much as a real one (fp32 EPYC, Gemma-3-270M,
+    # batch 16: one sequence's 8-node tree made a 144-row forward of 1.55 s against 0.65 s packed
+    # and 0.41 s for a plain step). False: bucketed shapes, priced at the padded block's rows.
+    packed: bool = False
     # What the model predicted for the rounds it sized against what they did (`describe`'s
     # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
     _check: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
@@ -478,13 +477,9 @@ class TreeSizer:
 
     def _verify_seconds(self, forward: int, rows: np.ndarray, real: np.ndarray, full_logits: bool) -> np.ndarray:
         """Seconds of verify forwards over `forward` sequences and `rows` rows in all, `real` of
-        them roots or nodes (the others padding): the curve's, less the projection the padding rows
-        skip (`projection_row_seconds`), and never less than a block of the real rows alone."""
-        curve = self.latency_for(forward, full_logits)
-        seconds = curve.predict(rows)
-        if full_logits and self.projection_row_seconds > 0:
-            seconds = np.maximum(seconds - self.projection_row_seconds * (rows - real), curve.predict(real))
-        return seconds
+        them roots or nodes (the others padding): the curve's at the rows the forward runs, its
+        real ones where it runs them packed (`packed`)."""
+        return self.latency_for(forward, full_logits).predict(real if self.packed else rows)
 
     def drain(self, remaining: list[int] | None, batch: int, full_logits: bool = False,
               paces: list[float] | None = None) -> Drain | None:
@@ -626,8 +621,8 @@ class TreeSizer:
                 full_logits: bool = False, real_rows: int | None = None) -> None:
         """Learn from one verified round: which nodes were accepted, what the forward of `rows`
         rows, `real_rows` of them roots or nodes (None: all), cost (on the curve of this batch size
-        and logits path, `full_logits` as in `fit`, with the projection its padding rows skipped
-        added back: the curves are of equal trees; a batch size without one gets a copy of the
+        and logits path, `full_logits` as in `fit`, at the rows it ran: its real ones where it
+        runs them packed (`packed`); a batch size without one gets a copy of the
         nearest curve, its level set by this first round and its shape kept until rounds of other
         sizes correct it).
 
@@ -671,8 +666,8 @@ class TreeSizer:
                 graded = cut_first_level(tree, cut)
                 self.acceptance.update_nodes(step_scores(tree)[graded], _sources(tree)[graded],
                                              tree.tokens[graded] == token, band)
-        if full_logits and real_rows is not None:  # as if every row had been projected
-            verify_seconds += self.projection_row_seconds * (rows - real_rows)
+        if self.packed and real_rows is not None:  # the rows the forward ran
+            rows = real_rows
         batch = self._forward_batch(len(trees))
         curves = self._curves(full_logits)
         curve = curves.get(batch)
@@ -699,7 +694,7 @@ class TreeSizer:
                     b: c.describe() for b, c in sorted((self._full_logits_latency_by_batch or {}).items())},
                 "acceptance_by_band_and_source": self.acceptance.describe(),
                 "model_ms": round(self.model_seconds * 1e3, 2), "overhead_ms": round(self.overhead_seconds * 1e3, 2),
-                "projection_row_ms": round(self.projection_row_seconds * 1e3, 3),
+                "packed": self.packed,
                 "predicted_vs_observed": {k: round(v, 3) for k, v in self._check.items()},
                 "bias": {"accepted_nodes": {("sampled" if k else "greedy"): round(b.ratio, 3)
                                             for k, b in self._gain_bias.items()},

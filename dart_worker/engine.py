@@ -153,6 +153,8 @@ class DecodingEngine:
         self.defer_logits = defer_logits
         self.sync_timing = sync_timing
         self.bucketed = (shapes or shapes_for(self.device)) == "bucketed"
+        # Exact shapes run a verify block's real rows only, where the target can (`_packed_rows`).
+        self.packs_rows = not self.bucketed and target.packs_rows
         self._max_live: int | None = None  # the running `generate`'s, which caps batch buckets
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
         # drafter's trees as built (`fixed`).
@@ -343,13 +345,9 @@ class DecodingEngine:
                 batch = self._tree_batch(live, trees, state.batch_size)
             with clock.stage("verify"):
                 deferred = self._defers(live)
-                # Exact shapes: the padding rows of unequal trees are not projected to the vocabulary
-                # (on a CPU most of a row's cost); bucketed shapes keep the block's one shape.
-                padded = batch.num_real_rows < batch.batch_size * batch.seq_len
-                projected = batch.real_rows if padded and not (self.bucketed or deferred) else None
                 out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
                                                defer_logits=deferred, bucketed=self.bucketed,
-                                               projected_rows=projected), len(live))
+                                               real_rows=self._packed_rows(batch)), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
                 if deferred:  # the walk's vocabulary projections are part of verifying
                     acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
@@ -388,6 +386,14 @@ class DecodingEngine:
             trees = [*trees, *(empty_tree() for _ in range(padding))]
         pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
         return TreeBatch.from_trees(roots, trees, self.device, vocab_size=self.target.vocab_size, pad_to=pad_rows)
+
+    def _packed_rows(self, batch: TreeBatch) -> torch.Tensor | None:
+        """The rows a verify forward runs packed (`TargetAdapter.verify`'s `real_rows`): a block
+        of unequal trees with exact shapes runs its real rows only (on a CPU a padding row costs
+        as much as a real one); bucketed shapes keep the block's one shape, and a block without
+        padding runs as it is."""
+        padded = batch.num_real_rows < batch.batch_size * batch.seq_len
+        return batch.real_rows if padded and self.packs_rows else None
 
     def _defers(self, live: list[_Sequence]) -> bool:
         """Whether this round's verify forward defers the vocabulary projection to the rows the

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dart_worker.calibration import deferral_pays, make_sizer, projection_row_seconds
+from dart_worker.calibration import deferral_pays, make_sizer
 from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.drafters.base import Drafter
@@ -97,8 +97,8 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
         if engine.sizer is not None and engine.bucketed:
             engine.sizer.rows_bucket = rows_buckets
             engine.sizer.batch_bucket = engine.forward_batch
-        elif engine.sizer is not None:  # exact shapes: padding rows are not projected
-            engine.sizer.projection_row_seconds = projection_row_seconds(parts.target)
+        elif engine.sizer is not None:  # exact shapes: a block runs its real rows only
+            engine.sizer.packed = engine.packs_rows
     return engine
 
 

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dart_worker import packed_rows
 from dart_worker.transfer import move_to, to_device
 
 SPARE_SLOTS = 256  # slots added beyond need when a buffer grows (plus a quarter of the need)
@@ -50,6 +51,9 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        layout = packed_rows.active()
+        if layout is not None:  # a forward of packed rows appends its whole padded block
+            key_states, value_states = layout.spread_heads(key_states), layout.spread_heads(value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         used = self.keys.shape[-2] if self.keys.dim() == 4 else 0

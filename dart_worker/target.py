@@ -34,6 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from dart_worker import tree_attention
 from dart_worker.kv_cache import GrowingCache, per_device
+from dart_worker.packed_rows import PackedRows, packing
 from dart_worker.projection import project
 from dart_worker.shape_buckets import context_bucket
 from dart_worker.transfer import move_to, to_device
@@ -217,6 +218,8 @@ class TargetAdapter:
         # sdpa reads a boolean mask as "may attend"; eager *adds* the mask to the scores, so a
         # boolean one would add 0/1 and mask nothing: it gets 0 / -inf-like float masks instead.
         self._additive_masks = attention == "eager"
+        # Packed real rows (`forward`'s `real_rows`) need the attention function that spreads them.
+        self.packs_rows = attention == tree_attention.NAME
         self._captured: dict[int, torch.Tensor] = {}
         for index in sorted(set(self.tap_layers)):
             layers[index].register_forward_pre_hook(self._make_tap_hook(index), with_kwargs=True)
@@ -315,15 +318,18 @@ class TargetAdapter:
         block: torch.Tensor,
         logit_rows: torch.Tensor | None = None,
         defer_logits: bool = False,
-        projected_rows: torch.Tensor | None = None,
+        real_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run new rows through the target and append their K/V after the current cache slots.
 
         input_ids/positions: [B, S]; block: [B, S, S] bool (row may attend to column);
         logit_rows: [B, R] row indices whose logits are needed (None = all rows).
-        projected_rows: flat indices (b * S + row) of the only rows projected to the vocabulary;
-        the logits keep their [B, S, V] shape and the other rows' values are unspecified (nobody
-        may read them: a verify block's padding rows).
+        real_rows: flat indices (b * S + row) of the only rows anyone reads (a verify block's
+        roots and nodes): where the model runs the tree attention (`packs_rows`), only they run,
+        packed into one row (`dart_worker.packed_rows`): decoder and vocabulary projection alike,
+        which on a CPU is most of what a padding row costs. Logits, hidden states and taps keep
+        their [B, S, ...] shape; the other rows' values are unspecified (hidden states and taps are
+        zeros), and their cache slots hold zeros (never committed).
         defer_logits: return the final hidden states instead of logits; `logits_at` turns the
         rows that turn out to be needed into logits (the vocabulary projection is most of a
         small forward's cost on a CPU, and a greedy walk reads only a few rows of a tree).
@@ -331,33 +337,33 @@ class TargetAdapter:
         """
         masks = self._attention_masks(state, positions, block)
         self._captured.clear()
+        layout = None
+        if real_rows is not None and self.packs_rows:
+            layout = PackedRows(real_rows.to(input_ids.device), *input_ids.shape)
+            input_ids, positions = layout.pack(input_ids)[None], layout.pack(positions)[None]
         # One path on every device: the decoder, then the rows that are needed through the LM
         # head (`logits_at`). The model's own forward is not used for logits, because what it
         # does with a tensor `logits_to_keep` depends on the transformers version (4.x indexed
         # `hidden[:, logits_to_keep]`, giving [B, B, R, V] for a [B, R] tensor; 5.x gathers per
         # sample): correctness must not rest on which one is installed.
-        hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=masks, position_ids=positions,
-                                          use_cache=True, **{self._cache_argument: state.cache}).last_hidden_state
+        with packing(layout):
+            hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=masks, position_ids=positions,
+                                              use_cache=True, **{self._cache_argument: state.cache}).last_hidden_state
         logits = None
         if not defer_logits:
             if logit_rows is not None:  # the final norm's output is on the last layers' device
                 hidden = torch.take_along_dim(hidden, move_to(logit_rows[..., None], hidden.device), dim=1)
-            logits = self.logits_at(hidden) if projected_rows is None else self._project_rows(hidden, projected_rows)
+            logits = self.logits_at(hidden)
             hidden = None
         # Each tap is captured on its layer's device; the draft head reads them on the engine's.
         taps = torch.cat([move_to(self._captured[i], self.device) for i in self.tap_layers], dim=-1)
         self._captured.clear()
+        if layout is not None:  # back into the block's [B, S] places (padding logits unspecified)
+            logits = None if logits is None else layout.spread(logits[0], zeros=False)
+            hidden, taps = (None if x is None else layout.spread(x[0]) for x in (hidden, taps))
         # Logits stay in the model dtype: [rows, vocab] in float32 would cost more than the
         # verification that reads them (which upcasts only the rows it uses).
         return ForwardOutput(logits=logits, taps=taps, hidden=hidden)
-
-    def _project_rows(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """[B, S, V] logits of which only the flat `rows` (b * S + row) are computed."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        picked = self.logits_at(flat.index_select(0, move_to(rows, flat.device)))
-        logits = picked.new_empty((flat.shape[0], picked.shape[-1]))
-        logits.index_copy_(0, move_to(rows, picked.device), picked)
-        return logits.view(*hidden.shape[:-1], picked.shape[-1])
 
     def deferred_logits_pay(self, tree_rows: int = 16, walk_rows: int = 3) -> bool:
         """Measured once per adapter: is projecting `walk_rows` rows one at a time (a greedy walk
@@ -370,12 +376,6 @@ class TargetAdapter:
         if self._deferral_pays is None:
             self._deferral_pays = walk_rows * self.projection_seconds(1) < self.projection_seconds(tree_rows)
         return self._deferral_pays
-
-    def projection_row_seconds(self, rows: int = 32) -> float:
-        """Seconds one more row adds to a vocabulary projection (`logits_at` of `rows` rows against
-        one row, per extra row; >= 0): what a verify block's padding row saves when only its real
-        rows are projected (`verify`'s `projected_rows`; the tree sizer prices that)."""
-        return max(0.0, (self.projection_seconds(rows) - self.projection_seconds(1)) / (rows - 1))
 
     def projection_seconds(self, rows: int) -> float:
         """Measured seconds of `logits_at` over `rows` random hidden rows: the median of 3 after a
@@ -458,23 +458,22 @@ class TargetAdapter:
 
     def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
                ancestor: torch.Tensor, defer_logits: bool = False, bucketed: bool = False,
-               projected_rows: torch.Tensor | None = None) -> ForwardOutput:
+               real_rows: torch.Tensor | None = None) -> ForwardOutput:
         """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
 
         Positions are committed length + depth; attention is ancestor-only inside the tree.
         Returns logits at every row (row i predicts the token after row i's path), or with
-        `defer_logits` the final hidden states of every row (see `forward`). `projected_rows`: only
-        these flat rows (b * S + row; `TreeBatch.real_rows`) get logits, the others' are
-        unspecified: where the projection costs its rows (a CPU), a block of unequal trees then
-        pays it for its real rows only, not for the padding. `bucketed`: the
+        `defer_logits` the final hidden states of every row (see `forward`). `real_rows`: the flat
+        rows (b * S + row; `TreeBatch.real_rows`) that are roots or nodes, the only ones that run
+        where the model packs rows (see `forward`): where a forward costs its rows (a CPU), a
+        block of unequal trees then pays for its real rows only, not for the padding. `bucketed`: the
         cached context is first widened to its bucket (`shape_buckets.context_bucket`; the block
         then starts there: read it as `state.cache_len() - S` afterwards).
         """
         if bucketed:
             state.cache.pad_slots(context_bucket(state.cache_len()))
         positions = state.device_lengths(depths.device)[:, None] + depths
-        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits,
-                            projected_rows=projected_rows)
+        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits, real_rows=real_rows)
 
     # ------------------------------------------------------------- compaction
 

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dart_worker import packed_rows
 from dart_worker.kernels import gqa_for
 
 NAME = "dart_tree"
@@ -35,7 +36,22 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, Hq, S, D], key/value [B, Hkv, T, D],
-    a boolean mask [B, 1, S, T] (True = may attend); returns ([B, S, Hq, D], None)."""
+    a boolean mask [B, 1, S, T] (True = may attend); returns ([B, S, Hq, D], None). In a forward
+    of packed rows (`dart_worker.packed_rows`) the query is [1, Hq, R, D] and so is the output's
+    [1, R, Hq, D]: the queries are spread into their block and attend as in a padded forward."""
+    layout = packed_rows.active()
+    if layout is None:
+        return _block_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    def attention(q, k, v, mask):
+        return _block_attention(module, q, k, v, mask, dropout, scaling, **kwargs)[0]
+
+    return layout.attend(attention, query, key, value, attention_mask), None
+
+
+def _block_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """`tree_attention_forward` over a [B, Hq, S, D] block of queries."""
     groups = getattr(module, "num_key_value_groups", 1)
     if attention_mask is None or groups == 1 or attention_mask.dtype != torch.bool:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

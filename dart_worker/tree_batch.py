@@ -41,7 +41,8 @@ class TreeBatch:
     ancestor: torch.Tensor  # [B, S, S] bool, row may attend to column (see module doc)
     num_nodes: tuple[int, ...]  # N per sequence (rows 1..N are nodes)
     # [B + sum N] int64: the flat indices (b * S + row) of the real rows (roots and nodes), in
-    # order: the rows whose logits verification may read (`TargetAdapter.verify`'s `projected_rows`).
+    # order: the only rows that verification reads, and with exact shapes the only rows the verify
+    # forward runs (`TargetAdapter.verify`'s `real_rows`).
     real_rows: torch.Tensor | None = None
 
     @property

@@ -189,30 +189,29 @@ def test_full_logits_rounds_are_priced_and_learnt_on_their_own_curves():
     assert deferred.describe() == before and float(full[1].predict(1)) > 0.06
 
 
-def test_padding_rows_that_skip_the_projection_are_priced_without_it():
-    """Exact shapes: a block's padding rows are not projected to the vocabulary. One sequence of
-    four has a confident 4-node chain: priced as 4 x 5 rows at the curve (every row projected)
-    it does not pay; with a padding row's projection (most of a row here) taken off its 12 padding
-    rows it does. A forward that cost what was predicted leaves the curve (of equal trees) where
-    it was; a dearer one raises it. Rounds that defer the projection are priced at the curve."""
+def test_a_packed_block_is_priced_and_learnt_at_its_real_rows():
+    """Exact shapes: a verify forward runs its real rows only (packed). One sequence of four has a
+    confident 4-node chain: priced as a padded block of 4 x 5 rows it does not pay; priced at its
+    8 real rows it does. Such a round teaches the curve at the rows it ran (8), not at the padded
+    block's 20, on either logits path."""
     def curve() -> LatencyModel:
         return LatencyModel([4, 8, 16, 32], [0.2, 0.28, 0.44, 0.76])
     trees = [_chain([-0.01, -0.02, -0.03, -0.04], SOURCE_CONTEXT)] + [_chain([])] * 3
-    every_row = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: curve()})
-    assert every_row.fit(trees, model_ran=False, full_logits=True).trees[0].size == 0
-    learnt = curve()
-    real_rows = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: learnt},
-                          projection_row_seconds=0.015)
-    assert real_rows.fit(trees, model_ran=False).trees[0].size == 0  # a deferring round's curve, as it is
-    sized = real_rows.fit(trees, model_ran=False, full_logits=True)
-    assert sized.trees[0].size == 4 and sized.predicted_seconds == pytest.approx(0.52 - 12 * 0.015)
-    accepted = [np.arange(4)] + [np.zeros(0, np.int64)] * 3
-    before = learnt.describe()
-    real_rows.observe(sized.trees, accepted, rows=20, verify_seconds=0.34, full_logits=True, real_rows=8)
-    assert learnt.describe() == pytest.approx(before)
-    real_rows.observe(sized.trees, accepted, rows=20, verify_seconds=0.5, full_logits=True, real_rows=8)
-    assert float(learnt.predict(20)) > 0.52
-    assert real_rows.describe()["projection_row_ms"] == 15.0
+    padded = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: curve()})
+    assert padded.fit(trees, model_ran=False, full_logits=True).trees[0].size == 0
+    for full_logits in (False, True):
+        learnt = curve()
+        packed = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=4, _latency_by_batch={4: learnt},
+                           packed=True)
+        sized = packed.fit(trees, model_ran=False, full_logits=full_logits)
+        assert sized.trees[0].size == 4 and sized.predicted_seconds == pytest.approx(0.28)
+        accepted = [np.arange(4)] + [np.zeros(0, np.int64)] * 3
+        before = learnt.describe()
+        packed.observe(sized.trees, accepted, rows=20, verify_seconds=0.28, full_logits=full_logits, real_rows=8)
+        assert learnt.describe() == pytest.approx(before)
+        packed.observe(sized.trees, accepted, rows=20, verify_seconds=0.4, full_logits=full_logits, real_rows=8)
+        assert float(learnt.predict(8)) > 0.28 and float(learnt.predict(20)) < 0.6
+        assert packed.describe()["packed"] is True
 
 
 def test_online_bias_is_observed_over_predicted_shrunk_toward_one():

@@ -106,27 +106,30 @@ def test_deferred_and_full_logits_decode_alike(models, self_trie, family):
         [r.token_ids for r in full.generate(prompts, greedy(30))]
 
 
-def test_a_block_of_unequal_trees_projects_its_real_rows_only(models, self_trie):
-    """Exact shapes (a CPU) and full logits: a round's vocabulary projection covers its trees'
-    roots and nodes, never the padding after the smaller trees (a block without padding is projected
-    whole, with no gather), and the output is still `ar`'s,
-    greedy and seeded, in one batch."""
+def test_a_block_of_unequal_trees_runs_its_real_rows_only(models, self_trie):
+    """Exact shapes (a CPU): a round's verify forward runs its trees' roots and nodes, never the
+    padding after the smaller trees (a block without padding runs whole, as it is), and the output
+    is still `ar`'s, greedy and seeded, in one batch, with logits deferred or not."""
     model = models["llama"]
     prompts = random_prompts(4, seed=6)
     params = [greedy(30), SamplingParams(temperature=0.8, seed=5, max_new_tokens=30)] * 2
     expected = [r.token_ids for r in make_engine(model, "ar").generate(prompts, params)]
-    engine = make_engine(model, "dart", trie=self_trie, defer_logits=False)
-    blocks = []
-    real_verify = engine.target.verify
+    for defer_logits in (False, True):
+        engine = make_engine(model, "dart", trie=self_trie, defer_logits=defer_logits)
+        assert engine.packs_rows
+        blocks = []
+        real_verify = engine.target.verify
 
-    def verify(state, tokens, *args, projected_rows=None, **kwargs):
-        blocks.append((tokens.numel(), None if projected_rows is None else projected_rows.numel()))
-        return real_verify(state, tokens, *args, projected_rows=projected_rows, **kwargs)
+        def verify(state, tokens, *args, real_rows=None, real_verify=real_verify, blocks=blocks, **kwargs):
+            blocks.append((tokens.numel(), None if real_rows is None else real_rows.numel()))
+            return real_verify(state, tokens, *args, real_rows=real_rows, **kwargs)
 
-    engine.target.verify = verify
-    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
-    assert all(real is None or real < rows for rows, real in blocks)  # a block without padding projects whole
-    assert any(real is not None for rows, real in blocks)
+        engine.target.verify = verify
+        assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+        assert all(real is None or real < rows for rows, real in blocks)  # a block without padding runs whole
+        assert any(real is not None for rows, real in blocks)
+        # Greedy rows alone: the deferred path runs packed too.
+        assert [r.token_ids for r in engine.generate(prompts[::2], params[::2])] == expected[::2]
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES)

@@ -111,10 +111,15 @@ def test_deferred_logits_of_any_rows_equal_the_models_own(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_projecting_only_the_real_rows_of_unequal_trees_keeps_their_logits(family):
-    """A verify block of unequal trees (padding after the smaller ones) projected at its real rows
-    only (`TreeBatch.real_rows`) gives every real row the logits of projecting the whole block, and
-    the same taps; the padding rows are left out of the projection."""
+@pytest.mark.parametrize("sizes", [(0, 11, 4), (0, 11, 0, 0), (3, 0, 0, 0, 0, 2), (5, 6)])
+@pytest.mark.parametrize("defer_logits", [False, True])
+def test_packed_real_rows_of_unequal_trees_equal_the_padded_block(family, sizes, defer_logits):
+    """A verify block of unequal trees (padding after the smaller ones) run as its real rows only
+    (`TreeBatch.real_rows`, packed: `dart_worker.packed_rows`) gives every real row the logits
+    (or final hidden states), the taps and the cached K/V of running the whole padded block, and
+    only the real rows go through the decoder and the vocabulary projection. The sizes cover a
+    block attended whole, one whose roots and trees attend apart (few sequences with a tree) and
+    one without padding (run as it is)."""
     import numpy as np
 
     from dart_worker.tree_batch import TreeBatch
@@ -122,32 +127,48 @@ def test_projecting_only_the_real_rows_of_unequal_trees_keeps_their_logits(famil
 
     model = tiny_model(family)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 17, 5)]
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 17, 5, 12, 3, 8)[:len(sizes)]]
     trees = []
-    for b, size in enumerate((0, 11, 4)):
+    for b, size in enumerate(sizes):
         parents, tokens = random_tree(size, seed=10 + b)
         depths = [0] * size
         for i, p in enumerate(parents):
             depths[i] = depths[p] + 1 if p >= 0 else 1
         trees.append(DraftTree(*(np.asarray(a, np.int32) for a in (tokens, parents, depths))))
-    batch = TreeBatch.from_trees([5, 6, 7], trees, "cpu")
-    assert batch.num_real_rows == 3 + 15 and batch.real_rows.tolist() == [0, 12, *range(13, 24), 24, *range(25, 29)]
-    outs, projected = [], []
+    batch = TreeBatch.from_trees(list(range(5, 5 + len(sizes))), trees, "cpu")
+    width = 1 + max(sizes)
+    assert batch.num_real_rows == len(sizes) + sum(sizes)
+    assert batch.real_rows.tolist() == [b * width + r for b, n in enumerate(sizes) for r in range(1 + n)]
     adapter = TargetAdapter(model)
+    assert adapter.packs_rows
+    embedded, projected = [], []
+    adapter.model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(out.shape[:2]))
     real_project = adapter.logits_at
-    adapter.logits_at = lambda hidden: projected.append(hidden.shape[0]) or real_project(hidden)
+    adapter.logits_at = lambda hidden: projected.append(hidden.reshape(-1, hidden.shape[-1]).shape[0]) or \
+        real_project(hidden)
+    outs, caches = [], []
     for rows in (None, batch.real_rows):
-        state = adapter.new_state(3)
+        state = adapter.new_state(len(sizes))
         adapter.prefill(state, prompts)
+        start = state.cache_len()
+        embedded.clear()
         projected.clear()
-        outs.append(adapter.verify(state, batch.tokens, batch.depth, batch.ancestor, projected_rows=rows))
-    full, real = outs
-    assert projected == [18]  # the real rows, in one projection
-    assert real.logits.shape == full.logits.shape
-    vocab = full.logits.shape[-1]
-    torch.testing.assert_close(real.logits.reshape(-1, vocab)[batch.real_rows],
-                               full.logits.reshape(-1, vocab)[batch.real_rows], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(real.taps, full.taps)
+        outs.append(adapter.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=defer_logits,
+                                   real_rows=rows))
+        caches.append([(layer.keys[:, :, start:], layer.values[:, :, start:]) for layer in state.cache.layers])
+    full, packed = outs
+    assert embedded == [(1, batch.num_real_rows)]  # the real rows alone went through the decoder
+    assert projected == ([] if defer_logits else [batch.num_real_rows])
+    real = batch.real_rows
+    for name in ("hidden", "taps") if defer_logits else ("logits", "taps"):
+        mine, theirs = getattr(packed, name), getattr(full, name)
+        assert mine.shape == theirs.shape, name
+        flat = (x.reshape(-1, x.shape[-1])[real].float() for x in (mine, theirs))
+        torch.testing.assert_close(*flat, atol=1e-4, rtol=1e-4)
+    for (keys, values), (full_keys, full_values) in zip(caches[1], caches[0], strict=True):
+        for mine, theirs in ((keys, full_keys), (values, full_values)):
+            flat = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])[real] for x in (mine, theirs))
+            torch.testing.assert_close(*flat, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
