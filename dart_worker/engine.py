@@ -30,6 +30,7 @@ from dart_worker.cost_model import RowAcceptance, TreeSizer, row_pace
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.kernels import logits_for, shapes_for
 from dart_worker.kv_cache import retire_order
+from dart_worker.packed_rows import PackedRows
 from dart_worker.sampling import (
     SamplingParams,
     TokenHistory,
@@ -347,7 +348,7 @@ class DecodingEngine:
                 deferred = self._defers(live)
                 out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
                                                defer_logits=deferred, bucketed=self.bucketed,
-                                               real_rows=self._packed_rows(batch)), len(live))
+                                               packed=self._packed_rows(batch)), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
                 if deferred:  # the walk's vocabulary projections are part of verifying
                     acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
@@ -387,13 +388,13 @@ class DecodingEngine:
         pad_rows = rows_bucket(1 + max(t.size for t in trees)) if self.bucketed else None
         return TreeBatch.from_trees(roots, trees, self.device, vocab_size=self.target.vocab_size, pad_to=pad_rows)
 
-    def _packed_rows(self, batch: TreeBatch) -> torch.Tensor | None:
-        """The rows a verify forward runs packed (`TargetAdapter.verify`'s `real_rows`): a block
+    def _packed_rows(self, batch: TreeBatch) -> PackedRows | None:
+        """The rows a verify forward runs packed (`TargetAdapter.verify`'s `packed`): a block
         of unequal trees with exact shapes runs its real rows only (on a CPU a padding row costs
         as much as a real one); bucketed shapes keep the block's one shape, and a block without
         padding runs as it is."""
         padded = batch.num_real_rows < batch.batch_size * batch.seq_len
-        return batch.real_rows if padded and self.packs_rows else None
+        return batch.packed if padded and self.packs_rows else None
 
     def _defers(self, live: list[_Sequence]) -> bool:
         """Whether this round's verify forward defers the vocabulary projection to the rows the

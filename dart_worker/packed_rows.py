@@ -23,40 +23,55 @@ same for 1 row as for 32, and one shape per bucket is what graphs and kernels wa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import numpy as np
 import torch
 
 from dart_worker.transfer import move_to
 
 
 class PackedRows:
-    """Where the R packed rows sit in the [B, S] block: `rows[i]` = b * S + s of packed row i."""
+    """Where the R packed rows sit in the [B, S] block: `rows[i]` = b * S + s of packed row i.
 
-    def __init__(self, rows: torch.Tensor, batch: int, width: int):
-        self.rows, self.batch, self.width = rows, batch, width
-        self._on: dict[tuple[str, torch.device], torch.Tensor] = {("rows", rows.device): rows}
-        sequence, column = rows // width, rows % width
-        nodes = torch.bincount(sequence, minlength=batch) - 1
-        # Packed positions of every sequence's root (column 0) and of the nodes (the other rows).
-        self._index_tensors = {"roots": torch.nonzero(column == 0).squeeze(1),
-                               "nodes": torch.nonzero(column > 0).squeeze(1)}
-        with_nodes = nodes > 0
-        self.node_batch = int(with_nodes.sum())  # sequences with a tree
-        # The sequences with a tree, and each node's flat place in their [node_batch, width - 1] block.
-        rank = torch.cumsum(with_nodes, 0) - 1
-        node_rows = self._index_tensors["nodes"]
-        self._index_tensors["node_sequences"] = torch.nonzero(with_nodes).squeeze(1)
-        self._index_tensors["node_places"] = (rank[sequence[node_rows]] * (width - 1) + column[node_rows] - 1)
+    Built on the host from the trees' sizes (`layout`) and uploaded with the rest of a round's
+    tree (`TreeBatch.from_trees`), so using it never waits for the device."""
+
+    NAMES = ("rows", "roots", "nodes", "node_sequences", "node_places")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], num_nodes: Sequence[int], width: int):
+        self.batch, self.width = len(num_nodes), width
+        self.node_batch = sum(1 for n in num_nodes if n)  # sequences with a tree
+        self._tensors = dict(zip(self.NAMES, tensors, strict=True))
+        self._on = {(name, tensor.device): tensor for name, tensor in self._tensors.items()}
+        self.rows = self._tensors["rows"]
+
+    @classmethod
+    def layout(cls, num_nodes: Sequence[int], width: int) -> list[np.ndarray]:
+        """Host int64 arrays, in NAMES order: each real row's flat place in the block (b * S + s,
+        roots and nodes in order); the packed positions of the roots and of the nodes; the
+        sequences with a tree; and each node's flat place in their [node_batch, S - 1] block."""
+        sizes = np.asarray(num_nodes, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(1 + sizes)[:-1]]).astype(np.int64)
+        with_nodes = np.flatnonzero(sizes).astype(np.int64)
+
+        def joined(parts) -> np.ndarray:
+            return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64)
+
+        return [joined(b * width + np.arange(1 + n) for b, n in enumerate(sizes)),
+                starts,
+                joined(starts[b] + 1 + np.arange(n) for b, n in enumerate(sizes)),
+                with_nodes,
+                joined(rank * (width - 1) + np.arange(sizes[b]) for rank, b in enumerate(with_nodes))]
 
     def _index(self, device: torch.device, name: str = "rows") -> torch.Tensor:
         """Index tensor `name` on `device` (a target split over devices indexes each layer where
         it runs)."""
         key = (name, device)
         if key not in self._on:
-            self._on[key] = move_to(self.rows if name == "rows" else self._index_tensors[name], device)
+            self._on[key] = move_to(self._tensors[name], device)
         return self._on[key]
 
     def pack(self, block: torch.Tensor) -> torch.Tensor:

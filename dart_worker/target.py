@@ -218,7 +218,7 @@ class TargetAdapter:
         # sdpa reads a boolean mask as "may attend"; eager *adds* the mask to the scores, so a
         # boolean one would add 0/1 and mask nothing: it gets 0 / -inf-like float masks instead.
         self._additive_masks = attention == "eager"
-        # Packed real rows (`forward`'s `real_rows`) need the attention function that spreads them.
+        # Packed real rows (`forward`'s `packed`) need the attention function that spreads them.
         self.packs_rows = attention == tree_attention.NAME
         self._captured: dict[int, torch.Tensor] = {}
         for index in sorted(set(self.tap_layers)):
@@ -318,15 +318,15 @@ class TargetAdapter:
         block: torch.Tensor,
         logit_rows: torch.Tensor | None = None,
         defer_logits: bool = False,
-        real_rows: torch.Tensor | None = None,
+        packed: PackedRows | None = None,
     ) -> ForwardOutput:
         """Run new rows through the target and append their K/V after the current cache slots.
 
         input_ids/positions: [B, S]; block: [B, S, S] bool (row may attend to column);
         logit_rows: [B, R] row indices whose logits are needed (None = all rows).
-        real_rows: flat indices (b * S + row) of the only rows anyone reads (a verify block's
-        roots and nodes): where the model runs the tree attention (`packs_rows`), only they run,
-        packed into one row (`dart_worker.packed_rows`): decoder and vocabulary projection alike,
+        packed: the only rows anyone reads (a verify block's roots and nodes: `TreeBatch.packed`):
+        where the model runs the tree attention (`packs_rows`), only they run, packed into one row
+        (`dart_worker.packed_rows`): decoder and vocabulary projection alike,
         which on a CPU is most of what a padding row costs. Logits, hidden states and taps keep
         their [B, S, ...] shape; the other rows' values are unspecified (hidden states and taps are
         zeros), and their cache slots hold zeros (never committed).
@@ -337,9 +337,8 @@ class TargetAdapter:
         """
         masks = self._attention_masks(state, positions, block)
         self._captured.clear()
-        layout = None
-        if real_rows is not None and self.packs_rows:
-            layout = PackedRows(real_rows.to(input_ids.device), *input_ids.shape)
+        layout = packed if self.packs_rows else None
+        if layout is not None:
             input_ids, positions = layout.pack(input_ids)[None], layout.pack(positions)[None]
         # One path on every device: the decoder, then the rows that are needed through the LM
         # head (`logits_at`). The model's own forward is not used for logits, because what it
@@ -458,14 +457,14 @@ class TargetAdapter:
 
     def verify(self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor,
                ancestor: torch.Tensor, defer_logits: bool = False, bucketed: bool = False,
-               real_rows: torch.Tensor | None = None) -> ForwardOutput:
+               packed: PackedRows | None = None) -> ForwardOutput:
         """Forward flattened trees [B, S] (column 0 = root = last committed token, not yet cached).
 
         Positions are committed length + depth; attention is ancestor-only inside the tree.
         Returns logits at every row (row i predicts the token after row i's path), or with
-        `defer_logits` the final hidden states of every row (see `forward`). `real_rows`: the flat
-        rows (b * S + row; `TreeBatch.real_rows`) that are roots or nodes, the only ones that run
-        where the model packs rows (see `forward`): where a forward costs its rows (a CPU), a
+        `defer_logits` the final hidden states of every row (see `forward`). `packed`: the rows
+        that are roots or nodes (`TreeBatch.packed`), the only ones that run where the model packs
+        rows (see `forward`): where a forward costs its rows (a CPU), a
         block of unequal trees then pays for its real rows only, not for the padding. `bucketed`: the
         cached context is first widened to its bucket (`shape_buckets.context_bucket`; the block
         then starts there: read it as `state.cache_len() - S` afterwards).
@@ -473,7 +472,7 @@ class TargetAdapter:
         if bucketed:
             state.cache.pad_slots(context_bucket(state.cache_len()))
         positions = state.device_lengths(depths.device)[:, None] + depths
-        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits, real_rows=real_rows)
+        return self.forward(state, tokens, positions, ancestor, defer_logits=defer_logits, packed=packed)
 
     # ------------------------------------------------------------- compaction
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dart_worker.packed_rows import PackedRows
 from dart_worker.transfer import to_device_packed
 from ngram_native.trees import TreeLike, ancestor_masks, check_tree
 
@@ -40,10 +41,15 @@ class TreeBatch:
     valid: torch.Tensor  # [B, S] bool, root and real nodes
     ancestor: torch.Tensor  # [B, S, S] bool, row may attend to column (see module doc)
     num_nodes: tuple[int, ...]  # N per sequence (rows 1..N are nodes)
-    # [B + sum N] int64: the flat indices (b * S + row) of the real rows (roots and nodes), in
-    # order: the only rows that verification reads, and with exact shapes the only rows the verify
-    # forward runs (`TargetAdapter.verify`'s `real_rows`).
-    real_rows: torch.Tensor | None = None
+    # The real rows (roots and nodes) and where they sit in the block: the only rows that
+    # verification reads, and with exact shapes the only rows the verify forward runs, packed
+    # (`TargetAdapter.verify`'s `packed`).
+    packed: PackedRows | None = None
+
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """[B + sum N] int64: the flat indices (b * S + row) of the roots and nodes, in order."""
+        return self.packed.rows
 
     @property
     def num_real_rows(self) -> int:
@@ -100,9 +106,8 @@ class TreeBatch:
             valid[b, 1 : n + 1] = True
             parent_row[b, 1 : n + 1] = np.asarray(tree.parents, dtype=np.int64) + 1
         ancestor = ancestor_masks(parent_row)
-        real_rows = np.flatnonzero(valid).astype(np.int64)
 
-        tokens_t, depth_t, valid_t, ancestor_t, real_t = to_device_packed([tokens, depth, valid, ancestor, real_rows],
-                                                                          device)
+        tokens_t, depth_t, valid_t, ancestor_t, *packed = to_device_packed(
+            [tokens, depth, valid, ancestor, *PackedRows.layout(num_nodes, width)], device)
         return cls(tokens=tokens_t, depth=depth_t, valid=valid_t, ancestor=ancestor_t, num_nodes=num_nodes,
-                   real_rows=real_t)
+                   packed=PackedRows(packed, num_nodes, width))

@@ -120,9 +120,9 @@ def test_a_block_of_unequal_trees_runs_its_real_rows_only(models, self_trie):
         blocks = []
         real_verify = engine.target.verify
 
-        def verify(state, tokens, *args, real_rows=None, real_verify=real_verify, blocks=blocks, **kwargs):
-            blocks.append((tokens.numel(), None if real_rows is None else real_rows.numel()))
-            return real_verify(state, tokens, *args, real_rows=real_rows, **kwargs)
+        def verify(state, tokens, *args, packed=None, real_verify=real_verify, blocks=blocks, **kwargs):
+            blocks.append((tokens.numel(), None if packed is None else packed.rows.numel()))
+            return real_verify(state, tokens, *args, packed=packed, **kwargs)
 
         engine.target.verify = verify
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected

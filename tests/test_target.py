@@ -147,14 +147,14 @@ def test_packed_real_rows_of_unequal_trees_equal_the_padded_block(family, sizes,
     adapter.logits_at = lambda hidden: projected.append(hidden.reshape(-1, hidden.shape[-1]).shape[0]) or \
         real_project(hidden)
     outs, caches = [], []
-    for rows in (None, batch.real_rows):
+    for rows in (None, batch.real_rows):  # padded, then packed
         state = adapter.new_state(len(sizes))
         adapter.prefill(state, prompts)
         start = state.cache_len()
         embedded.clear()
         projected.clear()
         outs.append(adapter.verify(state, batch.tokens, batch.depth, batch.ancestor, defer_logits=defer_logits,
-                                   real_rows=rows))
+                                   packed=None if rows is None else batch.packed))
         caches.append([(layer.keys[:, :, start:], layer.values[:, :, start:]) for layer in state.cache.layers])
     full, packed = outs
     assert embedded == [(1, batch.num_real_rows)]  # the real rows alone went through the decoder
