@@ -380,11 +380,12 @@ class TreeSizer:
     # `DecodingEngine.forward_batch`), whose curve prices and learns the round. None: exact shapes.
     batch_bucket: Callable[[int], int] | None = None
     # Exact shapes: a verify forward runs only its real rows (roots and nodes, packed:
-    # `TargetAdapter.verify`'s `real_rows`), so a block of unequal trees costs its real rows, not
+    # `TargetAdapter.verify`'s `packed`), so a block of unequal trees costs its real rows, not
     # B x (1 + N): the curves are then curves of real rows, priced and learnt by them. On a CPU
     # without matrix units a padding row cost as much as a real one (fp32 EPYC, Gemma-3-270M,
-    # batch 16: one sequence's 8-node tree made a 144-row forward of 1.55 s against 0.65 s packed
-    # and 0.41 s for a plain step). False: bucketed shapes, priced at the padded block's rows.
+    # batch 16: one sequence's 8-node tree made a 144-row forward of 1.42-1.49 s against
+    # 0.52-0.55 s packed and 0.43-0.49 s for a plain step). False: bucketed shapes, priced at the
+    # padded block's rows.
     packed: bool = False
     # What the model predicted for the rounds it sized against what they did (`describe`'s
     # "predicted_vs_observed"): a miscalibrated cost model shows here before it shows in tokens/s.
