@@ -509,7 +509,9 @@ class TreeSizer:
         end_round = self._plain_seconds(k, full_logits) + self.overhead_seconds
         # A sequence's place: its share of a plain step's forward over the batch against one
         # sequence alone, and of the round's time outside it (sampling and committing its row).
-        place = (self._plain_seconds(batch, full_logits) - self._plain_seconds(1, full_logits)) / (batch - 1)
+        forward = self._forward_batch(batch)
+        curve = self.latency_for(forward, full_logits)
+        place = float(curve.predict(np.array([2 * forward]))[0] - curve.predict(np.array([forward]))[0]) / forward
         return Drain(rounds, pace, end_round, max(0.0, place) + self.overhead_seconds / batch)
 
     def _plain_seconds(self, live: int, full_logits: bool) -> float:
