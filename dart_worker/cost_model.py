@@ -492,9 +492,15 @@ class TreeSizer:
         A draining batch ends with its longest row, the one with the most rounds left, and tokens
         are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
         end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
-        place in later rounds sooner (a place: a sequence's share of a plain step of the batch
-        against one sequence alone, and of the time outside the forward). Tokens of a row level
+        place in later rounds sooner (a place: what one more row costs the batch's forward, the
+        slope of its own curve, and a share of the time outside the forward). Tokens of a row level
         with the longest do not bring the end nearer unless the longest's do too.
+
+        A place used to be priced from plain steps of the batch against one sequence alone:
+        (plain(B) - plain(1)) / (B - 1), 13.5 ms at batch 16, where a trace of the rounds showed a
+        row costing about 8 ms, near the batch-16 curve's own slope (~9 ms). Trees bought at that
+        price cost a T=0.7 batch of 16 more than they saved (0.957-0.978x `ar` in three runs,
+        ShareGPT dev, fp32 EPYC).
 
         Tokens used to be worth one each on the longest rows (those within STRAGGLER_SLACK rounds
         of the most), as if each moved the end by its share: at T=0.7 a static batch of 4 starts
@@ -507,8 +513,9 @@ class TreeSizer:
         rounds = np.asarray(remaining, dtype=np.float64) / pace
         k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
         end_round = self._plain_seconds(k, full_logits) + self.overhead_seconds
-        # A sequence's place: its share of a plain step's forward over the batch against one
-        # sequence alone, and of the round's time outside it (sampling and committing its row).
+        # A sequence's place: what one more row costs a forward over the batch (the slope of the
+        # batch's own curve, a row per sequence more), and its share of the round's time outside
+        # the forward (sampling and committing its row).
         forward = self._forward_batch(batch)
         curve = self.latency_for(forward, full_logits)
         place = float(curve.predict(np.array([2 * forward]))[0] - curve.predict(np.array([forward]))[0]) / forward

@@ -252,11 +252,13 @@ def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
 
 def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_their_place_pays():
     """Row 0 has a confident lookup chain; row 1 has nothing to draft. Here a second row per
-    sequence costs 10% of a plain step and a second sequence 5%: while rows wait for slots every
-    token counts alike and row 0's tree pays. Once the batch drains, its end is row 1's: if row 0
-    is ahead (or level: the end waits for row 1 either way) its token only frees its place a round
-    sooner (0.01 s) against the tree's 0.02 s, so no tree; if row 0 is the longest its token brings
-    the end a round nearer (a round of row 0 alone: 0.19 s), and the tree pays."""
+    sequence costs 10% of a plain step of the batch: while rows wait for slots every token counts
+    alike and row 0's tree pays. Once the batch drains, its end is row 1's: if row 0 is ahead (or
+    level: the end waits for row 1 either way) its token only frees its place a round sooner (a
+    row on the batch's curve, 0.01 s) against the tree's 0.02 s, so no tree; if row 0 is the
+    longest its token brings the end a round nearer (a round of row 0 alone: 0.19 s), and the tree
+    pays. Where the round's time outside the forward is dear, a place is worth its share of it
+    too, and the tree pays again."""
     confident = _chain([-0.01], SOURCE_CONTEXT)
     curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
     sizer = TreeSizer(LatencyModel([1, 2], [0.19, 0.2]), max_budget=1, _latency_by_batch={2: curve})
@@ -271,9 +273,10 @@ def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_t
     assert sizer.fit(trees, model_ran=False, remaining=[40, 10]).trees[0].size == 1
     sizer.overhead_seconds = 0.02  # a round's time outside the forward: half of it each sequence's
     assert sizer.drain([10, 40], 2).row == pytest.approx(0.01 + 0.01)
-    dear = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1, _latency_by_batch={2: curve})
-    assert dear.drain([10, 40], 2).row == pytest.approx(0.1)  # a second sequence doubles a step
-    assert dear.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 1
+    assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
+    sizer.overhead_seconds = 0.2  # a place now saves 0.01 + 0.1 a round against the tree's 0.02
+    assert sizer.drain([10, 40], 2).row == pytest.approx(0.01 + 0.1)
+    assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 1
 
 
 def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_and_moves_only_with_it():
@@ -288,7 +291,8 @@ def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_and_moves_only_w
     three = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
                       _latency_by_batch={3: LatencyModel([3, 6], [0.3, 0.33]), 2: LatencyModel([2, 4], [0.15, 0.2])})
     drain = three.drain([40, 40, 10], 3)
-    assert drain.end_round == pytest.approx(0.15) and drain.row == pytest.approx(0.1)  # two rows at the end
+    assert drain.end_round == pytest.approx(0.15)  # two rows at the end
+    assert drain.row == pytest.approx(0.01)  # a row more on the batch-3 curve: (0.33 - 0.3) / 3
     apart = Drain(np.array([10.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
     accepted = np.array([[5.0, 0.0, 5.0], [0.0, 1.0, 3.0]])  # rows x candidate sizes
     assert apart.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.1 * 1 + 0.01, 0.1 * 3 + 0.01 * 8])
