@@ -28,6 +28,7 @@ from dart_worker.cost_model import (
     OnlineBias,
     RowAcceptance,
     TreeSizer,
+    depth_survival,
     row_pace,
 )
 from dart_worker.draft_head import DartDraftHead
@@ -294,12 +295,68 @@ def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_and_moves_only_w
     assert drain.end_round == pytest.approx(0.15)  # two rows at the end
     assert drain.row == pytest.approx(0.01)  # a row more on the batch-3 curve: (0.33 - 0.3) / 3
     apart = Drain(np.array([10.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
-    accepted = np.array([[5.0, 0.0, 5.0], [0.0, 1.0, 3.0]])  # rows x candidate sizes
+    accepted = _surely(np.array([[5, 0, 5], [0, 1, 3]]), depth=6)  # rows x candidate sizes, accepted for sure
     assert apart.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.1 * 1 + 0.01, 0.1 * 3 + 0.01 * 8])
     level = Drain(np.array([12.0, 12.0]), np.array([1.0, 2.0]), end_round=0.1, row=0.01)
     assert level.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.01 * 0.5, 0.1 * 1.5 + 0.01 * 6.5])
     assert row_pace(0, 10) == 1.0 and row_pace(8, 4) == pytest.approx(2.0)
     assert row_pace(8, 0) > row_pace(8, 12) > 1.0  # a short record leans on one token a round
+
+
+def _surely(counts: np.ndarray, depth: int) -> np.ndarray:
+    """[rows, sizes, depth] survival of rows that accept exactly `counts` [rows, sizes] nodes."""
+    return (np.arange(1, depth + 1) <= counts[..., None]).astype(float)
+
+
+def test_level_rows_move_the_end_by_the_least_of_their_chances_not_the_least_expectation():
+    """Two rows level at 12 rounds left, each accepting one node with probability 1/2: the end
+    comes nearer only when both do, a quarter of a round, where each expects half a node. One row
+    ahead by a round: the level one alone sets the end."""
+    half = np.array([[[0.5]], [[0.5]]])  # rows x one size x depth 1
+    level = Drain(np.array([12.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
+    assert level.expected_end(half) == pytest.approx([11.75])
+    assert level.saved_seconds(half) == pytest.approx([0.1 * 0.25 + 0.01 * 1.0])
+    ahead = Drain(np.array([12.0, 11.0]), np.ones(2), end_round=0.1, row=0.01)
+    assert ahead.expected_end(half) == pytest.approx([11.5])
+    sure = Drain(np.array([12.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
+    assert sure.expected_end(np.array([[[0.5]], [[0.0]]])) == pytest.approx([12.0])  # the other row has no tree
+
+
+@st.composite
+def _outlooks(draw):
+    rows, sizes, depth = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(0, 3))
+    rounds = np.array([draw(st.integers(0, 8)) for _ in range(rows)], dtype=float)
+    paces = np.array([draw(st.sampled_from([1.0, 1.5, 2.0, 3.0])) for _ in range(rows)])
+    survival = np.array([[[draw(st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0])) for _ in range(depth)]
+                          for _ in range(sizes)] for _ in range(rows)]).reshape(rows, sizes, depth)
+    return rounds / paces, paces, np.minimum.accumulate(survival, axis=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_outlooks())
+def test_expected_end_equals_brute_force_over_every_outcome(outlook):
+    """E[max_b (rounds_b - G_b / pace_b)] against enumerating every combination of the rows'
+    accepted counts, each with its probability (P(G = j) = P(G >= j) - P(G >= j + 1))."""
+    rounds, paces, survival = outlook
+    rows, sizes, depth = survival.shape
+    drain = Drain(rounds, paces, end_round=1.0, row=0.0)
+    padded = np.concatenate([np.ones((rows, sizes, 1)), survival, np.zeros((rows, sizes, 1))], axis=2)
+    exact = -np.diff(padded, axis=2)  # [rows, sizes, depth + 1]: P(G = j)
+    for size in range(sizes):
+        expected = 0.0
+        for counts in np.ndindex(*([depth + 1] * rows)):
+            chance = np.prod([exact[b, size, j] for b, j in enumerate(counts)])
+            expected += chance * max(rounds[b] - j / paces[b] for b, j in enumerate(counts))
+        assert drain.expected_end(survival)[size] == pytest.approx(expected, abs=1e-9)
+
+
+def test_depth_survival_adds_the_kept_nodes_of_each_depth():
+    """A root with two children (0.5, 0.3) and a grandchild under the first (0.4): cut to 1 node
+    the tree keeps the 0.5 child, to 2 the grandchild (0.4) before the 0.3 child."""
+    depths, probs = np.array([1, 1, 2]), np.array([0.5, 0.3, 0.4])
+    survival = depth_survival(depths, probs, np.arange(4), 2)
+    assert survival == pytest.approx(np.array([[0, 0], [0.5, 0], [0.5, 0.4], [0.8, 0.4]]))
+    assert depth_survival(depths[:0], probs[:0], np.arange(2), 2) == pytest.approx(np.zeros((2, 2)))
 
 
 def test_a_row_whose_trees_were_not_accepted_gets_none_where_the_table_would_give_one():
