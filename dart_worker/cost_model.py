@@ -52,6 +52,13 @@ _MAX_PAUSE_ROUNDS = 32
 # in 186 rounds, none paid), and its probes were a third of what the sampled cell lost to `ar`.
 PROBE_SHARE = 0.01
 PROBE_DOUBLINGS = 3
+# Drafting itself (proposals, the sizer's pricing, the lookup's bookkeeping) costs a sampled batch
+# of 16 about 4-6 ms a round (ShareGPT dev, T=0.7, fp32 EPYC), 1.5-2% of a step, in rounds whose
+# trees are nearly always cut to nothing. After this many such rounds in a row, a sampled batch of
+# two or more rows skips drafting for 1, 2, 4 ... DRAFT_PAUSE_MAX rounds (plain steps), then drafts
+# again; one round that keeps a node ends the back-off.
+DRAFT_IDLE_ROUNDS = 2
+DRAFT_PAUSE_MAX = 4
 # `OnlineBias`: pseudo-rounds at "the model was right" (ratio 1), the weight left to older rounds'
 # evidence at each new tree round, and the range of the correction.
 BIAS_PRIOR_ROUNDS = 2.0
@@ -320,7 +327,7 @@ class Drain(NamedTuple):
     rounds: np.ndarray  # [B] each row's rounds left: tokens left over its pace
     paces: np.ndarray  # [B] each row's tokens per round (>= 1)
     end_round: float  # seconds of a round at the end, which runs the longest rows alone
-    row: float  # seconds a sequence's place costs in a round (what finishing a round sooner saves)
+    row: float  # seconds a place saves a round when a row finishes sooner (`TreeSizer.drain`)
 
     def saved_seconds(self, survival: np.ndarray) -> np.ndarray:
         """Expected seconds saved, per candidate size, by trees under which each row accepts at
@@ -407,6 +414,8 @@ class TreeSizer:
     _pause_length: int = 1
     _failed_probes: int = 0  # the model's failures in a row on sampled rows (see `fit`)
     _judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`_judge_model`)
+    _idle_rounds: int = 0  # fitted rounds in a row of a sampled batch whose trees were all cut to nothing
+    _draft_pause_left: int = 0  # rounds left without drafting (`drafting_wanted`)
     _model_calls: int = 0
     # Per live batch size, its verify cost curve: measured at start-up for the batch sizes the
     # worker runs (calibrated), learnt online from its rounds for the others.
@@ -464,6 +473,22 @@ class TreeSizer:
         return self._latency_by_batch
 
     # ------------------------------------------------------------- the model
+
+    def drafting_wanted(self) -> bool:
+        """Draft this round? False while drafting pauses (DRAFT_IDLE_ROUNDS): the round is a plain
+        step, and nothing is proposed, priced or cut. The drafter still observes every committed
+        row, so a round after the pause drafts from the whole text, as if it had never paused."""
+        if self._draft_pause_left > 0:
+            self._draft_pause_left -= 1
+            return False
+        return True
+
+    def _note_idle(self, idle: bool) -> None:
+        """Count a fitted round whose trees were all cut to nothing (`idle`) on a sampled batch of
+        two or more rows, and pause drafting after DRAFT_IDLE_ROUNDS of them in a row."""
+        self._idle_rounds = self._idle_rounds + 1 if idle else 0
+        if self._idle_rounds >= DRAFT_IDLE_ROUNDS:
+            self._draft_pause_left = min(1 << (self._idle_rounds - DRAFT_IDLE_ROUNDS), DRAFT_PAUSE_MAX)
 
     def model_wanted(self) -> bool:
         """Run the drafter's model this round? False while paused (see `fit`)."""
@@ -542,34 +567,24 @@ class TreeSizer:
         A draining batch ends with its longest row, the one with the most rounds left, and tokens
         are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
         end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
-        place in later rounds sooner (a place: what one more row costs the batch's forward, the
-        slope of its own curve, and a share of the time outside the forward). Tokens of a row level
-        with the longest do not bring the end nearer unless the longest's do too.
+        place in later rounds sooner (a place: its share of the round's time outside the forward,
+        sampling and committing its row). Tokens of a row level with the longest do not bring the
+        end nearer unless the longest's do too.
 
-        A place used to be priced from plain steps of the batch against one sequence alone:
-        (plain(B) - plain(1)) / (B - 1), 13.5 ms at batch 16, where a trace of the rounds showed a
-        row costing about 8 ms, near the batch-16 curve's own slope (~9 ms). Trees bought at that
-        price cost a T=0.7 batch of 16 more than they saved (0.957-0.978x `ar` in three runs,
-        ShareGPT dev, fp32 EPYC).
-
-        Tokens used to be worth one each on the longest rows (those within STRAGGLER_SLACK rounds
-        of the most), as if each moved the end by its share: at T=0.7 a static batch of 4 starts
-        with its rows level, and trees for the two with something to look up were bought at full
-        value (a 100-row forward: 824 ms against 170 for a plain step) while the row with nothing
-        to look up took as many rounds as under `ar` and set the end (ShareGPT dev, fp32 EPYC)."""
+        A place's share of the forward is one row, which is what the tree node that frees it costs
+        (packed) or less than that (bucketed), so a node of a row that does not end the batch nets
+        at most that place's share of the time outside the forward: only that is counted. Priced
+        at the forward's share too (from plain steps of the batch against one sequence, 13.5 ms at
+        batch 16, or at the slope of the batch's curve, 8-19 ms), the nodes a table was too hopeful
+        about lost more than the rest saved: T=0.7, 0.944-0.959x `ar` at batch 4 and 0.957-0.978x
+        at batch 16 (ShareGPT dev, fp32 EPYC), where the same batches with no trees ran at 0.98-1.0x."""
         if remaining is None or len(remaining) < 2:
             return None
         pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
         rounds = np.asarray(remaining, dtype=np.float64) / pace
         k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
         end_round = self._plain_seconds(k, full_logits) + self.overhead_seconds
-        # A sequence's place: what one more row costs a forward over the batch (the slope of the
-        # batch's own curve, a row per sequence more), and its share of the round's time outside
-        # the forward (sampling and committing its row).
-        forward = self._forward_batch(batch)
-        curve = self.latency_for(forward, full_logits)
-        place = float(curve.predict(np.array([2 * forward]))[0] - curve.predict(np.array([forward]))[0]) / forward
-        return Drain(rounds, pace, end_round, max(0.0, place) + self.overhead_seconds / batch)
+        return Drain(rounds, pace, end_round, self.overhead_seconds / batch)  # a place: see above
 
     def _plain_seconds(self, live: int, full_logits: bool) -> float:
         """The verify forward of a plain step of `live` sequences (one row each)."""
@@ -647,6 +662,7 @@ class TreeSizer:
         drain = self.drain(remaining, len(trees), full_logits, paces)
         choice = self._best(trees, probs, 0.0, full_logits, sampled, drain)
         size, seconds = choice.size, choice.seconds
+        self._note_idle(sampled and len(trees) > 1 and size == 0)
         out, expected = [], []
         for tree, p, q in zip(trees, probs, table):
             if tree.size <= size:

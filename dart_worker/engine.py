@@ -468,15 +468,19 @@ class DecodingEngine:
         """This round's trees, the seconds the drafter's model took (0 when it did not run) and
         whether it ran.
 
-        With a sizer, the drafter's model runs only when the sizer wants it, and the trees are
-        cut to the size the cost model chooses; `draining` (no request waits for a slot) hands it
-        each row's tokens left and pace, since the batch then ends with its longest row
-        (`TreeSizer.drain`). Model work is charged as 'draft', building the trees as 'tree'.
+        With a sizer, drafting pauses while the sizer says so (`TreeSizer.drafting_wanted`: a
+        sampled batch whose trees keep being cut to nothing), the drafter's model runs only when
+        the sizer wants it, and the trees are cut to the size the cost model chooses; `draining`
+        (no request waits for a slot) hands it each row's tokens left and pace, since the batch
+        then ends with its longest row (`TreeSizer.drain`). Model work is charged as 'draft',
+        building the trees as 'tree'.
         """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:
             return [empty_tree() for _ in live], 0.0, False
         drafter, sizer = self.drafter, self.sizer
+        if sizer is not None and not sizer.drafting_wanted():
+            return [empty_tree() for _ in live], 0.0, False
         model_on = drafter.has_model and (sizer is None or sizer.model_wanted())
         t0 = self._now()
         if drafter.has_model:

@@ -35,7 +35,7 @@ from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import GREEDY, SamplingParams
+from dart_worker.sampling import GREEDY, SamplingParams, temperature_band
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, subtree
@@ -255,28 +255,28 @@ def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_t
     """Row 0 has a confident lookup chain; row 1 has nothing to draft. Here a second row per
     sequence costs 10% of a plain step of the batch: while rows wait for slots every token counts
     alike and row 0's tree pays. Once the batch drains, its end is row 1's: if row 0 is ahead (or
-    level: the end waits for row 1 either way) its token only frees its place a round sooner (a
-    row on the batch's curve, 0.01 s) against the tree's 0.02 s, so no tree; if row 0 is the
-    longest its token brings the end a round nearer (a round of row 0 alone: 0.19 s), and the tree
-    pays. Where the round's time outside the forward is dear, a place is worth its share of it
-    too, and the tree pays again."""
+    level: the end waits for row 1 either way) its token only frees its place a round sooner,
+    which saves that place's share of the round's time outside the forward (none here: no tree;
+    its forward row is what the tree's node costs); if row 0 is the longest its token brings the
+    end a round nearer (a round of row 0 alone: 0.19 s), and the tree pays. Where the time outside
+    the forward is dear, a place is worth its share of it, and the tree pays again."""
     confident = _chain([-0.01], SOURCE_CONTEXT)
     curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
     sizer = TreeSizer(LatencyModel([1, 2], [0.19, 0.2]), max_budget=1, _latency_by_batch={2: curve})
     trees = [confident, _chain([])]
     assert sizer.drain(None, 2) is None and sizer.drain([40], 1) is None
     drain = sizer.drain([10, 40], 2)
-    assert drain.row == pytest.approx(0.01) and drain.end_round == pytest.approx(0.19)
+    assert drain.row == pytest.approx(0.0) and drain.end_round == pytest.approx(0.19)
     assert sizer.drain([40, 38], 2).end_round == pytest.approx(0.2)  # within STRAGGLER_SLACK: both run to the end
     assert sizer.fit(trees, model_ran=False).trees[0].size == 1
     assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
     assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 0
     assert sizer.fit(trees, model_ran=False, remaining=[40, 10]).trees[0].size == 1
     sizer.overhead_seconds = 0.02  # a round's time outside the forward: half of it each sequence's
-    assert sizer.drain([10, 40], 2).row == pytest.approx(0.01 + 0.01)
-    assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
-    sizer.overhead_seconds = 0.2  # a place now saves 0.01 + 0.1 a round against the tree's 0.02
-    assert sizer.drain([10, 40], 2).row == pytest.approx(0.01 + 0.1)
+    assert sizer.drain([10, 40], 2).row == pytest.approx(0.01)
+    assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0  # 0.01 against 0.02
+    sizer.overhead_seconds = 0.2  # a place now saves 0.1 a round against the tree's 0.02
+    assert sizer.drain([10, 40], 2).row == pytest.approx(0.1)
     assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 1
 
 
@@ -291,9 +291,10 @@ def test_a_draining_batch_ends_with_the_row_of_most_rounds_left_and_moves_only_w
     assert sizer.drain([40, 40], 2, paces=[3.0, 1.0]).end_round == pytest.approx(0.1)  # row 1 alone
     three = TreeSizer(LatencyModel([1, 2], [0.1, 0.11]), max_budget=1,
                       _latency_by_batch={3: LatencyModel([3, 6], [0.3, 0.33]), 2: LatencyModel([2, 4], [0.15, 0.2])})
+    three.overhead_seconds = 0.03
     drain = three.drain([40, 40, 10], 3)
-    assert drain.end_round == pytest.approx(0.15)  # two rows at the end
-    assert drain.row == pytest.approx(0.01)  # a row more on the batch-3 curve: (0.33 - 0.3) / 3
+    assert drain.end_round == pytest.approx(0.15 + 0.03)  # two rows at the end, and the time outside
+    assert drain.row == pytest.approx(0.01)  # a place's share of the time outside the forward
     apart = Drain(np.array([10.0, 12.0]), np.ones(2), end_round=0.1, row=0.01)
     accepted = _surely(np.array([[5, 0, 5], [0, 1, 3]]), depth=6)  # rows x candidate sizes, accepted for sure
     assert apart.saved_seconds(accepted) == pytest.approx([0.01 * 5, 0.1 * 1 + 0.01, 0.1 * 3 + 0.01 * 8])
@@ -412,6 +413,46 @@ def test_the_engine_hands_the_sizer_each_sequences_own_acceptance_record(model):
             assert owner.setdefault(id(record), prompt) == prompt
     assert len(owner) == len(prompts)
     assert any(r.expected > 0 for rows in seen for r in rows)  # trees were verified and learnt from
+
+
+def test_drafting_pauses_after_sampled_rounds_that_keep_nothing_and_resumes_at_a_kept_node():
+    """A sampled batch of two rows whose trees are cut to nothing: after DRAFT_IDLE_ROUNDS such
+    rounds drafting pauses 1, then 2, then 4 rounds (and no longer), and one round that keeps a
+    node ends the back-off. Greedy batches and a single sampled row never pause."""
+    hopeless, confident = _chain([-9.0]), _chain([-0.01], SOURCE_CONTEXT)
+    sizer = TreeSizer(LatencyModel([1, 2, 4], [0.1, 0.1001, 0.1002]), max_budget=1)  # tree rows nearly free
+    sampled = [temperature_band(0.8)] * 2
+
+    def pauses(trees, bands):
+        sizer.fit(trees, model_ran=False, bands=bands)
+        skipped = 0
+        while not sizer.drafting_wanted():
+            skipped += 1
+        return skipped
+
+    idle = [hopeless, hopeless]
+    assert [pauses(idle, sampled) for _ in range(cost_model.DRAFT_IDLE_ROUNDS + 4)] == [0] * (
+        cost_model.DRAFT_IDLE_ROUNDS - 1) + [1, 2, 4, 4, cost_model.DRAFT_PAUSE_MAX]
+    assert pauses([confident, confident], sampled) == 0
+    assert [pauses(idle, sampled) for _ in range(cost_model.DRAFT_IDLE_ROUNDS)][-1] == 1  # counted afresh
+    assert all(pauses(idle, [GREEDY, GREEDY]) == 0 for _ in range(8))
+    assert all(pauses([hopeless], sampled[:1]) == 0 for _ in range(8))
+
+
+@pytest.mark.parametrize("mode", ["lookup", "dart_lookup", "dart"])
+def test_a_batch_that_pauses_drafting_still_commits_the_tokens_of_plain_sampling(model, monkeypatch, mode):
+    """With drafting paused after every drafted round (1-4 plain steps), seeded sampled rows commit
+    exactly what `ar` samples, and rounds both with and without trees ran."""
+    monkeypatch.setattr(cost_model, "DRAFT_IDLE_ROUNDS", 0)
+    prompts = [[5, 6, 7, 8] * 3, [9, 3, 4] * 4, [4, 4, 5] * 4]
+    params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=24) for s in range(3)]
+    expected = [r.token_ids for r in build_engine(_parts(model, with_head=False), "ar").generate(prompts, params)]
+    engine = build_engine(_parts(model, with_head=mode != "lookup"), mode, TreeParams(budget=4), sizing="auto")
+    drafted = []
+    wanted = engine.sizer.drafting_wanted
+    engine.sizer.drafting_wanted = lambda: drafted.append(wanted()) or drafted[-1]
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+    assert True in drafted and False in drafted
 
 
 def test_the_engine_hands_the_sizer_tokens_left_only_while_its_batch_drains(model):

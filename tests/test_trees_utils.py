@@ -60,6 +60,23 @@ def test_position_offsets_prepend_the_root():
     assert position_offsets(np.array([1], np.int32)).dtype == np.int64
 
 
+@settings(max_examples=100, deadline=None)
+@given(parent_arrays(), st.data())
+def test_find_child_is_the_first_child_carrying_the_token(parents, data):
+    """Against a scan of the children in index order, duplicate tokens among siblings included
+    (the first wins), for every node and every token present plus one absent."""
+    n = parents.shape[0]
+    tokens = np.array(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)), np.int32)
+    depths = np.zeros(n, np.int32)
+    for i in range(n):
+        depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths)
+    for node in range(-1, n):
+        for token in range(5):
+            want = next((i for i in range(n) if parents[i] == node and tokens[i] == token), -1)
+            assert tree.find_child(node, token) == want
+
+
 def test_find_child_walks_the_tree():
     tree = DraftTree(
         tokens=np.array([5, 6, 7, 5], np.int32),
