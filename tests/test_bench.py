@@ -27,6 +27,7 @@ from dart_bench.matrix import (
 )
 from dart_bench.report import PLOTS, render_job_plots, render_report, throughput_timeline
 from jobs.bench import main as bench_main
+from tests.hypothesis_budget import examples
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -109,7 +110,7 @@ def test_stage_ms_per_round_is_total_stage_time_over_total_rounds():
     assert chain["ms_per_round"]["verify"] == pytest.approx(1000 * 4.0 / 40)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=8), min_size=1, max_size=5))
 def test_tokens_per_round_histogram_counts_every_round_and_its_mean_is_tau(hists):
     rows = [{"acceptance_histogram": h} for h in hists]

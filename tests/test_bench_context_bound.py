@@ -18,6 +18,7 @@ from dart_worker.engine_factory import build_drafter
 from dart_worker.sampling import SamplingParams
 from jobs.bench import main as bench_main
 from ngram_native import TreeParams
+from tests.hypothesis_budget import examples
 from tests.test_replay import parts, prompts  # noqa: F401 - the tiny target fixture
 
 
@@ -32,7 +33,7 @@ def brute_longest_copy(context, suffix, continuation) -> int:
     return best
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=30), st.integers(1, 3), st.lists(st.integers(0, 3), max_size=6))
 def test_longest_copy_matches_brute_force(context, m, continuation):
     suffix = context[-m:] if len(context) >= m else [0] * m

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native import ContextIndex, DraftTree, build_lookup_trees
+from tests.hypothesis_budget import examples
 
 
 def reference_match(seq: list[int], min_match: int, max_match: int, max_occ: int) -> tuple[int, list[int]]:
@@ -64,7 +65,7 @@ def assert_same_tree(got: DraftTree, want: DraftTree) -> None:
 streams = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=12), min_size=1, max_size=8)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(chunks=streams, min_match=st.integers(1, 3), extra=st.integers(0, 4), max_occ=st.integers(1, 6),
        budget=st.integers(0, 12), cap=st.integers(0, 9), depth_factor=st.sampled_from([0.5, 1.0, 2.5, 4.0]),
        eos=st.sampled_from([(), (3,)]))

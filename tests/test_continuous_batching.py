@@ -19,6 +19,7 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import TreeParams
+from tests.hypothesis_budget import examples
 from tests.tiny_models import tiny_model
 
 VOCAB = 32
@@ -54,7 +55,7 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), count=st.integers(1, 6), max_live=st.integers(1, 4),
        mode=st.sampled_from(MODES), sizing=st.sampled_from(["fixed", "auto"]),
        limits=st.lists(st.integers(1, 24), min_size=6, max_size=6))

@@ -25,6 +25,7 @@ from dart_train.corpus import (
     split_of,
     tokenize_conversations,
 )
+from tests.hypothesis_budget import examples
 from tests.test_fingerprint import make_tiny_tokenizer
 
 
@@ -176,7 +177,7 @@ def test_limit_stops_early(tmp_path):
     assert len(convs) == 3 and report.read == 3
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=4), limit=st.one_of(st.none(), st.integers(1, 12)))
 def test_a_mixture_tags_every_conversation_and_limit_cuts_the_same_stream(tmp_path_factory, sizes, limit):
     """Equal weights are a round robin (exactly, while no source has run out); every conversation
@@ -196,7 +197,7 @@ def test_a_mixture_tags_every_conversation_and_limit_cuts_the_same_stream(tmp_pa
     assert [(c.id, c.origin) for c in iter_sources(files[0])] == [(f"0-{i}", files[0]) for i in range(sizes[0])]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=3),
        weights=st.lists(st.floats(0.1, 10.0), min_size=3, max_size=3))
 def test_a_weighted_mixture_keeps_every_prefix_within_one_of_its_shares(tmp_path_factory, sizes, weights):
@@ -232,7 +233,7 @@ def test_a_mixture_needs_real_sources_and_weights(tmp_path):
             list(iter_sources([str(path)], weights=weights))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.one_of(st.text(min_size=1, max_size=12), st.none()), max_size=30))
 def test_jsonl_every_line_is_kept_or_tallied(tmp_path_factory, items):
     """Property: good records come out in order; every non-blank line is kept or skipped once."""

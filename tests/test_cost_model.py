@@ -39,6 +39,7 @@ from dart_worker.sampling import GREEDY, SamplingParams, temperature_band
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, subtree
+from tests.hypothesis_budget import examples
 from tests.tiny_models import tiny_model
 
 VOCAB = 32
@@ -84,7 +85,7 @@ def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
     return set(paths)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(scored_trees(), st.integers(0, 30), st.data())
 def test_cut_trees_are_the_best_prefix_closed_nodes(tree, size, data):
     sizer = TreeSizer(LatencyModel([1, 64], [1.0, 1.0 + 1e-9]), max_budget=64)
@@ -333,7 +334,7 @@ def _outlooks(draw):
     return rounds / paces, paces, np.minimum.accumulate(survival, axis=2)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(_outlooks())
 def test_expected_end_equals_brute_force_over_every_outcome(outlook):
     """E[max_b (rounds_b - G_b / pace_b)] against enumerating every combination of the rows'

@@ -31,6 +31,7 @@ from dart_worker.draft_head import (
     DraftKVCache,
     make_d2t,
 )
+from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 
 DRAFT_LENGTH = 3
@@ -242,7 +243,7 @@ def test_reference_is_sensitive_to_rope_scaling_and_head_matches_it():
     assert not torch.allclose(unscaled[-1], results[-1], atol=1e-3)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.data())
 def test_ragged_batch_equals_each_sequence_alone(data):
     batch = data.draw(st.integers(1, 4), label="batch")

@@ -21,6 +21,7 @@ from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
+from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
 
 SPEC_MODES = ("chain", "ddtree", "dart")
@@ -162,7 +163,7 @@ def reference_stop_cut(tokenizer, free: list[int], stops: list[str]) -> tuple[li
     return free, tokenizer.decode(free, skip_special_tokens=True)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(start=st.integers(0, 30), span=st.integers(1, 3), partial=st.booleans(), mode=st.sampled_from(("ar",
        *SPEC_MODES)), family=st.sampled_from(FAMILIES))
 def test_stop_strings_end_the_text_where_plain_decoding_would(models, self_trie, start, span, partial, mode,

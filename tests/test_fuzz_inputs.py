@@ -46,6 +46,7 @@ from tests.hostile_inputs import (
     line_as_read,
     nonblank_lines,
 )
+from tests.hypothesis_budget import examples
 
 MAX_CHARS = 1000
 FIELDS = PromptFields(max_prompt_chars=MAX_CHARS)
@@ -101,7 +102,7 @@ def check_rows(rows: list[dict], lines: list[bytes]) -> None:
     assert len(keyless) == len(set(keyless))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     hostile=st.lists(hostile_lines, max_size=6),
     good=st.lists(good_prompts, max_size=4),
@@ -252,7 +253,7 @@ def _expected_ids(kind: str, column: pa.Array, texts: list) -> list:
     return [None] * len(column)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=st.data(), n=st.integers(0, 12), id_present=st.booleans(), row_group=st.integers(1, 5),
        messages=st.booleans())
 def test_parquet_every_row_one_row(datasources, data, n, id_present, row_group, messages):
@@ -333,7 +334,7 @@ SUFFIXES = [("gzip", ".gz"), ("gzip", ".GZ"), ("gzip", ".gzip"), ("bz2", ".bz2")
             ("zstd", ".zstd"), ("lz4", ".lz4")]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(hostile=st.lists(hostile_lines, max_size=5), codec_suffix=st.sampled_from(SUFFIXES))
 def test_compressed_jsonl_reads_transparently(datasources, hostile, codec_suffix):
     codec, suffix = codec_suffix

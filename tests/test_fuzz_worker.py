@@ -25,6 +25,7 @@ from pipeline.inputs import INPUT_SCHEMA
 from pipeline.outputs import OUTPUT_SCHEMA, read_output, result_rows_to_table, storable_text, write_part
 from pipeline.worker import GenerationWorker
 from tests.hostile_inputs import SPECIAL_TOKENS
+from tests.hypothesis_budget import examples
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 
 MAX_POSITIONS = 256  # the tiny target's context
@@ -99,7 +100,7 @@ STOPS = [[], ["w5"], ["\u2028"], ["<eos>"], ["\x00"], ["w" * 200], ["w9", "w7 w8
          ["é"]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     batch=hostile_batch(),
     mode=st.sampled_from(MODES),

@@ -35,6 +35,7 @@ from pipeline.inputs import (
 )
 from pipeline.storage import StorageError, expand_inputs
 from tests.hostile_inputs import ShortReads, line_as_read
+from tests.hypothesis_budget import examples
 from tests.s3_server import local_ray_for, running_s3_server
 
 TEXT = PromptFields()
@@ -130,7 +131,7 @@ def test_prompt_fields_validation():
 BOM = b"\xef\xbb\xbf"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     lines=st.lists((st.binary(max_size=12) | st.just(BOM * 2 + b"x")).map(lambda b: b.replace(b"\n", b"")),
                    max_size=12),

@@ -25,6 +25,7 @@ from dart_worker.target import TargetAdapter
 from ngram_native import ContextIndex, DraftTree, JobCache, TreeParams, build_job_cache_trees
 from ngram_native.trees import SOURCE_JOB_CACHE, SOURCE_NAMES
 from pipeline.config import ConfigError, load_config
+from tests.hypothesis_budget import examples
 from tests.test_context_index import assert_same_tree
 from tests.tiny_models import tiny_model
 
@@ -86,7 +87,7 @@ docs = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1
 queries = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=3)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(documents=docs, queries=queries, max_tokens=st.integers(1, 40), min_match=st.integers(1, 3),
        extra=st.integers(0, 4), max_occ=st.integers(1, 6), budget=st.integers(0, 12), cap=st.integers(0, 9),
        depth_factor=st.sampled_from([0.5, 1.0, 2.5, 4.0]), eos=st.sampled_from([(), (3,)]))

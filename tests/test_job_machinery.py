@@ -27,11 +27,12 @@ from dart_bench.load import growth, operator_figures, write_inputs
 from pipeline.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
 from pipeline.outputs import part_name, resume_progress, sample_key, split_sample_key
 from pipeline.summary import MAX_SETTING_GROUPS, RunTally, build_summary, tau_distribution
+from tests.hypothesis_budget import examples
 
 # ------------------------------------------------------------------------------ duplicate pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(keys=st.lists(st.sampled_from([f"id:{k}" for k in range(12)]), min_size=1, max_size=60),
        cuts=st.lists(st.integers(0, 60), max_size=12), done_bits=st.lists(st.booleans(), min_size=60, max_size=60),
        resumed=st.booleans())
@@ -96,7 +97,7 @@ def write_key_parts(directory, parts: list[list[tuple[str, int | None]]], legacy
     return str(directory)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(parts=st.lists(st.lists(st.tuples(st.sampled_from(["id:a", "id:b", "row:c", "dup:d"]),
                                          st.integers(0, 3), st.sampled_from([None, 0, 1, 2, 3])),
                                min_size=1, max_size=8), min_size=1, max_size=5),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ngram_native import _core, build_dart_trees
 from ngram_native.builders import ngram_probs
 from ngram_native.job_ngram import JobNgram
+from tests.hypothesis_budget import examples
 
 
 def live_documents(docs: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -57,7 +58,7 @@ def dart_estimate(counts: Counter, order: int, ctx: list[int], candidates: list[
 token_lists = st.lists(st.integers(0, 5), min_size=1, max_size=30)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(docs=st.lists(token_lists, min_size=1, max_size=12), order=st.integers(1, 6),
        max_tokens=st.integers(1, 80), ctx=st.lists(st.integers(0, 6), max_size=7),
        prior=st.sampled_from([0.0, 0.5, 4.0, 100.0]), base_order=st.integers(1, 4),

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from dart_worker.kv_cache import GrowingCache, GrowingLayer, retire_order
+from tests.hypothesis_budget import examples
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("append"), st.integers(1, 300)),  # a forward's new rows (past SPARE_SLOTS too)
@@ -18,7 +19,7 @@ OPS = st.lists(st.one_of(
 ), min_size=1, max_size=14)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ops=OPS, batch=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_growing_cache_holds_what_a_dynamic_cache_holds(ops, batch, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -33,6 +33,7 @@ from pipeline.outputs import (
     write_part,
 )
 from pipeline.storage import StorageError, filesystem_for
+from tests.hypothesis_budget import examples
 from tests.s3_server import local_ray_for, running_s3_server
 
 RUN = "run-1"
@@ -157,7 +158,7 @@ def test_conform_names_the_differences():
         )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(keys=st.sets(st.text(max_size=6), min_size=1, max_size=8), seed=st.randoms())
 def test_part_name_depends_only_on_the_set_of_keys(keys, seed):
     keys = list(keys)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.packed_rows import PackedRows
+from tests.hypothesis_budget import examples
 
 sizes_strategy = st.lists(st.integers(0, 6), min_size=1, max_size=7)
 
@@ -18,7 +19,7 @@ def layout_for(sizes: list[int]) -> PackedRows:
 
 
 @given(sizes_strategy)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_the_layout_places_every_real_row_where_the_padded_block_has_it(sizes):
     layout = layout_for(sizes)
     width = layout.width
@@ -38,7 +39,7 @@ def test_the_layout_places_every_real_row_where_the_padded_block_has_it(sizes):
 
 
 @given(sizes_strategy, st.integers(0, 5), st.integers(0, 2**31 - 1))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_packed_attention_equals_the_padded_blocks_at_every_real_row(sizes, cached, seed):
     """`attend` (the block whole, or roots and trees apart when few sequences have a tree) gives
     every real row what attending over the padded block gives it, for an ancestor-style mask."""

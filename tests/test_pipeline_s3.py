@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +21,7 @@ import ray
 from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, run_pipeline
-from tests.ray_processes import kill_ray_processes_under, short_temp_dir
+from tests.ray_processes import start_ray_head
 from tests.s3_server import running_s3_server
 from tests.test_pipeline_run import REPO, artifacts, config_file, write_inputs  # noqa: F401 (fixture)
 
@@ -75,39 +74,30 @@ def test_jsonl_and_parquet_from_a_bucket_and_resume(tmp_path, artifacts, s3, fre
 
 
 @pytest.mark.slow
-def test_ray_job_submit_end_to_end(tmp_path, artifacts):  # noqa: F811
-    """`ray start --head` with token auth, then `ray job submit -- python -m pipeline.run ...`."""
+def test_ray_job_submit_end_to_end(tmp_path, tiny_artifacts):
+    """`ray start --head` with token auth, then `ray job submit -- python -m pipeline.run ...`.
+
+    The head binds 127.0.0.1 with every port chosen free, so another Ray cluster on the machine
+    (a user's, another test run's) cannot take its dashboard or job agent's port; the test waits
+    for the job agent by asking it (its health check), then submits once."""
     if shutil.which("ray") is None:
         pytest.skip("the ray CLI is not on PATH")
     ray.shutdown()
     write_inputs(tmp_path / "in.jsonl", good=4)
-    cfg = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
+    cfg = config_file(tmp_path, tiny_artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
                       resources__num_workers=1)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
-    temp_dir = short_temp_dir("rj-")
-
-    def ray_cli(*args, check=True, timeout=300):
-        return subprocess.run(["ray", *args], env=env, capture_output=True, text=True, check=check, timeout=timeout)
-
-    ray_cli("get-auth-token", "--generate", check=False)
-    ray_cli("start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--port=0", "--dashboard-port=8299",
-            "--disable-usage-stats", f"--temp-dir={temp_dir}")
+    subprocess.run(["ray", "get-auth-token", "--generate"], env=env, capture_output=True, check=False)
+    head = start_ray_head(num_cpus=2, env=env, dashboard=True, prefix="rj-")
     try:
-        # The job agent comes up a little after `ray start` returns: seconds on a quiet machine,
-        # over a minute on a loaded 2-core one.
-        deadline = time.monotonic() + 240
-        while True:
-            submitted = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299", "--",
-                                sys.executable, "-m", "pipeline.run", str(cfg), timeout=600, check=False)
-            if "No available agent" not in submitted.stdout + submitted.stderr or time.monotonic() > deadline:
-                break
-            time.sleep(2)
+        head.wait_for_job_agent(timeout_s=240)
+        submitted = head.ray_cli("job", "submit", "--address", head.dashboard_url, "--",
+                                 sys.executable, "-m", "pipeline.run", str(cfg), timeout=600, check=False)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
         assert "succeeded" in submitted.stdout.lower()
     finally:
-        kill_ray_processes_under(temp_dir)  # `ray stop` would stop every Ray cluster on the machine
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        head.stop()
     out = read_output(str(tmp_path / "out"))
     assert out.num_rows == 10 and len(set(out["row_key"].to_pylist())) == 10
     assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["this_run"]["rows"] == 10

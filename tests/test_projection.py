@@ -10,9 +10,10 @@ from torch import nn
 
 from dart_worker import projection
 from dart_worker.projection import project
+from tests.hypothesis_budget import examples
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lead=st.lists(st.integers(1, 5), min_size=1, max_size=3), width=st.integers(1, 48),
        out=st.integers(1, 300), strided=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_projection_equals_the_module(lead, width, out, strided, bias, seed):

@@ -20,6 +20,7 @@ from dart_worker.engine_factory import EngineParts, build_drafter, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, NgramTrie, TreeParams, build_trie
+from tests.hypothesis_budget import examples
 from tests.test_engine import VOCAB, random_prompts
 from tests.tiny_models import tiny_model
 
@@ -114,7 +115,7 @@ def trees_and_continuations(draw):
     return tree, continuation
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(trees_and_continuations())
 def test_accepted_path_is_the_deepest_matching_path(case):
     tree, continuation = case

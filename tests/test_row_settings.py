@@ -33,6 +33,7 @@ from pipeline.row_settings import (
     settings_columns,
 )
 from pipeline.worker import GenerationWorker, row_seed
+from tests.hypothesis_budget import examples
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.tiny_models import input_row, save_tiny_artifacts, tiny_model, tiny_worker_config
 
@@ -178,7 +179,7 @@ row_params = st.builds(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(mode=st.sampled_from(drafter_names()), params=st.lists(row_params, min_size=1, max_size=6),
        max_live=st.sampled_from([None, 1, 2, 3]), prompt_seed=st.integers(0, 1000))
 def test_mixed_settings_in_one_continuous_batch_equal_each_row_alone_with_ar(mode, params, max_live, prompt_seed):

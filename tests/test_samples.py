@@ -22,6 +22,7 @@ from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.inputs import INPUT_SCHEMA
 from pipeline.outputs import OUTPUT_SCHEMA, sample_key, split_sample_key
 from pipeline.worker import GenerationWorker, row_seed
+from tests.hypothesis_budget import examples
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.tiny_models import input_row, save_tiny_artifacts, tiny_model, tiny_worker_config
 
@@ -113,7 +114,7 @@ def test_a_prompt_the_engine_refuses_is_an_error_for_each_completion_and_its_nei
     assert all(r.error is None and len(r.token_ids) == 4 for r in results[1])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(mode=st.sampled_from(drafter_names()), counts=st.lists(st.integers(1, 4), min_size=1, max_size=4),
        max_live=st.sampled_from([None, 2, 3, 5]), temperature=st.sampled_from([0.7, 1.0]),
        prompt_seed=st.integers(0, 1000), new_tokens=st.integers(1, 10))

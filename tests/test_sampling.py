@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 
 from dart_worker import kernels, sampling
 from dart_worker.sampling import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
+from tests.hypothesis_budget import examples
 
 
 def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,7 +48,7 @@ def assert_same_distribution(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     temperature=st.sampled_from([1.0, 0.3, 0.7, 1.5, 2.0]),
     top_k=st.integers(0, 12),
@@ -73,7 +74,7 @@ def reference_top_p_support(scores: torch.Tensor, top_p: float) -> tuple[np.ndar
     return (above < top_p).numpy(), (above - top_p).abs().numpy()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     temperature=st.sampled_from([1.0, 0.5, 2.0]),
     top_k=st.integers(0, 12),

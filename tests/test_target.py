@@ -8,6 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dart_worker.target import TargetAdapter, default_tap_layers, prefill_groups
+from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 
 
@@ -229,7 +230,7 @@ def test_bad_tap_layers_are_rejected():
         TargetAdapter(tiny_model("llama"), tap_layers=(0, 1, 99))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
        max_padding=st.sampled_from([1.0, 1.25, 2.0]))
 def test_prefill_groups_partition_prompts_within_the_padding_bound(lengths, max_padding):
@@ -242,7 +243,7 @@ def test_prefill_groups_partition_prompts_within_the_padding_bound(lengths, max_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=7))
 def test_grouped_prefill_equals_one_padded_block(family, lengths):
     """Prefilling prompts of very different lengths in groups gives what one right-padded block

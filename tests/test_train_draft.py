@@ -44,6 +44,7 @@ from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
 from dart_worker.target import TargetAdapter
+from tests.hypothesis_budget import examples
 from tests.tiny_models import TINY_VOCAB, tiny_model
 
 M = 3  # draft_length of the test heads
@@ -103,7 +104,7 @@ def brute_force_mask(num_real: int, anchors: list[int], m: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the mask
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(num_real=st.integers(1, 12), m=st.integers(1, 4), data=st.data())
 def test_block_mask_equals_brute_force(num_real, m, data):
     k = data.draw(st.integers(0, 4))
@@ -254,7 +255,7 @@ def test_one_step_reduces_loss_on_fixed_batch():
     assert after.item() < before.item()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(data=st.data(), top_k=st.sampled_from([None, 5]))
 def test_loss_on_selected_rows_equals_the_dense_loss_and_its_gradients(data, top_k):
     """Projecting only the rows the loss reads (draft_training_logits with loss_rows) gives the

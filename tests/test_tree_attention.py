@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from dart_worker import kernels
 from dart_worker.target import TargetAdapter
 from dart_worker.tree_attention import NAME, tree_attention_forward
+from tests.hypothesis_budget import examples
 from tests.tiny_models import tiny_model
 
 
@@ -24,7 +25,7 @@ class Module(torch.nn.Module):
         self.is_causal = True
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 4]),
        rows=st.integers(1, 9), cached=st.integers(0, 12), seed=st.integers(0, 2**16))
 def test_every_strategy_equals_transformers_attention(batch, kv_heads, groups, rows, cached, seed):

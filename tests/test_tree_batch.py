@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dart_worker.tree_batch import TreeBatch
 from ngram_native.trees import DraftTree, ancestor_mask, check_tree
+from tests.hypothesis_budget import examples
 
 
 def make_tree(tokens, parents):
@@ -75,7 +76,7 @@ def naive_ancestor(parents) -> np.ndarray:
     return mask
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(trees(), min_size=1, max_size=5), st.integers(0, 3), st.data())
 def test_batch_matches_naive_ancestor_relation(tree_list, extra_pad, data):
     roots = data.draw(st.lists(st.integers(0, 99), min_size=len(tree_list), max_size=len(tree_list)))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from ngram_native.builders import build_dart_trees, build_ddtree_trees
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, DraftTree, graft, merge_trees
+from tests.hypothesis_budget import examples
 from tests.tree_reference import merge_trees_reference
 
 SCORES = st.one_of(
@@ -101,7 +102,7 @@ def tree_pairs(draw) -> tuple[DraftTree, DraftTree, int]:
     return first, second, budget
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(tree_pairs())
 def test_merge_equals_the_python_reference(pair):
     first, second, budget = pair

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ngram_native import _core
 from ngram_native.builders import build_dart_trees, ngram_probs
 from ngram_native.trees import DraftTree
+from tests.hypothesis_budget import examples
 
 # ---------------------------------------------------------------------------------------
 # Pure-Python reference
@@ -201,7 +202,7 @@ def dart_case(draw):
 # ---------------------------------------------------------------------------------------
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(dart_case())
 def test_dart_matches_python_reference(case):
     logits, contexts, scorer, params = case
@@ -218,7 +219,7 @@ def test_dart_matches_python_reference(case):
             assert i not in tree.parents, "an EOS node was expanded"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(dart_case(), st.randoms(use_true_random=False))
 def test_topk_input_equals_dense_input_in_any_column_order(case, rnd):
     """Pre-selected candidates give the same tree as dense logits, whatever their order."""
@@ -415,7 +416,7 @@ def larger_dart_case(draw):
     return logits.astype(np.float32), contexts, scorer, params
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(larger_dart_case())
 def test_pruning_never_changes_the_tree(case):
     """Skipping children that cannot reach the budget-th best key is exact."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ngram_native.builders import build_chain_trees, build_ddtree_trees
 from ngram_native.trees import DraftTree
+from tests.hypothesis_budget import examples
 
 # ---------------------------------------------------------------------------------------
 # References
@@ -114,7 +115,7 @@ def ddtree_case(draw, element):
     return values, ids, budget, eos
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ddtree_case(LOGPROB_VALUES))
 def test_ddtree_logprobs_equal_brute_force_top_prefixes(case):
     values, ids, budget, eos = case
@@ -124,7 +125,7 @@ def test_ddtree_logprobs_equal_brute_force_top_prefixes(case):
         assert_same_tree(tree, brute_force_ddtree(rows, budget, eos))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(ddtree_case(LOGIT_VALUES))
 def test_ddtree_topk_logits_are_log_softmaxed_over_the_k(case):
     values, ids, budget, eos = case
@@ -134,7 +135,7 @@ def test_ddtree_topk_logits_are_log_softmaxed_over_the_k(case):
         assert_same_tree(tree, brute_force_ddtree(rows, budget, eos))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.integers(1, 3),
     st.integers(1, 6),
@@ -227,7 +228,7 @@ def test_chain_from_topk_uses_the_best_given_candidate():
 # ---------------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 8), st.integers(0, 40), st.data())
 def test_every_builder_returns_canonical_prefix_closed_trees(batch, positions, vocab, budget, data):
     from ngram_native.builders import build_dart_trees

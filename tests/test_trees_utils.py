@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ngram_native import _core
 from ngram_native.builders import build_chain_trees, build_dart_trees, build_ddtree_trees, ngram_probs
 from ngram_native.trees import DraftTree, ancestor_mask, children, position_offsets
+from tests.hypothesis_budget import examples
 
 
 @st.composite
@@ -26,7 +27,7 @@ def parent_arrays(draw, max_size=30):
 # ---------------------------------------------------------------------------------------
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(parent_arrays())
 def test_ancestor_mask_marks_exactly_self_and_ancestors(parents):
     n = parents.shape[0]
@@ -43,7 +44,7 @@ def test_ancestor_mask_marks_exactly_self_and_ancestors(parents):
     np.testing.assert_array_equal(got, want)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(parent_arrays())
 def test_children_csr_lists_every_child_in_index_order(parents):
     n = parents.shape[0]
@@ -60,7 +61,7 @@ def test_position_offsets_prepend_the_root():
     assert position_offsets(np.array([1], np.int32)).dtype == np.int64
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(parent_arrays(), st.data())
 def test_find_child_is_the_first_child_carrying_the_token(parents, data):
     """Against a scan of the children in index order, duplicate tokens among siblings included
@@ -289,7 +290,7 @@ def reference_probs(counts: dict, order: int, context: list[int], candidates: li
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.integers(1, 4),
     st.lists(st.integers(0, 5), max_size=40),

@@ -23,10 +23,11 @@ from ngram_native.trie import (
     TrieClosedError,
     build_trie,
 )
+from tests.hypothesis_budget import examples
 from tests.trie_reference import brute_counts, brute_score
 
 FP = "0123456789abcdef" * 4  # a 64-hex-character fingerprint
-HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -23,6 +23,7 @@ from ngram_native.trie import (
     build_trie,
     read_trie_header,
 )
+from tests.hypothesis_budget import examples
 from tests.trie_reference import (
     HEADER_SIZE,
     brute_counts,
@@ -55,7 +56,7 @@ def _write(tmp_path: Path, data: bytes, name: str = "x.trie") -> Path:
 # ----- layout -----------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.integers(1, 8).flatmap(
         lambda vocab: st.tuples(

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ngram_native.trie import NgramTrie, TrieFormatError, build_trie, import_upstream_trie
+from tests.hypothesis_budget import examples
 from tests.trie_reference import HEADER_SIZE, brute_counts, encode_upstream, upstream_nodes
 
 FP = "upstream-test"
@@ -32,7 +33,7 @@ def _nodes(order: int = 3, root_freq: int | None = None, seed: int = 0) -> list[
     return upstream_nodes(counts, total if root_freq is None else root_freq, random.Random(seed))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     st.integers(1, 6).flatmap(
         lambda vocab: st.tuples(

@@ -34,6 +34,7 @@ from dart_worker.verification import (
     verify_sampling,
 )
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD
+from tests.hypothesis_budget import examples
 from tests.test_sampling import transformers_probs
 from tests.test_tree_batch import make_tree, random_tree, trees
 
@@ -64,7 +65,7 @@ def brute_force_greedy(tree, argmax):
     return path[::-1], int(argmax[best + 1])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(trees(vocab=4, max_depth=4, max_children=3), st.data())
 def test_greedy_walk_matches_brute_force(tree, data):
     n = len(tree.tokens)
@@ -79,7 +80,7 @@ def test_greedy_walk_matches_brute_force(tree, data):
     assert result.bonus_row == (path[-1] + 1 if path else 0)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(trees(vocab=4, max_depth=4, max_children=3), min_size=1, max_size=5), st.data())
 def test_greedy_walk_by_rows_projects_each_row_once_and_equals_full_verification(batch_trees, data):
     width = 1 + max(len(t.tokens) for t in batch_trees)
@@ -432,7 +433,7 @@ def _reference_inverse_cdf(weights: np.ndarray, u: float) -> int:
     return min(int(hit[0]), last_positive) if hit.size else last_positive
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data(), vocab=st.sampled_from([1, 7, 1023, 1024, 1025, 3000, 4096]),
        zeros=st.floats(0.0, 0.999))
 def test_two_level_inverse_cdf_equals_the_brute_force_draw(data, vocab, zeros):

@@ -1,0 +1,140 @@
+"""What the suite shares because it is expensive to start: one Ray cluster, one S3 server, one set
+of tiny artifacts; and the hypothesis profiles.
+
+Sharing is opt-in by fixture name, so a test that is about Ray's start-up, a GPU-declaring
+cluster, the metrics exporter, a two-node cluster or `ray start`/`ray job submit` keeps its own.
+
+- `ray_head` (session): a single-node Ray cluster started once with `ray start --head`, bound to
+  127.0.0.1 with every port chosen free (tests/ray_processes.py), 2 CPUs, in a temp dir of its
+  own so that stopping it stops nothing else. `shared_ray` (per test) points the test's jobs at
+  it through RAY_ADDRESS, which `pipeline.run` joins instead of starting Ray, and hands each job's
+  workers the variables a test sets for them (a crash hook, the cache dir, S3 settings) the way a
+  private `ray.init` would by inheritance. Each job is a Ray job of its own: its actors end with
+  it, so tests do not see each other's workers.
+- `s3_server` (session): one moto server on loopback; `s3_bucket` (per test) a new empty
+  bucket on it, so tests never see each other's objects.
+- `tiny_artifacts` (session): the tiny target, draft head and trie of tests/tiny_models.py,
+  built once; tests read them and never write under them.
+
+Hypothesis profiles (`HYPOTHESIS_PROFILE` picks one): `ci` derandomizes (the same examples on
+every CI run, so a red run is reproducible) and prints the failing blob; `quick` scales explicit
+example counts down (tests/hypothesis_budget.py) for the quick loop `pytest -m "not slow"`,
+which uses it unless a profile is named; `dev` (default otherwise) is hypothesis' own default,
+randomized, so a session's runs explore new examples.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from tests.hypothesis_budget import PROFILE_ENV, QUICK
+
+REPO = Path(__file__).resolve().parents[1]
+
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(QUICK, deadline=None, max_examples=10)
+
+# What a job's workers get from the test process when the job joins the shared cluster.
+FORWARDED_TO_WORKERS = (
+    "DART_PIPELINE_CRASH_ONCE", "DART_CACHE_DIR", "OMP_WAIT_POLICY",
+    "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+    "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    profile = os.environ.get(PROFILE_ENV)
+    if not profile:
+        quick_loop = (config.getoption("markexpr", "") or "").replace(" ", "") == "notslow"
+        profile = QUICK if quick_loop else "dev"
+        os.environ[PROFILE_ENV] = profile  # tests/hypothesis_budget.py reads the same choice
+    settings.load_profile(profile)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile: {settings._current_profile}"
+
+
+# ------------------------------------------------------------------------------- artifacts
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory) -> dict[str, str]:
+    """The tiny target dir, random draft head checkpoint and trie (tests/tiny_models.py), once per
+    session; read-only for tests (a test that must change one copies it first)."""
+    from tests.tiny_models import save_tiny_artifacts
+
+    return save_tiny_artifacts(tmp_path_factory.mktemp("tiny-artifacts"))
+
+
+# ------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server on 127.0.0.1 for the session (the AWS_* variables are NOT set here:
+    `s3_bucket` and `use_s3` set them per test)."""
+    from tests.s3_server import start_s3_server
+
+    server = start_s3_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch) -> str:
+    """A new, empty bucket on the session's S3 server, with this test's environment pointed at
+    the server; returns the bucket's name."""
+    from tests.s3_server import use_s3_server
+
+    use_s3_server(monkeypatch, s3_server)
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    s3_server.create_bucket(name)
+    return name
+
+
+# ------------------------------------------------------------------------------------- Ray
+
+
+@pytest.fixture(scope="session")
+def ray_head(s3_server, tmp_path_factory):
+    """The session's Ray cluster (see the module docstring); its workers start with the S3
+    server's variables and a cache dir of the session's, like pods with a mounted config."""
+    from tests.ray_processes import start_ray_head
+
+    env = {**os.environ, **s3_server.env, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env.setdefault("DART_CACHE_DIR", str(tmp_path_factory.mktemp("ray-head-cache")))
+    head = start_ray_head(num_cpus=2, env=env, prefix="rs-", extra_args=("--object-store-memory=1000000000",))
+    try:
+        yield head
+    finally:
+        import ray
+
+        ray.shutdown()
+        head.stop()
+
+
+@pytest.fixture
+def shared_ray(ray_head, monkeypatch):
+    """This test's Ray jobs join the session's cluster (RAY_ADDRESS), each a Ray job of its own;
+    the variables in FORWARDED_TO_WORKERS that the test sets reach the job's workers."""
+    import ray
+
+    from tests.ray_processes import FORWARD_ENV_VAR
+
+    ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", ray_head.address)
+    monkeypatch.setenv("RAY_RUNTIME_ENV_HOOK", "tests.ray_processes.forward_env_hook")
+    monkeypatch.setenv(FORWARD_ENV_VAR, " ".join(FORWARDED_TO_WORKERS))
+    yield ray_head
+    ray.shutdown()
