@@ -1,77 +1,62 @@
-"""The lowest torch, transformers and ray that pyproject.toml allows are the ones tested here.
+"""The dependency-floors check (tests/dependency_floors.py), which CI runs as its own step after
+the README's test command, and what makes it work inside a virtualenv.
 
-CI installs the newest releases the ranges allow; this test builds a virtual environment on top of
-that one (`--system-site-packages`) with exactly the declared floors of the three libraries whose
-behaviour the engine and the job rely on (transformers' cache and attention internals, torch's
-kernels, Ray Data's actor pools), and runs the tests that exercise them there: the kernel
-strategies, the target adapter, the GPU acceptance run on a CPU, the device checks and one whole
-pipeline job. A floor that does not work fails here, instead of on a user's older install.
+The check itself (a venv with the floors of torch, transformers and ray installed over the CI
+environment, running the tests that rely on them) moved out of the suite into `.ci/run`: it
+installs packages, which a test run should not do, and it proves the same there. What stays
+here proves that the check can run where CI runs it: pyproject.toml declares a floor for each
+library it pins, every test it names exists, CI runs it, and the venv it builds sees the
+running environment's packages even when that environment is itself a venv (with
+`venv --system-site-packages`, the earlier way, a venv made from a venv saw the base
+interpreter's packages instead, and omegaconf was missing there).
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
-from dart_worker.cache_dir import cache_dir, file_lock
-from tests.pyproject import pyproject
-
-REPO = Path(__file__).resolve().parents[1]
-FLOORED = ("torch", "transformers", "ray")
-# What depends on the floored versions' APIs: the adapter's logits, masks and cache argument
-# (transformers), the tree attention registered with its attention interfaces (transformers),
-# Ray's remote errors read by the device check, and one whole job (Ray Data, Ray actors).
-FLOOR_TESTS = (
-    "tests/test_target.py",
-    "tests/test_tree_attention.py",
-    "tests/test_device_check.py::test_worker_failure_reads_the_line_from_remote_errors",
-    "tests/test_pipeline_run.py::test_every_row_once_with_errors_and_lossless_results",
-)
-
-pytestmark = pytest.mark.slow
+from tests.dependency_floors import FLOOR_TESTS, FLOORED, REPO, declared_floors, overlay_venv, site_dirs
 
 
-def declared_floors() -> dict[str, tuple[str, str]]:
-    """name -> (requirement with extras, floor version) for FLOORED, from pyproject.toml."""
-    dependencies = pyproject()["project"]["dependencies"]
-    floors = {}
-    for requirement in dependencies:
-        found = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?>=([0-9][0-9.]*)", requirement.replace(" ", ""))
-        if found and found.group(1) in FLOORED:
-            floors[found.group(1)] = (found.group(1) + (found.group(2) or ""), found.group(3))
-    missing = set(FLOORED) - set(floors)
-    assert not missing, f"pyproject.toml declares no '>=' floor for {sorted(missing)}"
-    return floors
-
-
-def floor_environment(floors: dict[str, tuple[str, str]]) -> Path:
-    """A venv over this interpreter's packages with the floors installed on top (cached by floors)."""
-    key = hashlib.sha256(repr(sorted(floors.items())).encode() + sys.version.encode()).hexdigest()[:12]
-    venv = cache_dir("floor-venvs") / key
-    python = venv / "bin" / "python"
-    with file_lock(venv.with_suffix(".lock")):
-        if not (venv / "ready").exists():
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-            pins = [f"{requirement}=={version}" for requirement, version in floors.values()]
-            subprocess.run([str(python), "-m", "pip", "install", "-q", *pins], check=True)
-            (venv / "ready").write_text("\n".join(pins) + "\n")
-    return python
-
-
-def test_the_declared_floors_pass_the_tests_that_rely_on_them():
+def test_pyproject_declares_a_floor_for_each_floored_library():
     floors = declared_floors()
-    python = floor_environment(floors)
-    versions = subprocess.run(
-        [str(python), "-c", "import torch, transformers, ray; print(torch.__version__, transformers.__version__, "
-                            "ray.__version__)"], check=True, capture_output=True, text=True).stdout.split()
-    for name, found in zip(FLOORED, versions):  # 2.13.0+cpu is the floor 2.13
-        assert Version(Version(found).base_version) == Version(floors[name][1]), f"{name}: the floor env has {found}"
-    done = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *FLOOR_TESTS],
-                          cwd=REPO, capture_output=True, text=True, timeout=3000)
-    assert done.returncode == 0, f"at the floors {versions}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    assert set(floors) == set(FLOORED)
+    assert floors["ray"][0].startswith("ray[")  # the extras the job needs are installed at the floor too
+    assert all(version[0].isdigit() for _, version in floors.values())
+
+
+def test_every_floor_test_exists_and_ci_runs_the_check():
+    for target in FLOOR_TESTS:
+        path, _, name = target.partition("::")
+        assert (REPO / path).is_file(), target
+        assert not name or f"def {name}(" in (REPO / path).read_text(), target
+    ci = (REPO / ".ci" / "run").read_text()
+    readme_command = ci.index("python -m pytest")
+    assert "python -m tests.dependency_floors" in ci[readme_command:], "CI must run the floors after the suite"
+
+
+def run(python: Path, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_the_floor_venv_sees_the_packages_of_the_venv_it_is_made_from(tmp_path):
+    """A venv (`outer`) holding a module of its own builds the floors' venv (`inner`) the way CI
+    would from inside a venv: `inner` imports outer's module and this environment's packages
+    (omegaconf), and its own site-packages come first (so the floors installed there win)."""
+    outer = overlay_venv(tmp_path / "outer")
+    outer_site = run(outer, "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    (Path(outer_site) / "only_in_outer_venv.py").write_text("WHERE = 'outer'\n")
+    made = run(outer, f"import sys, pathlib; sys.path.insert(0, {str(REPO)!r}); "
+                      f"from tests.dependency_floors import overlay_venv; "
+                      f"print(overlay_venv(pathlib.Path({str(tmp_path / 'inner')!r})))")
+    assert made.returncode == 0, made.stderr
+    inner = Path(made.stdout.strip())
+    seen = run(inner, f"import only_in_outer_venv, omegaconf, sys, sysconfig; "
+                      f"own = sysconfig.get_paths()['purelib']; "
+                      f"print(only_in_outer_venv.WHERE, sys.path.index(own) < sys.path.index({site_dirs()[0]!r}))")
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split() == ["outer", "True"]
