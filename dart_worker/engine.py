@@ -28,22 +28,17 @@ import torch
 from dart_worker import shape_buckets
 from dart_worker.cost_model import RowAcceptance, TreeSizer, row_pace
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
+from dart_worker.drafters.grammar import constrain_trees
+from dart_worker.grammar import GrammarBook, GrammarState
 from dart_worker.kernels import logits_for, shapes_for
 from dart_worker.kv_cache import retire_order
+from dart_worker.logits_processors import RowControls, controlled_logits
 from dart_worker.packed_rows import PackedRows
-from dart_worker.sampling import (
-    SamplingParams,
-    TokenHistory,
-    apply_penalties,
-    inverse_cdf_sample,
-    position_uniforms,
-    request_key,
-    warp_logits_to_probs,
-)
+from dart_worker.sampling import SamplingParams, TokenHistory, request_key
 from dart_worker.shape_buckets import batch_bucket, rows_bucket
 from dart_worker.stats import RequestStats
 from dart_worker.target import ForwardOutput, TargetAdapter, TargetState
-from dart_worker.transfer import move_to, to_device, to_host
+from dart_worker.transfer import move_to, to_device
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import (
     Acceptance,
@@ -70,6 +65,9 @@ class GenerationResult:
     logprobs: list[float] | None = None
     top_logprob_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # With SamplingParams.structured_output: whether the output is a whole sentence of its grammar
+    # (a record that validates, a full match); False when max_new_tokens cut it short. None: free text.
+    structured_complete: bool | None = None
 
 
 @dataclass
@@ -89,6 +87,7 @@ class _Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when params.logprobs > 0
     sample: int = 0  # which of its prompt's completions (generate_samples)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its trees against the sizer's table
+    grammar: GrammarState | None = None  # its structured-output matcher, at its committed tokens
 
     @property
     def generated(self) -> list[int]:
@@ -160,6 +159,8 @@ class DecodingEngine:
         # Sizes every round's trees from measured costs (`decoding.sizing: auto`); None = the
         # drafter's trees as built (`fixed`).
         self.sizer = sizer
+        # Structured-output constraints compiled for the target's vocabulary, each once.
+        self.grammars = GrammarBook(tokenizer, target.vocab_size)
 
     # ------------------------------------------------------------------ public
 
@@ -253,6 +254,8 @@ class DecodingEngine:
             result.logprobs = np.concatenate([r.chosen for r in seq.logprobs])[:n].tolist()
             result.top_logprob_ids = np.concatenate([r.top_ids for r in seq.logprobs])[:n].tolist()
             result.top_logprobs = np.concatenate([r.top_logprobs for r in seq.logprobs])[:n].tolist()
+        if seq.grammar is not None:
+            result.structured_complete = seq.grammar.complete
         return result
 
     # ---------------------------------------------------------------- set-up
@@ -278,15 +281,20 @@ class DecodingEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         stats = RequestStats(num_prompt_tokens=len(token_ids))
+        stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
+        grammar = None
+        if params.structured_output is not None:  # an invalid constraint: this request's error
+            grammar = self.grammars.start(params.structured_output, stop_ids)
         return _Sequence(
             index=index,
             tokens=token_ids,
             num_prompt=len(token_ids),
             params=params,
-            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            stop_ids=stop_ids,
             key=request_key(params),
             stats=stats,
             sample=sample,
+            grammar=grammar,
         )
 
     def _detokenize(self, token_ids: list[int]) -> str:
@@ -344,6 +352,8 @@ class DecodingEngine:
             trees, clock.model_seconds, model_ran = self._draft(live, state, draining=not waiting)
             with clock.stage("tree"):
                 batch = self._tree_batch(live, trees, state.batch_size)
+            with clock.stage("grammar"):
+                controls = self._controls(live, trees)
             with clock.stage("verify"):
                 deferred = self._defers(live)
                 out = _live_rows(target.verify(state, batch.tokens, batch.depth, batch.ancestor,
@@ -351,17 +361,17 @@ class DecodingEngine:
                                                packed=self._packed_rows(batch)), len(live))
                 block_start = state.cache_len() - batch.seq_len  # after a bucketed context's padding
                 if deferred:  # the walk's vocabulary projections are part of verifying
-                    acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden))
+                    acceptances = verify_greedy_by_rows(trees, _row_logits(target, out.hidden, trees, controls))
             with clock.stage("commit") as started:
                 if not deferred:
                     acceptances = verify_batch(trees, out.logits, [s.params for s in live], [s.key for s in live],
-                                               [len(s.tokens) - s.num_prompt for s in live], _histories(live))
+                                               [len(s.tokens) - s.num_prompt for s in live], controls)
                 # The forward until its verdict is on the host: what the sizer learns the cost of (on a
                 # GPU without sync_timing, the verify stage alone would be the launch time only).
                 clock.verified_seconds = clock.seconds["verify"] + (self._now() - started if not deferred else 0.0)
                 if any(s.params.logprobs for s in live):
                     for seq, lp in zip(live, committed_logprobs(trees, out.logits, acceptances,
-                                                                [s.params for s in live], _histories(live))):
+                                                                [s.params for s in live], controls)):
                         if lp is not None:
                             seq.logprobs.append(lp)
                 for seq, tree, acc in zip(live, trees, acceptances):
@@ -399,7 +409,8 @@ class DecodingEngine:
     def _defers(self, live: list[_Sequence]) -> bool:
         """Whether this round's verify forward defers the vocabulary projection to the rows the
         greedy walk reads: only when every live row is greedy without penalties or logprobs, since
-        sampled verification, penalties and logprobs read every node's distribution."""
+        sampled verification, penalties and logprobs read every node's distribution (a grammar's
+        mask is applied to the rows the walk reads: `_row_logits`)."""
         return self.defer_logits and all(s.params.is_greedy and not s.params.has_penalties and not s.params.logprobs
                                          for s in live)
 
@@ -438,12 +449,14 @@ class DecodingEngine:
             index = to_device(np.asarray(order, dtype=np.int64), logits.device)  # one upload, non-blocking
             fresh.repeat(order, index)  # copied to the devices of a split target's other layers
             logits, taps = logits.index_select(0, index), taps.index_select(0, move_to(index, taps.device))
-        first = self._sample_rows(logits[:, 0], joining)
+        # The first token is the draw verification makes at the root of an empty tree.
+        first_trees = [empty_tree() for _ in joining]
+        controls = self._controls(joining, first_trees)
+        accepted = verify_batch(first_trees, logits[:, :1], [s.params for s in joining], [s.key for s in joining],
+                                [0] * len(joining), controls)
+        first = [acc.bonus for acc in accepted]
         if any(s.params.logprobs for s in joining):  # the prefill row decided the first token
-            first_trees = [empty_tree() for _ in joining]
-            accepted = [Acceptance(np.zeros(0, np.int64), np.zeros(0, np.int64), t) for t in first]
-            logprobs = committed_logprobs(first_trees, logits[:, :1], accepted, [s.params for s in joining],
-                                          _histories(joining))
+            logprobs = committed_logprobs(first_trees, logits[:, :1], accepted, [s.params for s in joining], controls)
             for seq, lp in zip(joining, logprobs):
                 if lp is not None:
                     seq.logprobs.append(lp)
@@ -489,6 +502,10 @@ class DecodingEngine:
         t0 = self._now()
         trees = drafter.propose([s.tokens for s in live], caps)
         tree_seconds = self._charge(live, "tree", t0)
+        if any(s.grammar is not None for s in live):  # forbidden drafts out, forced text in
+            t0 = self._now()
+            trees = constrain_trees(trees, [s.grammar for s in live], caps, draft_forced=drafter.speculates)
+            self._charge(live, "grammar", t0)
         if sizer is None:
             return trees, model_seconds, model_on
         if model_on:
@@ -514,38 +531,17 @@ class DecodingEngine:
 
     # ---------------------------------------------------------------- helpers
 
-    def _sample_rows(self, logits: torch.Tensor, live: list[_Sequence]) -> list[int]:
-        """One token per sequence from [B, V] logits: the argmax, or the coupled draw of the
-        sequence's next position (the draw verification makes at a root row). Every token and
-        every sampled row's probability sum (a finiteness check) come back in one transfer."""
-        histories = _histories(live)
-        parts = []
-        for b, seq in enumerate(live):
-            row = logits[b : b + 1]
-            if seq.params.has_penalties:
-                row = apply_penalties(row, [seq.params], [histories[b]], [[]])
-            if seq.params.is_greedy:
-                parts.append(row.max(dim=-1).indices.double())
-            else:
-                probs = warp_logits_to_probs(row, seq.params)
-                u = to_device(position_uniforms(seq.key, [len(seq.tokens) - seq.num_prompt]), probs.device)
-                parts += [inverse_cdf_sample(probs, u).double(), probs.sum(dim=-1).double()]
-        (host,) = to_host(torch.cat(parts))
-        tokens, k = [], 0
-        for seq in live:
-            if seq.params.is_greedy:
-                tokens.append(int(host[k]))
-                k += 1
-                continue
-            token, total = host[k], host[k + 1]
-            k += 2
-            if not abs(total - 1.0) <= 1e-3:
-                raise ValueError(f"request {seq.index}: warped probabilities sum to {total} (non-finite logits?)")
-            tokens.append(int(token))
-        return tokens
+    def _controls(self, live: list[_Sequence], trees: Sequence[DraftTree]) -> list[RowControls]:
+        """What changes each sequence's logits this round (`logits_processors.RowControls`): its
+        penalties' history, its grammar's masks over its tree."""
+        return [RowControls(seq.params, TokenHistory(seq.tokens, seq.num_prompt) if seq.params.has_penalties else None,
+                            None if seq.grammar is None else seq.grammar.masks(tree))
+                for seq, tree in zip(live, trees, strict=True)]
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> None:
-        """Commit tokens, cutting after the first stop id and at max_new_tokens."""
+        """Commit tokens, cutting after the first stop id and at max_new_tokens; a grammar whose
+        text has ended (without stop tokens to say so) ends the sequence."""
+        committed = len(seq.tokens)
         for k, token in enumerate(new_tokens):
             if token in seq.stop_ids:
                 new_tokens = new_tokens[: k + 1]
@@ -559,6 +555,10 @@ class DecodingEngine:
         seq.tokens.extend(new_tokens)
         if seq.params.stop and new_tokens:
             self._cut_at_stop_string(seq, len(new_tokens))
+        if seq.grammar is not None:
+            seq.grammar.commit(seq.tokens[committed:])
+            if seq.grammar.ended and not seq.finish_reason:
+                seq.finish_reason = "stop"
 
     def _cut_at_stop_string(self, seq: _Sequence, num_new: int) -> None:
         """End the sequence at the first token that completes a stop string.
@@ -601,11 +601,6 @@ class DecodingEngine:
         return elapsed
 
 
-def _histories(live: list[_Sequence]) -> list[TokenHistory | None]:
-    """What each sequence's penalties count (None for sequences without penalties)."""
-    return [TokenHistory(s.tokens, s.num_prompt) if s.params.has_penalties else None for s in live]
-
-
 def _live_rows(out: ForwardOutput, live: int) -> ForwardOutput:
     """The live sequences' part of a verify forward's outputs (views: nothing is copied); padding
     sequences come after them and nothing reads theirs."""
@@ -615,12 +610,16 @@ def _live_rows(out: ForwardOutput, live: int) -> ForwardOutput:
                          hidden=None if out.hidden is None else out.hidden[:live])
 
 
-def _row_logits(target: TargetAdapter, hidden: torch.Tensor):
-    """`row_logits` for `verify_greedy_by_rows`: logits of chosen (sequence, row) pairs."""
+def _row_logits(target: TargetAdapter, hidden: torch.Tensor, trees: Sequence[DraftTree],
+                controls: Sequence[RowControls]):
+    """`row_logits` for `verify_greedy_by_rows`: logits of chosen (sequence, row) pairs, each changed
+    by its sequence's logits processors (a grammar's mask) as the full verification would."""
 
     def row_logits(index: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         where = to_device(np.stack([index, rows]), hidden.device)
-        return target.logits_at(hidden[where[0], where[1]])
+        logits = target.logits_at(hidden[where[0], where[1]])
+        return controlled_logits(logits, [(trees[b], controls[b], np.asarray([row - 1]))
+                                          for b, row in zip(index.tolist(), rows.tolist(), strict=True)])
 
     return row_logits
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dart_worker.kernels import warp_for
+from dart_worker.structured_output import StructuredOutput, parse_structured_output
 from dart_worker.transfer import to_device_packed
 
 _MAX_SEED = 2**63 - 1
@@ -78,6 +79,10 @@ class SamplingParams:
     # Report log-probabilities of the generated tokens and this many top alternatives per token
     # (0 = off; dart_worker.verification.sampling_log_probs says under which distribution).
     logprobs: int = 0
+    # The shape the output must have (a JSON schema, a regex, a choice, a grammar: vLLM's options,
+    # dart_worker/structured_output.py); a mapping or its JSON text is parsed on construction.
+    # None = free text.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -116,6 +121,7 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
+        object.__setattr__(self, "structured_output", parse_structured_output(self.structured_output))
         # Normalise lists to a tuple so the dataclass stays hashable and immutable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STAGES = ("prefill", "draft", "tree", "verify", "commit")
+# "grammar": a structured-output request's grammar work of a round (cutting its tree, drafting its
+# forced text, its masks over the tree); 0 for free text.
+STAGES = ("prefill", "draft", "tree", "grammar", "verify", "commit")
 
 # The one serialisation of a request's statistics: column name -> value type ("int", "float",
 # "list[int]", "list[float]"), in output order. `RequestStats.to_row` fills exactly these; the
@@ -28,6 +30,7 @@ STAT_COLUMNS: dict[str, str] = {
     "accepted_head": "int",  # accepted draft tokens the draft head proposed
     "accepted_context": "int",  # ... that context lookup proposed (a token both proposed counts for both)
     "accepted_job_cache": "int",  # ... that the job cache (earlier rows' outputs) proposed
+    "accepted_grammar": "int",  # ... that the request's structured-output grammar forced
     **{f"{stage}_s": "float" for stage in STAGES},
     "wall_s": "float",
     "tokens_per_s": "float",
@@ -46,7 +49,8 @@ class RequestStats:
     tree_depths: list[int] = field(default_factory=list)  # deepest draft node per round
     batch_live: list[int] = field(default_factory=list)  # sequences verified together per round
     model_rounds: int = 0
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"head": 0, "context": 0, "job_cache": 0})
+    accepted_by_source: dict[str, int] = field(
+        default_factory=lambda: {"head": 0, "context": 0, "job_cache": 0, "grammar": 0})
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     wall_seconds: float = 0.0
 
@@ -117,6 +121,7 @@ class RequestStats:
             "accepted_head": self.accepted_by_source.get("head", 0),
             "accepted_context": self.accepted_by_source.get("context", 0),
             "accepted_job_cache": self.accepted_by_source.get("job_cache", 0),
+            "accepted_grammar": self.accepted_by_source.get("grammar", 0),
             **{f"{stage}_s": self.stage_seconds[stage] for stage in STAGES},
             "wall_s": self.wall_seconds,
             "tokens_per_s": self.tokens_per_second,

@@ -53,14 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_worker.sampling import (
-    SamplingParams,
-    TokenHistory,
-    apply_penalties,
-    inverse_cdf_sample,
-    position_uniforms,
-    warp_logits_to_probs,
-)
+from dart_worker.logits_processors import RowControls, controlled_logits
+from dart_worker.sampling import SamplingParams, inverse_cdf_sample, position_uniforms, warp_logits_to_probs
 from dart_worker.transfer import to_device, to_host
 from ngram_native.trees import SOURCE_COPIED, TreeLike, check_tree, children
 
@@ -230,12 +224,11 @@ def _verify_sampled(
     params: Sequence[SamplingParams],
     keys: Sequence[int],
     positions: Sequence[int],
-    histories: Sequence[TokenHistory | None],
+    controls: Sequence[RowControls],
 ) -> list[Acceptance]:
     """Coupled verification (module doc) of the sampling requests k, whose rows are
-    logits[batch_index[k]] and whose root row predicts generated index positions[k]; a request
-    with penalties has them applied to each row by its own path (`histories[k]`: its committed
-    tokens)."""
+    logits[batch_index[k]] and whose root row predicts generated index positions[k]; each row is
+    changed by request k's logits processors by its own path (`controls[k]`)."""
     device = logits.device
     count = len(trees)
     vocab = int(logits.shape[-1])
@@ -259,8 +252,8 @@ def _verify_sampled(
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
         uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
         index = to_device(np.concatenate([sequence, row]), device)
-        rows_logits = _penalised(logits[index[:num_rows], index[num_rows:]],
-                                 [(trees[k], params[k], histories[k], parent_nodes[k]) for k in chunk])
+        rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows:]],
+                                        [(trees[k], controls[k], parent_nodes[k]) for k in chunk])
         probs = warp_logits_to_probs(rows_logits, params[chunk[0]])
         draw_parts.append(inverse_cdf_sample(probs, to_device(uniforms, device)).double())
         sum_parts.append(probs.sum(dim=-1).double())
@@ -291,8 +284,8 @@ def _verify_sampled(
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
             chunk_dev = to_device(chunk, device, torch.long)
-            chunk_logits = _penalised(picked[chunk_dev], [(trees[leaves[j]], params[leaves[j]], histories[leaves[j]],
-                                                           np.asarray([leaf_node[j]])) for j in chunk])
+            chunk_logits = controlled_logits(picked[chunk_dev], [(trees[leaves[j]], controls[leaves[j]],
+                                                                  np.asarray([leaf_node[j]])) for j in chunk])
             probs = warp_logits_to_probs(chunk_logits, params[leaves[chunk[0]]])
             draws[chunk_dev] = inverse_cdf_sample(probs, to_device(uniforms[chunk], device)).double()
             sums[chunk_dev] = probs.sum(dim=-1).double()
@@ -304,37 +297,6 @@ def _verify_sampled(
         for j, k in enumerate(leaves):
             walks[k] = (walks[k][0], int(host[j]))
     return [_acceptance(t, path, bonus) for t, (path, bonus) in zip(trees, walks, strict=True)]
-
-
-def path_tokens(tree: TreeLike, nodes: Sequence[int] | np.ndarray) -> list[list[int]]:
-    """For each node (-1 = the root) the tokens from the root down to it, itself included: what a
-    row generates after the committed text (empty for the root's row)."""
-    parents = np.asarray(tree.parents).tolist()
-    tokens = np.asarray(tree.tokens).tolist()
-    out = []
-    for node in np.asarray(nodes).tolist():
-        path = []
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        out.append(path[::-1])
-    return out
-
-
-def _penalised(rows_logits: torch.Tensor, requests) -> torch.Tensor:
-    """`rows_logits` (the rows of `requests` = [(tree, params, history, nodes)], in order) with each
-    request's penalties applied per row by its node's path; unchanged when none has penalties."""
-    if not any(params.has_penalties for _, params, _, _ in requests):
-        return rows_logits
-    row_params, row_histories, row_paths = [], [], []
-    for tree, params, history, nodes in requests:
-        if params.has_penalties and history is None:
-            raise ValueError("a request with penalties needs its token history")
-        paths = path_tokens(tree, nodes)
-        row_params += [params] * len(paths)
-        row_histories += [history] * len(paths)
-        row_paths += paths
-    return apply_penalties(rows_logits, row_params, row_histories, row_paths)
 
 
 def _row_uniforms(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
@@ -375,7 +337,7 @@ def verify_batch(
     params: Sequence[SamplingParams],
     keys: Sequence[int | None] | None = None,
     positions: Sequence[int] | None = None,
-    histories: Sequence[TokenHistory | None] | None = None,
+    controls: Sequence[RowControls | None] | None = None,
 ) -> list[Acceptance]:
     """Verify B trees against the target logits of one verify forward.
 
@@ -386,13 +348,13 @@ def verify_batch(
     params[b] / keys[b]: request b's sampling parameters and uniform key (`sampling.request_key`;
     None is allowed for greedy requests); positions[b]: the generated-token index its root row
     predicts (how many tokens it has generated so far). Both may be omitted when every request is
-    greedy. histories[b]: request b's committed tokens (prompt and generated), needed only by
-    requests with penalties (`SamplingParams.has_penalties`), which are applied to every row by
-    its own path. Returns one Acceptance per tree, in order.
+    greedy. controls[b]: what changes request b's logits (its penalties' history, its grammar's
+    masks: `logits_processors.RowControls`), applied to every row by its own path; None (or
+    omitted) for a request whose logits are used as they are. Returns one Acceptance per tree.
     """
     batch = len(trees)
     keys = [None] * batch if keys is None else keys
-    histories = [None] * batch if histories is None else histories
+    controls = [c or RowControls(p) for c, p in zip([None] * batch if controls is None else controls, params)]
     if positions is None:
         if not all(p.is_greedy for p in params):
             raise ValueError("sampling requests need their keys and positions")
@@ -415,12 +377,10 @@ def verify_batch(
     if greedy:
         # max().indices is argmax with the same tie rule (first maximum) and about twice as fast
         # on CPU over a 262k vocabulary, where this is the largest cost of a round after verify.
-        # A request with penalties takes the argmax of each row's penalised logits.
+        # A request with penalties or a grammar takes the argmax of each row's changed logits.
         argmaxes = []
         for b in greedy:
-            rows = logits[b, : sizes[b] + 1]
-            if params[b].has_penalties:
-                rows = _penalised(rows, [(trees[b], params[b], histories[b], np.arange(-1, sizes[b]))])
+            rows = controlled_logits(logits[b, : sizes[b] + 1], [(trees[b], controls[b], np.arange(-1, sizes[b]))])
             argmaxes.append(rows.max(dim=-1).indices)
         (argmax,) = to_host(torch.cat(argmaxes))
         offset = 0
@@ -442,7 +402,7 @@ def verify_batch(
             [params[b] for b in sampled],
             [keys[b] for b in sampled],  # type: ignore[misc]
             [int(positions[b]) for b in sampled],
-            [histories[b] for b in sampled],
+            [controls[b] for b in sampled],
         )
         for b, acceptance in zip(sampled, accepted, strict=True):
             results[b] = acceptance
@@ -484,12 +444,14 @@ def committed_logprobs(
     logits: torch.Tensor,
     acceptances: Sequence[Acceptance],
     params: Sequence[SamplingParams],
-    histories: Sequence[TokenHistory | None],
+    controls: Sequence[RowControls | None] | None = None,
 ) -> list[TokenLogprobs | None]:
     """Per request with `params.logprobs` > 0, the logprobs of the tokens it committed this round
     (`Acceptance.tokens`), read from the rows of the verify forward that decided them (the root's
-    and the accepted nodes': `Acceptance.committed_rows`) - no extra forward. Each row is
-    penalised by its own path, as verification saw it. One transfer for the batch."""
+    and the accepted nodes': `Acceptance.committed_rows`) - no extra forward. Each row is changed
+    by the request's logits processors by its own path, as verification saw it (a grammar's
+    forbidden tokens have log-probability -inf). One transfer for the batch."""
+    controls = [c or RowControls(p) for c, p in zip([None] * len(params) if controls is None else controls, params)]
     device = logits.device
     parts, shapes = [], []
     for b, (tree, acc, p) in enumerate(zip(trees, acceptances, params, strict=True)):
@@ -498,7 +460,7 @@ def committed_logprobs(
             continue
         rows = to_device(acc.committed_rows, device)
         nodes = np.concatenate([[-1], acc.accepted]).astype(np.int64)
-        row_logits = _penalised(logits[b, rows], [(tree, p, histories[b], nodes)])
+        row_logits = controlled_logits(logits[b, rows], [(tree, controls[b], nodes)])
         logp = sampling_log_probs(row_logits, p)
         chosen = logp.gather(-1, to_device(acc.tokens, device)[:, None])
         k = min(p.logprobs, logp.shape[-1])

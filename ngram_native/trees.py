@@ -44,10 +44,12 @@ from ngram_native import _core
 SOURCE_HEAD = 1  # the draft head's distributions (chain, ddtree, dart)
 SOURCE_CONTEXT = 2  # the request's own text (context lookup)
 SOURCE_JOB_CACHE = 4  # earlier rows' finished outputs (the job-level cache of the lookup drafters)
-SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE: "job_cache"}
-# Sources that copy earlier text: accepted in long runs, unlike a head's one-level-at-a-time drafts
-# (the deferred greedy walk projects ahead through them).
-SOURCE_COPIED = SOURCE_CONTEXT | SOURCE_JOB_CACHE
+SOURCE_GRAMMAR = 8  # text a request's structured-output grammar allows alone (dart_worker/grammar.py)
+SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE: "job_cache",
+                SOURCE_GRAMMAR: "grammar"}
+# Sources accepted in long runs, unlike a head's one-level-at-a-time drafts: copied earlier text, and
+# the text a grammar forces (the deferred greedy walk projects ahead through them).
+SOURCE_COPIED = SOURCE_CONTEXT | SOURCE_JOB_CACHE | SOURCE_GRAMMAR
 
 
 class TreeLike(Protocol):

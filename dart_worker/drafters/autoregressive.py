@@ -14,6 +14,7 @@ from ngram_native.trees import DraftTree
 
 class AutoregressiveDrafter(Drafter):
     name = "ar"
+    speculates = False
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
         return [empty_tree() for _ in tokens]

@@ -116,6 +116,9 @@ class Drafter(Part, ABC):
     name: str = "?"
     # True for a `ModelDrafter`: proposing costs a model forward the engine's cost model may pause.
     has_model: bool = False
+    # False for `ar` alone: its rounds verify the root only, so the engine adds no drafts of its own
+    # (a grammar's forced text) to them and `ar` stays the plain baseline.
+    speculates: bool = True
 
     @abstractmethod
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
