@@ -92,7 +92,7 @@ class EngineBenchConfig(CellsBenchConfig):
 
 def print_table(summary: dict[str, dict]) -> None:
     print(f"{'mode':<18}{'tok/s':>8}{'total':>8}{'x ar':>7}{'tau':>6}{'tree':>6}{'agree':>7}"
-          "  ms/round (draft/tree/verify/commit)  accepted from head/context/job_cache")
+          f"  ms/round (draft/tree/verify/commit)  accepted from {'/'.join(SOURCE_NAMES.values())}")
     for mode, s in summary.items():
         stages = s.get("ms_per_round")
         stage_text = "/".join(f"{stages[k]:.1f}" for k in ("draft", "tree", "verify", "commit")) if stages else "-"

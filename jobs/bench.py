@@ -2,6 +2,7 @@
 
     python -m jobs.bench report configs/bench.yaml          # modes x temperatures x budgets: report.md + plots
     python -m jobs.bench engine num_prompts=3 max_new_tokens=48 dtype=fp32   # the engine's modes side by side
+    python -m jobs.bench structured                         # a JSON schema on every row: ar vs the default mode
     python -m jobs.bench pipeline                           # the whole Ray Data job against the engine alone
     python -m jobs.bench ngram limit=2000                   # the N-gram trie on the real corpus
     python -m jobs.bench tune_tree mode=dart                # tree settings by replay
@@ -27,6 +28,7 @@ KINDS = {
     "report": ("matrix", "every mode x temperature x budget on dev prompts: bench.json, plots, report.md"),
     "plots": ("report", "re-render a report from its bench.json, or plot a pipeline job (--job)"),
     "engine": ("engine", "the engine's modes side by side: batch sweeps, sizing, shared-prefill samples"),
+    "structured": ("structured", "JSON-schema extraction rows: ar and the default mode with the same schema"),
     "templated": ("templated", "the lookup drafters' job cache on a templated job"),
     "verify_shapes": ("verify_shapes", "verify-forward cost by batch shape, projection and cache strategy"),
     "pipeline": ("pipeline_job", "the whole Ray Data job, and the engine alone on the same prompts"),

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.drafters import SIZING_MODES, drafter_names, drafter_spec
+from dart_worker.structured_output import StructuredOutputError, check_syntax, parse_structured_output
 from ngram_native.builders import InvalidTreeParams, TreeParams
 from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_columns
 
@@ -99,6 +100,11 @@ class DecodingConfig:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the target's EOS ids
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first one
+    # The shape every output must have (a row's `structured_output` setting overrides it): null = free
+    # text, or a mapping with exactly one of vLLM's keys: json (a JSON schema, a mapping or its JSON
+    # text), json_object: true, regex, choice (a list of strings), grammar (EBNF). Lossless under every
+    # mode; forbidden drafts are cut and forced text is drafted (dart_worker/grammar.py, docs/usage.md).
+    structured_output: Any = None
     # How draft trees are built (budget = nodes per round, top_k, beam_width, the DART weights,
     # max_depth): ngram_native.trees.TreeParams, handed as is to the drafter.
     tree: TreeParams = field(default_factory=TreeParams)
@@ -154,6 +160,14 @@ class RunConfig:
     run_id: str | None = None  # default: derived from the start time
     resume: bool = False  # skip rows already written under output.url
     progress_interval_s: float = 30.0
+    # The Ray cluster to run on ("host:port" of its GCS, or ray://host:port); null: RAY_ADDRESS if set
+    # (ray job submit, KubeRay), else a private Ray started for this job on 127.0.0.1
+    # (pipeline/ray_connection.py). A named cluster that does not answer stops the job at start-up.
+    ray_address: str | None = None
+    # Object-storage I/O: a transient failure (HTTP 5xx, throttling, reset, timeout) is retried with
+    # backoff for this long after the operation's first failure; permanent ones stop at once
+    # (pipeline/io_retry.py). 0: no retries beyond the storage client's own.
+    io_retry_s: float = 600.0
 
 
 @dataclass
@@ -264,6 +278,10 @@ def validate(cfg: PipelineConfig) -> None:
           f"n={d.n} completions at temperature 0 would be {d.n} identical copies of the greedy reply: "
           "set decoding.temperature > 0 or n = 1")
     check(d.max_new_tokens >= 1, "decoding.max_new_tokens", "must be >= 1")
+    try:
+        check_syntax(parse_structured_output(d.structured_output))
+    except StructuredOutputError as exc:
+        check(False, "decoding.structured_output", str(exc))
     check(all(d.stop), "decoding.stop", "stop strings must not be empty")
     check(d.tree.budget >= 1, "decoding.tree.budget", "must be >= 1")
     check(d.sizing in SIZING_MODES, "decoding.sizing", f"must be one of {list(SIZING_MODES)}, got {d.sizing!r}")
@@ -289,6 +307,9 @@ def validate(cfg: PipelineConfig) -> None:
     check(not cfg.run.resume or o.if_exists in ("error", "resume"), "run.resume",
           f"run.resume=true resumes the output, which contradicts output.if_exists={o.if_exists}; set one of them")
     check(cfg.run.progress_interval_s > 0, "run.progress_interval_s", "must be > 0")
+    check(cfg.run.io_retry_s >= 0, "run.io_retry_s", "must be >= 0 (0: no retries beyond the storage client's own)")
+    check(cfg.run.ray_address is None or bool(cfg.run.ray_address.strip()), "run.ray_address",
+          "must be null (RAY_ADDRESS, else a private local Ray) or an address such as 10.0.0.5:6379")
     if cfg.run.run_id is not None:
         check(cfg.run.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum(), "run.run_id",
               "may hold only letters, digits, '-', '_' and '.'")

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 # Arrow types of the per-request statistics columns, which come from dart_worker.stats.STAT_COLUMNS.
 _STAT_TYPES = {"int": pa.int64(), "float": pa.float64(), "list[int]": pa.list_(pa.int64()),
                "list[float]": pa.list_(pa.float64())}
-SCHEMA_VERSION = "7"
+SCHEMA_VERSION = "8"
 # One chat message of the `messages` column (output.messages): what SFT trainers read (a list of
 # {role, content}: Hugging Face datasets, TRL's SFTTrainer).
 MESSAGE_TYPE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
@@ -66,7 +66,8 @@ ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "
                  "model_rounds": "4", "accepted_job_cache": "4", "min_p": "5", "repetition_penalty": "5",
                  "presence_penalty": "5", "frequency_penalty": "5", "logprobs": "5", "top_logprob_ids": "5",
                  "top_logprobs": "5", "sample_index": "6", "n": "6",
-                 "messages": "7"}
+                 "messages": "7", "structured_complete": "8", "accepted_grammar": "8", "grammar_s": "8",
+                 "structured_output": "8"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
@@ -79,6 +80,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
         pa.field("top_logprobs", pa.list_(pa.list_(pa.float64()))),
         pa.field("finish_reason", pa.string()),
+        pa.field("structured_complete", pa.bool_()),
         pa.field("error", pa.string()),
         *(pa.field(name, _STAT_TYPES[kind]) for name, kind in STAT_COLUMNS.items()),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
@@ -93,6 +95,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("seed", pa.int64()),
         pa.field("max_new_tokens", pa.int64()),
         pa.field("n", pa.int64()),
+        pa.field("structured_output", pa.string()),  # the row's constraint as JSON ({"json": ...}), or null
         pa.field("target_fingerprint", pa.string()),
         pa.field("head_fingerprint", pa.string()),
         pa.field("trie_fingerprint", pa.string()),
@@ -361,6 +364,26 @@ def list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -
     except Exception as e:
         raise StorageError(describe_error("list", output_url, e)) from e
     return sorted(p for p in entries if PART_NAME_PATTERN.fullmatch(posixpath.basename(p)))
+
+
+def written_rows(output_url: str, *, storage_options: dict[str, Any] | None = None) -> int:
+    """How many rows the part files under `output_url` hold, from their Parquet footers (a footer
+    that cannot be read counts nothing: resume would generate those rows again). Read-only."""
+    fs, directory = filesystem_for(output_url, storage_options)
+
+    def rows(path: str) -> int:
+        try:
+            with fs.open(path, "rb") as f:
+                return pq.ParquetFile(f).metadata.num_rows
+        except FileNotFoundError:  # removed since the listing
+            return 0
+        except pa.ArrowInvalid:  # not a readable Parquet file
+            return 0
+        except Exception as e:
+            raise StorageError(describe_error("read", url_of(fs, path), e)) from e
+
+    with ThreadPoolExecutor(_LIST_THREADS) as pool:
+        return sum(pool.map(rows, list_parts(fs, directory, output_url)))
 
 
 class _CorruptPart(Exception):

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dart_worker.sampling import SamplingParams
+from dart_worker.structured_output import StructuredOutputError, check_syntax, parse_structured_output
 
 # Setting -> what it must hold. int settings accept integral floats (a Parquet writer that went
 # through pandas stores an int column with nulls as float64), never bools or fractions.
@@ -43,6 +44,9 @@ SETTING_KINDS: dict[str, str] = {
     "seed": "int",
     "stop": "strings",
     "n": "int",  # completions of the row's prompt (row_sample_count), not a SamplingParams field
+    # A mapping with one of json / json_object / regex / choice / grammar, or its JSON text
+    # (dart_worker/structured_output.py); an invalid schema, regex or grammar is the row's error.
+    "structured_output": "structured",
 }
 SETTING_NAMES = tuple(SETTING_KINDS)
 # Most completions one row may ask for: a row's n is input data, and n sequences (and output rows)
@@ -78,16 +82,19 @@ def encode_settings(values: Mapping[str, Any]) -> tuple[str | None, str | None]:
     if not present:
         return None, None
     for name, value in present.items():
-        if not _json_plain(value):
+        if not _json_plain(value, mappings=SETTING_KINDS.get(name) == "structured"):
             return None, f"setting {name!r} holds a {type(value).__name__}, which no setting accepts"
     return json.dumps(present, ensure_ascii=False, allow_nan=True), None
 
 
-def _json_plain(value: Any) -> bool:
+def _json_plain(value: Any, mappings: bool = False) -> bool:
+    """Can JSON hold `value` as it is? Mappings (with string keys) only where the setting takes one."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
     if isinstance(value, (list, tuple)):
-        return all(_json_plain(v) for v in value)
+        return all(_json_plain(v, mappings) for v in value)
+    if mappings and isinstance(value, Mapping):
+        return all(isinstance(k, str) and _json_plain(v, mappings) for k, v in value.items())
     return False
 
 
@@ -116,6 +123,13 @@ def checked_setting(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SettingError(f"setting {name!r} must be a number, got {value!r}")
         return float(value)
+    if kind == "structured":
+        try:
+            constraint = parse_structured_output(value)
+            check_syntax(constraint)
+        except StructuredOutputError as exc:
+            raise SettingError(f"setting {name!r}: {exc}") from None
+        return constraint
     # strings: one stop string or a list of them
     if isinstance(value, str):
         value = [value]
@@ -135,6 +149,7 @@ def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], s
         raise SettingError(f"setting 'seed' must be in [0, 2**63), got {base_seed}")
     fields = {name: getattr(defaults, name) for name in SETTING_KINDS if name not in ("seed", "n")}
     fields["stop_token_ids"] = defaults.stop_token_ids
+    fields["structured_output"] = defaults.structured_output
     fields.update(values)
     try:
         return SamplingParams(seed=seed_of(base_seed), **fields)

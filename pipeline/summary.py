@@ -27,9 +27,10 @@ SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 MAX_SETTING_GROUPS = 64
 STAT_COLUMNS = ("row_key", "id", "error", "mode", "num_generated_tokens", "tau", "rounds", "wall_s",
                 "mean_tree_size", "mean_batch_live", "model_rounds", "finish_reason", "accepted_head",
-                "accepted_context", "accepted_job_cache", "sample_index", "n", *SETTING_COLUMNS)
+                "accepted_context", "accepted_job_cache", "accepted_grammar", "sample_index", "n", *SETTING_COLUMNS)
 
-ACCEPTED_SOURCES = ("accepted_head", "accepted_context", "accepted_job_cache")  # per-row provenance columns
+# Per-row provenance columns.
+ACCEPTED_SOURCES = ("accepted_head", "accepted_context", "accepted_job_cache", "accepted_grammar")
 
 
 @dataclass
@@ -164,7 +165,7 @@ def sampling_in_force(config: dict) -> dict[str, Any]:
     """The config's sampling settings (decoding.*): what every row without settings of its own used."""
     decoding = config.get("decoding", {})
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "n", "seed", "max_new_tokens", "logprobs", "stop", "stop_token_ids")
+             "n", "seed", "max_new_tokens", "logprobs", "stop", "stop_token_ids", "structured_output")
     return {name: decoding.get(name) for name in names if name in decoding}
 
 

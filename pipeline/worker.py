@@ -263,7 +263,7 @@ class GenerationWorker:
                               repetition_penalty=d.repetition_penalty, presence_penalty=d.presence_penalty,
                               frequency_penalty=d.frequency_penalty, logprobs=d.logprobs, seed=d.seed,
                               max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
-                              stop=tuple(d.stop))
+                              stop=tuple(d.stop), structured_output=d.structured_output)
 
     def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None, sample: int = 0,
              n: int = 1) -> dict:
@@ -292,6 +292,9 @@ class GenerationWorker:
             "mode": d.mode,
             **{name: getattr(params, name) if params else None for name in _SETTING_COLUMNS},
             **{name: getattr(result, name) if ok else None for name in ("logprobs", "top_logprob_ids", "top_logprobs")},
+            "structured_complete": result.structured_complete if ok else None,
+            "structured_output": (json.dumps(params.structured_output.to_dict(), ensure_ascii=False)
+                                  if params is not None and params.structured_output is not None else None),
             "target_fingerprint": self.resolved.get("target_fingerprint"),
             "head_fingerprint": self.resolved.get("head_fingerprint"),
             "trie_fingerprint": self.resolved.get("trie_fingerprint"),

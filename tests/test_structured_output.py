@@ -200,8 +200,8 @@ def test_cut_and_masks_equal_a_fresh_matcher_per_node(tokenizer, tree, which, pr
     before = state.masks(DraftTree(*(np.zeros(0, np.int32),) * 3))[0].clone()
     cut = state.cut(tree)
     kept = {tuple(path_of(cut, i)) for i in range(cut.size)}
-    expected = {tuple(path_of(tree, i)) for i in range(tree.size) if fresh_mask(book, constraint, prefix + path_of(tree, i))
-                is not None}
+    expected = {tuple(path_of(tree, i)) for i in range(tree.size)
+                if fresh_mask(book, constraint, prefix + path_of(tree, i)) is not None}
     assert kept == expected
     masks = state.masks(cut)
     assert torch.equal(masks[0], fresh_mask(book, constraint, prefix))
@@ -368,7 +368,8 @@ def test_greedy_deferred_logits_mask_the_rows_the_walk_reads(model, tokenizer, t
     head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4)
     outputs = []
     for defer in (True, False):
-        parts = EngineParts(target=TargetAdapter(model), head=head, trie=trie, eos_token_ids=(EOS,), tokenizer=tokenizer)
+        parts = EngineParts(target=TargetAdapter(model), head=head, trie=trie, eos_token_ids=(EOS,),
+                            tokenizer=tokenizer)
         engine = build_engine(parts, "dart_lookup", TreeParams(), defer_logits=defer)
         params = [SamplingParams(temperature=0.0, max_new_tokens=40, structured_output=c) for c in CONSTRAINTS]
         outputs.append([r.token_ids for r in engine.generate([[5, 6, 7]] * len(CONSTRAINTS), params)])
@@ -420,7 +421,7 @@ def exact_completions(model, tokenizer, prompt, constraint, temperature):
         probs = masked.softmax(-1)
         for t in allowed:
             if probs[t] > 0:
-                expand(path + [t], prob * float(probs[t]))
+                expand([*path, t], prob * float(probs[t]))
 
     expand([], 1.0)
     return out
