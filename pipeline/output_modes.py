@@ -205,18 +205,22 @@ class OutputPlan:
         return (f"{there}: this run ({self.run_id!r}) writes to {self.write_url} and replaces it only once it "
                 f"has finished{pending}")
 
-    def failure_note(self, rows_this_run: int, rows_earlier: int) -> str:
-        """What a run that stopped mid-job leaves, and how to finish it."""
+    def failure_note(self, rows_this_run: int, rows_earlier: int, *, exact: bool = True,
+                     cause: str = "once the cause is fixed") -> str:
+        """What a run that stopped mid-job leaves, and how to finish it. `rows_this_run`: rows of
+        this run on storage (`exact`), or, when the store could not be read, the driver's count,
+        a lower bound; `cause`: what must happen before the rerun."""
+        rows = f"{rows_this_run} rows" if exact else f"at least {rows_this_run} rows"
         if self.stages:
-            return (f"the job stopped; {self.url} is untouched (this run's {rows_this_run} rows under "
-                    f"{self.write_url} are not committed): once the cause is fixed, rerun the same command "
+            return (f"the job stopped; {self.url} is untouched (this run's {rows} under "
+                    f"{self.write_url} are not committed): {cause}, rerun the same command "
                     f"(the replacement starts over)")
         resume = "rerun with run.resume=true"
         if self.write_url != self.url:
             resume = f"rerun with output.url={self.write_url} run.run_id={self.run_id} run.resume=true"
         return (f"the job stopped; every part already written under {self.write_url} is kept "
-                f"({rows_this_run} rows reported by this run, {rows_earlier} by earlier ones): once the cause is "
-                f"fixed, {resume} to generate the rest")
+                f"({rows} of this run on storage, {rows_earlier} of earlier runs): {cause}, {resume} "
+                f"to generate the rest")
 
     def job_config(self, cfg: PipelineConfig) -> PipelineConfig:
         """`cfg` as the job runs it: its parts go to `write_url`, its rows carry `run_id`."""

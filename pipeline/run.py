@@ -1,7 +1,8 @@
 """Batch generation job: `python -m pipeline.run config.yaml [key=value ...] [--dry-run]`.
 
-Locally this starts a Ray instance; under `ray job submit` (or with RAY_ADDRESS set) it joins
-the cluster. The flow:
+Without an address this starts a private Ray instance on 127.0.0.1; with `run.ray_address` or
+RAY_ADDRESS (as under `ray job submit`) it joins that cluster only (pipeline/ray_connection.py).
+The flow:
 
     inputs (fsspec: s3://, file://, ...) --Ray Data read--> prompt rows (bad rows -> error rows)
       -> drop rows already written (resume) -> GenerationWorker actor pool (one engine each)
@@ -16,7 +17,9 @@ state and the worker plan, and exits 0 without starting Ray (pipeline/dry_run.py
 Exit status: 0 when every input row has its output row (bad rows are error rows, not failures);
 2 for a problem found before any generation (config, artifacts, an input file that cannot be
 read); 1 when reading an input or writing a part fails for an I/O reason after generation began:
-the message names the file, the parts written stay, and `run.resume=true` finishes the job.
+the message names the file, the parts written stay, and `run.resume=true` finishes the job;
+128 + the signal's number (143, 130) when SIGTERM or SIGINT stopped it: the parts written stay, and
+the note says how to resume.
 """
 
 from __future__ import annotations
@@ -39,8 +42,16 @@ from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, PromptFields, scan_prompts
 from pipeline.ngram_store import shutdown_ngram_stores
 from pipeline.output_modes import commit_output, open_output
-from pipeline.outputs import ResumeProgress, filter_done, remove_temp_files, resume_progress, write_part
+from pipeline.outputs import (
+    ResumeProgress,
+    filter_done,
+    remove_temp_files,
+    resume_progress,
+    write_part,
+    written_rows,
+)
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
+from pipeline.ray_connection import JobStopped, RayTarget, check_reachable, job_ray, ray_target, stop_on_signals
 from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
@@ -133,14 +144,14 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
     return ds, duplicates
 
 
-def check_cpu_budget(cfg: PipelineConfig) -> None:
+def check_cpu_budget(cfg: PipelineConfig, target: RayTarget | None = None) -> None:
     """Workers that reserve every CPU leave none for the read and write tasks: Ray Data then
     waits forever. On a cluster started here that is certain, so it is an error; on an external
     cluster the autoscaler may add nodes, so it is a warning."""
     message = cpu_budget_problem(cfg, ray.cluster_resources().get("CPU", 0.0))
     if message is None:
         return
-    if os.environ.get("RAY_ADDRESS"):
+    if (target or ray_target(cfg.run.ray_address)).address is not None:
         log.warning("%s (waiting for the autoscaler to add CPUs)", message)
     else:
         raise StartupError(message)
@@ -150,7 +161,27 @@ def run_id_of(cfg: PipelineConfig) -> str:
     return cfg.run.run_id or time.strftime("run-%Y%m%d-%H%M%S")
 
 
+def rows_on_storage(url: str, counted_by_driver: int, earlier: int) -> tuple[int, bool]:
+    """(rows of this run durable under `url`, whether that is exact): read from the parts' footers,
+    as a rerun will find them. The driver's own tally lags behind (a write task has finished before
+    its result reaches the driver), so it is only the fallback, a lower bound, when the store cannot
+    be read."""
+    try:
+        return max(0, written_rows(url) - earlier), True
+    except Exception as exc:  # the store that stopped the job may not answer a listing either
+        log.warning("cannot count the rows under %s (%s); the driver's count is a lower bound", url, exc)
+        return counted_by_driver, False
+
+
+def stop_note(plan, tally: RunTally, progress: ResumeProgress, cause: str = "once the cause is fixed") -> str:
+    """What a job that stops mid-way leaves, with the rows counted on storage."""
+    rows, exact = rows_on_storage(plan.write_url, tally.rows, progress.rows_written)
+    return plan.failure_note(rows, progress.rows_written, exact=exact, cause=cause)
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
+    target = ray_target(cfg.run.ray_address)
+    check_reachable(target)  # before the artifacts: a cluster that is not there fails in seconds
     run_id = run_id_of(cfg)
     resolved = resolve_artifacts(cfg, run_id)
     # An output holding rows stops the run here unless output.if_exists says what to do with them.
@@ -169,15 +200,36 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         partly = f" ({len(progress.partial)} of them partly)" if progress.partial else ""
         print(f"resume: {progress.rows_written} rows already written under {cfg.output.url} for "
               f"{len(progress.done) + len(progress.partial)} input rows{partly}; generating the rest")
-    ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)
-    check_cpu_budget(cfg)
+    tally = RunTally()
+    try:
+        with job_ray(target):
+            log.info("running on %s", target.describe())
+            duplicates = generate(cfg, resolved, done_keys, target, tally, plan, progress)
+    except JobStopped as stop:
+        stop.note = stop_note(plan, tally, progress, cause="when it may run again")
+        raise
+    print(tally.progress_line())
+    summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=progress.rows_written,
+                            duplicates=duplicates, output_totals=output_totals(cfg.output.url),
+                            output_plan=plan.as_dict())
+    fs, path = filesystem_for(cfg.output.url)
+    with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
+        f.write(json.dumps(summary, indent=1, default=str))
+    commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
+    return summary
+
+
+def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str], target: RayTarget,
+             tally: RunTally, plan, progress: ResumeProgress) -> dict:
+    """Every pending row through the workers and into parts, on the Ray this process is connected
+    to; rows are tallied into `tally` as their results arrive. Returns the duplicate ids found."""
+    check_cpu_budget(cfg, target)
     try:
         device = probe_workers(cfg)
     except DeviceUnavailable as exc:
         raise StartupError(f"model.device: {exc}") from None
     log.info("workers decode on %s (%s, %s; kernels %s)", device["device"], device.get("gpu_name", device["node"]),
              device["dtype"], device["kernels"])
-    tally = RunTally()
     try:
         try:  # reads every input once (the duplicate-id pass): an unreadable file stops the job here
             ds, duplicates = build_dataset(cfg, resolved, done_keys)
@@ -197,18 +249,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
             reason = storage_failure(exc)
             if reason is None:
                 raise
-            raise JobFailed(f"{reason}\n  {plan.failure_note(tally.rows, progress.rows_written)}") from None
+            raise JobFailed(f"{reason}\n  {stop_note(plan, tally, progress)}") from None
     finally:
         shutdown_ngram_stores()
-    print(tally.progress_line())
-    summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=progress.rows_written,
-                            duplicates=duplicates, output_totals=output_totals(cfg.output.url),
-                            output_plan=plan.as_dict())
-    fs, path = filesystem_for(cfg.output.url)
-    with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
-        f.write(json.dumps(summary, indent=1, default=str))
-    commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
-    return summary
+    return duplicates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,19 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.dry_run:
-            from pipeline.dry_run import dry_run, format_report
+        with stop_on_signals():
+            cfg = load_config(args.config, args.overrides)
+            if args.dry_run:
+                from pipeline.dry_run import dry_run, format_report
 
-            print(format_report(dry_run(cfg, run_id_of(cfg))))
-            return 0
-        summary = run_pipeline(cfg)
+                target = ray_target(cfg.run.ray_address)
+                check_reachable(target)
+                print(format_report(dry_run(cfg, run_id_of(cfg))))
+                print(f"ray: {target.describe()}" + (" (answered)" if target.address else ""))
+                return 0
+            summary = run_pipeline(cfg)
     except (ConfigError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except JobStopped as stop:
+        print(f"stopped by {stop}: {stop.note or 'before any row was generated; nothing was written'}",
+              file=sys.stderr)
+        return stop.exit_status
     this = summary["this_run"]
     print(json.dumps({k: this[k] for k in ("rows", "rows_ok", "rows_failed", "generated_tokens", "tokens_per_s")}
                      | {"mean_tau": this["tau"].get("mean"), "output": summary["output"]}, indent=1))
@@ -240,4 +292,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status >= 128:  # stopped by a signal: Ray is already shut down and the note printed, so the
+        # interpreter's teardown (seconds of Ray's and torch's native destructors) is skipped
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
