@@ -44,6 +44,7 @@ from dart_worker.verification import (
     Acceptance,
     TokenLogprobs,
     committed_logprobs,
+    prompt_logprobs,
     verify_batch,
     verify_greedy_by_rows,
 )
@@ -65,6 +66,12 @@ class GenerationResult:
     logprobs: list[float] | None = None
     top_logprob_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # With SamplingParams.prompt_logprobs = k > 0: per prompt token its log-probability under the target
+    # after the tokens before it (None for the first, which has nothing before it), and the ids and
+    # log-probabilities of the k most likely tokens at its position (None for the first).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprob_ids: list[list[int] | None] | None = None
+    prompt_top_logprobs: list[list[float] | None] | None = None
     # With SamplingParams.structured_output: whether the output is a whole sentence of its grammar
     # (a record that validates, a full match); False when max_new_tokens cut it short. None: free text.
     structured_complete: bool | None = None
@@ -88,6 +95,7 @@ class _Sequence:
     sample: int = 0  # which of its prompt's completions (generate_samples)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its trees against the sizer's table
     grammar: GrammarState | None = None  # its structured-output matcher, at its committed tokens
+    prompt_logprobs: TokenLogprobs | None = None  # with params.prompt_logprobs > 0, from its prefill
 
     @property
     def generated(self) -> list[int]:
@@ -256,6 +264,11 @@ class DecodingEngine:
             result.top_logprobs = np.concatenate([r.top_logprobs for r in seq.logprobs])[:n].tolist()
         if seq.grammar is not None:
             result.structured_complete = seq.grammar.complete
+        if seq.prompt_logprobs is not None:
+            lp = seq.prompt_logprobs
+            result.prompt_logprobs = [None, *lp.chosen.tolist()]
+            result.prompt_top_logprob_ids = [None, *lp.top_ids.tolist()]
+            result.prompt_top_logprobs = [None, *lp.top_logprobs.tolist()]
         return result
 
     # ---------------------------------------------------------------- set-up
@@ -442,7 +455,14 @@ class DecodingEngine:
         t0 = self._now()
         for seq in joining:
             seq.started = time.perf_counter()
-        out = target.prefill(fresh, [group[0].tokens for group in groups])
+        wanted = [max(s.params.prompt_logprobs for s in group) for group in groups]
+        out = target.prefill(fresh, [group[0].tokens for group in groups], keep_hidden=any(wanted))
+        for g, (group, k) in enumerate(zip(groups, wanted)):  # a prompt's completions share its logprobs
+            if k:
+                scored = prompt_logprobs(target.logits_at, out.hidden[g], group[0].tokens, k)
+                for seq in group:
+                    if seq.params.prompt_logprobs:
+                        seq.prompt_logprobs = _first_k(scored, seq.params.prompt_logprobs)
         logits, taps = out.logits, out.taps
         if len(joining) > len(groups):
             order = [g for g, group in enumerate(groups) for _ in group]
@@ -486,14 +506,16 @@ class DecodingEngine:
         the sizer wants it, and the trees are cut to the size the cost model chooses; `draining`
         (no request waits for a slot) hands it each row's tokens left and pace, since the batch
         then ends with its longest row (`TreeSizer.drain`). Model work is charged as 'draft',
-        building the trees as 'tree'.
+        building the trees as 'tree'. A structured-output request's trees are cut to what its
+        grammar allows and carry its forced text (`_constrained`), even while drafting pauses:
+        that text costs no model and is accepted almost surely.
         """
         caps = self._depth_caps(live, state)
         if max(caps) == 0:
             return [empty_tree() for _ in live], 0.0, False
         drafter, sizer = self.drafter, self.sizer
         if sizer is not None and not sizer.drafting_wanted():
-            return [empty_tree() for _ in live], 0.0, False
+            return self._constrained([empty_tree() for _ in live], live, caps), 0.0, False
         model_on = drafter.has_model and (sizer is None or sizer.model_wanted())
         t0 = self._now()
         if drafter.has_model:
@@ -502,10 +524,7 @@ class DecodingEngine:
         t0 = self._now()
         trees = drafter.propose([s.tokens for s in live], caps)
         tree_seconds = self._charge(live, "tree", t0)
-        if any(s.grammar is not None for s in live):  # forbidden drafts out, forced text in
-            t0 = self._now()
-            trees = constrain_trees(trees, [s.grammar for s in live], caps, draft_forced=drafter.speculates)
-            self._charge(live, "grammar", t0)
+        trees = self._constrained(trees, live, caps)
         if sizer is None:
             return trees, model_seconds, model_on
         if model_on:
@@ -517,6 +536,16 @@ class DecodingEngine:
                           full_logits=not self._defers(live), remaining=remaining, paces=paces,
                           rows=[s.acceptance for s in live])
         return sized.trees, model_seconds, model_on
+
+    def _constrained(self, trees: list[DraftTree], live: list[_Sequence], caps: list[int]) -> list[DraftTree]:
+        """The grammar as a drafter (`drafters.grammar.constrain_trees`): forbidden drafts out, forced
+        text in, for the sequences with a structured-output constraint; charged as 'grammar'."""
+        if all(s.grammar is None for s in live):
+            return trees
+        t0 = self._now()
+        trees = constrain_trees(trees, [s.grammar for s in live], caps, draft_forced=self.drafter.speculates)
+        self._charge(live, "grammar", t0)
+        return trees
 
     def _depth_caps(self, live: list[_Sequence], state) -> list[int]:
         """Deepest draft node worth verifying per sequence: tokens left and context room."""
@@ -599,6 +628,11 @@ class DecodingEngine:
         for seq in live:
             seq.stats.stage_seconds[stage] += elapsed
         return elapsed
+
+
+def _first_k(scored: TokenLogprobs, k: int) -> TokenLogprobs:
+    """`scored` with only its k most likely alternatives per position."""
+    return TokenLogprobs(scored.chosen, scored.top_ids[:, :k], scored.top_logprobs[:, :k])
 
 
 def _live_rows(out: ForwardOutput, live: int) -> ForwardOutput:

@@ -83,6 +83,9 @@ class SamplingParams:
     # dart_worker/structured_output.py); a mapping or its JSON text is parsed on construction.
     # None = free text.
     structured_output: StructuredOutput | None = None
+    # Report each prompt token's log-probability and this many top alternatives (0 = off): computed
+    # from the prefill's hidden states, so the prompt rows go through the LM head only when asked.
+    prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -95,6 +98,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=0)
         _check_int("logprobs", self.logprobs, minimum=0)
+        _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -402,9 +402,11 @@ class TargetAdapter:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def prefill(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
+    def prefill(self, state: TargetState, prompts: Sequence[Sequence[int]], keep_hidden: bool = False) -> ForwardOutput:
         """Forward whole prompts; logits only at each last token. Afterwards sequence b holds
-        len(prompts[b]) committed tokens.
+        len(prompts[b]) committed tokens. `keep_hidden`: also return the final hidden states of
+        every prompt row (`ForwardOutput.hidden`, [B, S, hidden]), from which `logits_at` gives
+        any row's logits (prompt logprobs) without projecting every row to the vocabulary here.
 
         A right-padded block costs its longest prompt's length for every row, and prompt lengths
         are heavy-tailed (16 ShareGPT prompts: 5x as many padded tokens as real ones), so a fresh
@@ -414,11 +416,11 @@ class TargetAdapter:
         """
         groups = prefill_groups([len(p) for p in prompts])
         if len(groups) == 1 or state.cache_len():
-            return self._prefill_block(state, prompts)
+            return self._prefill_block(state, prompts, keep_hidden)
         outs, joined = [], None
         for group in groups:
             part = TargetState(GrowingCache(), state.lengths[group])
-            outs.append(self._prefill_block(part, [prompts[i] for i in group]))
+            outs.append(self._prefill_block(part, [prompts[i] for i in group], keep_hidden))
             if joined is None:
                 joined = part
             else:
@@ -432,9 +434,12 @@ class TargetAdapter:
         taps = torch.cat([_pad_slots(out.taps, width) for out in outs])
         index = per_device(inverse)  # logits on the LM head's device, taps on the engine's
         logits = torch.cat([out.logits for out in outs])
-        return ForwardOutput(logits=logits[index(logits.device)], taps=taps[index(taps.device)])
+        hidden = torch.cat([_pad_slots(out.hidden, width) for out in outs]) if keep_hidden else None
+        return ForwardOutput(logits=logits[index(logits.device)], taps=taps[index(taps.device)],
+                             hidden=None if hidden is None else hidden[index(hidden.device)])
 
-    def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]]) -> ForwardOutput:
+    def _prefill_block(self, state: TargetState, prompts: Sequence[Sequence[int]],
+                       keep_hidden: bool = False) -> ForwardOutput:
         """`prefill` in one forward: prompts right-padded into one block."""
         device = self.device
         lengths = np.array([len(p) for p in prompts], dtype=np.int64)
@@ -450,7 +455,10 @@ class TargetAdapter:
         causal = col[None, :, None] >= col[None, None, :]
         # Padding rows attend to themselves only, so no softmax runs over an empty row.
         block = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-        out = self.forward(state, input_ids, positions, block, logit_rows=last[:, :1])
+        out = self.forward(state, input_ids, positions, block, logit_rows=last[:, :1], defer_logits=keep_hidden)
+        if keep_hidden:  # the last rows' logits from the kept states, as `forward` computes them
+            last_rows = torch.take_along_dim(out.hidden, move_to(last[:, :1, None], out.hidden.device), dim=1)
+            out = ForwardOutput(logits=self.logits_at(last_rows), taps=out.taps, hidden=out.hidden)
         state.lengths = state.lengths + lengths
         self._crop(state, int(state.lengths.max()))
         return out

@@ -479,3 +479,34 @@ def committed_logprobs(
         offset += n * (2 * k + 1)
         out.append(TokenLogprobs(block[:, 0], block[:, 1 : k + 1].astype(np.int64), block[:, k + 1 :]))
     return out
+
+
+# Prompt rows projected to the vocabulary at a time (`prompt_logprobs`): [rows, V] float32 logits of
+# a 262k vocabulary are 1 MB a row, so a long prompt is never projected whole.
+_PROMPT_CHUNK = 64
+
+
+def prompt_logprobs(logits_at: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    prompt: Sequence[int], k: int) -> TokenLogprobs:
+    """Log-probabilities of a prompt's tokens after the first (each under the target's raw
+    distribution after the tokens before it, log-softmax at temperature 1, as vLLM's prompt_logprobs
+    reports them: no request setting applies to text the request did not sample) and the `k` most
+    likely tokens at each of those positions. `hidden`: the prompt's final hidden states [S, hidden]
+    (row i predicts token i + 1); `logits_at` projects rows of them to the vocabulary, a chunk at a
+    time. One transfer per chunk."""
+    n = len(prompt) - 1
+    if n <= 0:
+        return TokenLogprobs(np.zeros(0), np.zeros((0, k), np.int64), np.zeros((0, k)))
+    chosen, ids, values = [], [], []
+    for start in range(0, n, _PROMPT_CHUNK):
+        rows = range(start, min(n, start + _PROMPT_CHUNK))
+        logp = logits_at(hidden[rows.start : rows.stop]).float().log_softmax(dim=-1)
+        nxt = to_device(np.asarray(prompt[rows.start + 1 : rows.stop + 1], dtype=np.int64), logp.device)
+        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        (host,) = to_host(torch.cat([logp.gather(-1, nxt[:, None]).double(), top.indices.double(),
+                                     top.values.double()], dim=-1))
+        width = top.indices.shape[-1]
+        chosen.append(host[:, 0])
+        ids.append(host[:, 1 : width + 1].astype(np.int64))
+        values.append(host[:, width + 1 :])
+    return TokenLogprobs(np.concatenate(chosen), np.concatenate(ids), np.concatenate(values))

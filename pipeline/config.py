@@ -92,6 +92,10 @@ class DecodingConfig:
     # > 0: write each generated token's log-probability and the top-k alternatives (output columns
     # logprobs, top_logprob_ids, top_logprobs; docs/output_schema.md), from the verify forward.
     logprobs: int = 0
+    # > 0: each prompt token's log-probability under the target and the top-k alternatives (output
+    # columns prompt_logprobs, prompt_top_logprob_ids, prompt_top_logprobs), from the prefill: the
+    # prompt's rows go through the LM head only when asked (about one verify row's projection each).
+    prompt_logprobs: int = 0
     seed: int = 0  # per-row seeds derive from (seed, row key): reproducible whatever the batching
     # Completions per prompt (the row's `n` setting overrides it). They share one prefill (the prompt's
     # KV cache rows are copied) and each has its own seed, from (seed, row key, sample index); output
@@ -272,6 +276,7 @@ def validate(cfg: PipelineConfig) -> None:
     check(-2 <= d.presence_penalty <= 2, "decoding.presence_penalty", "must be in [-2, 2] (0 = off)")
     check(-2 <= d.frequency_penalty <= 2, "decoding.frequency_penalty", "must be in [-2, 2] (0 = off)")
     check(d.logprobs >= 0, "decoding.logprobs", "must be >= 0 (0 = off)")
+    check(d.prompt_logprobs >= 0, "decoding.prompt_logprobs", "must be >= 0 (0 = off)")
     check(d.seed >= 0, "decoding.seed", "must be >= 0")
     check(1 <= d.n <= MAX_SAMPLES, "decoding.n", f"must be in [1, {MAX_SAMPLES}]")
     check(d.n == 1 or d.temperature > 0, "decoding.n",

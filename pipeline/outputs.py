@@ -67,7 +67,8 @@ ADDED_COLUMNS = {"finished_at": "2", "accepted_head": "3", "accepted_context": "
                  "presence_penalty": "5", "frequency_penalty": "5", "logprobs": "5", "top_logprob_ids": "5",
                  "top_logprobs": "5", "sample_index": "6", "n": "6",
                  "messages": "7", "structured_complete": "8", "accepted_grammar": "8", "grammar_s": "8",
-                 "structured_output": "8"}
+                 "structured_output": "8", "prompt_logprobs": "8", "prompt_top_logprob_ids": "8",
+                 "prompt_top_logprobs": "8"}
 OUTPUT_SCHEMA = pa.schema(
     [
         pa.field("row_key", pa.string(), nullable=False),
@@ -79,6 +80,9 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("logprobs", pa.list_(pa.float64())),
         pa.field("top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
         pa.field("top_logprobs", pa.list_(pa.list_(pa.float64()))),
+        pa.field("prompt_logprobs", pa.list_(pa.float64())),  # first entry null: nothing precedes it
+        pa.field("prompt_top_logprob_ids", pa.list_(pa.list_(pa.int32()))),
+        pa.field("prompt_top_logprobs", pa.list_(pa.list_(pa.float64()))),
         pa.field("finish_reason", pa.string()),
         pa.field("structured_complete", pa.bool_()),
         pa.field("error", pa.string()),

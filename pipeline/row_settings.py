@@ -41,6 +41,7 @@ SETTING_KINDS: dict[str, str] = {
     "presence_penalty": "float",
     "frequency_penalty": "float",
     "logprobs": "int",
+    "prompt_logprobs": "int",
     "seed": "int",
     "stop": "strings",
     "n": "int",  # completions of the row's prompt (row_sample_count), not a SamplingParams field

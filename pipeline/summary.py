@@ -165,7 +165,8 @@ def sampling_in_force(config: dict) -> dict[str, Any]:
     """The config's sampling settings (decoding.*): what every row without settings of its own used."""
     decoding = config.get("decoding", {})
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "n", "seed", "max_new_tokens", "logprobs", "stop", "stop_token_ids", "structured_output")
+             "n", "seed", "max_new_tokens", "logprobs", "prompt_logprobs", "stop", "stop_token_ids",
+             "structured_output")
     return {name: decoding.get(name) for name in names if name in decoding}
 
 

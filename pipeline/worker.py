@@ -261,7 +261,8 @@ class GenerationWorker:
         d = self.cfg.decoding
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
                               repetition_penalty=d.repetition_penalty, presence_penalty=d.presence_penalty,
-                              frequency_penalty=d.frequency_penalty, logprobs=d.logprobs, seed=d.seed,
+                              frequency_penalty=d.frequency_penalty, logprobs=d.logprobs,
+                              prompt_logprobs=d.prompt_logprobs, seed=d.seed,
                               max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
                               stop=tuple(d.stop), structured_output=d.structured_output)
 
@@ -291,7 +292,9 @@ class GenerationWorker:
             **result.stats.to_row(),
             "mode": d.mode,
             **{name: getattr(params, name) if params else None for name in _SETTING_COLUMNS},
-            **{name: getattr(result, name) if ok else None for name in ("logprobs", "top_logprob_ids", "top_logprobs")},
+            **{name: getattr(result, name) if ok else None for name in ("logprobs", "top_logprob_ids", "top_logprobs",
+                                                                      "prompt_logprobs", "prompt_top_logprob_ids",
+                                                                      "prompt_top_logprobs")},
             "structured_complete": result.structured_complete if ok else None,
             "structured_output": (json.dumps(params.structured_output.to_dict(), ensure_ascii=False)
                                   if params is not None and params.structured_output is not None else None),
