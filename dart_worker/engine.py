@@ -568,9 +568,9 @@ class DecodingEngine:
                 for seq, tree in zip(live, trees, strict=True)]
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> None:
-        """Commit tokens, cutting after the first stop id and at max_new_tokens; a grammar whose
-        text has ended (without stop tokens to say so) ends the sequence."""
-        committed = len(seq.tokens)
+        """Commit tokens, cutting after the first stop id, at max_new_tokens and after the token
+        that ends a grammar's text (a grammar without stop tokens ends the sequence there: plain
+        decoding would have stopped after that token too)."""
         for k, token in enumerate(new_tokens):
             if token in seq.stop_ids:
                 new_tokens = new_tokens[: k + 1]
@@ -581,16 +581,20 @@ class DecodingEngine:
             if len(new_tokens) > room or not seq.finish_reason:
                 seq.finish_reason = "length"
             new_tokens = new_tokens[:room]
+        if seq.grammar is not None:
+            taken = seq.grammar.commit(new_tokens)
+            if taken < len(new_tokens) or (seq.grammar.ended and not seq.finish_reason):
+                new_tokens = new_tokens[:taken]
+                seq.finish_reason = "stop"
         seq.tokens.extend(new_tokens)
         if seq.params.stop and new_tokens:
-            self._cut_at_stop_string(seq, len(new_tokens))
-        if seq.grammar is not None:
-            seq.grammar.commit(seq.tokens[committed:])
-            if seq.grammar.ended and not seq.finish_reason:
-                seq.finish_reason = "stop"
+            dropped = self._cut_at_stop_string(seq, len(new_tokens))
+            if dropped and seq.grammar is not None:
+                seq.grammar.rollback(dropped)
 
-    def _cut_at_stop_string(self, seq: _Sequence, num_new: int) -> None:
-        """End the sequence at the first token that completes a stop string.
+    def _cut_at_stop_string(self, seq: _Sequence, num_new: int) -> int:
+        """End the sequence at the first token that completes a stop string; returns how many
+        committed tokens it dropped.
 
         Only an occurrence that ends in the text of the `num_new` tokens just committed is new
         (earlier text was checked on earlier rounds); the committed tokens after the completing
@@ -605,11 +609,13 @@ class DecodingEngine:
             window_start = max(0, before - longest + 1)
             hits = [i for s in seq.params.stop if (i := text.find(s, window_start)) >= 0]
             if hits:
+                dropped = len(generated) - end
                 del seq.tokens[seq.num_prompt + end :]
                 seq.text_end = min(hits)
                 seq.finish_reason = "stop"
-                return
+                return dropped
             before = len(text)
+        return 0
 
     def _finish_at_context_limit(self, live: list[_Sequence], state) -> None:
         """Stop sequences whose committed tokens (cached + root) fill the target's context."""

@@ -117,13 +117,21 @@ class GrammarState:
 
     # ------------------------------------------------------------------ committed text
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Advance over tokens the request committed."""
-        for token in tokens:
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Advance over tokens the request committed, up to the end of the grammar's text; returns
+        how many it took (fewer than given when the text ended inside them: a round's bonus token
+        drawn after a text that ends without a stop token is not part of the output)."""
+        for taken, token in enumerate(tokens):
             if self.matcher.is_terminated():
-                raise GrammarViolation(f"token {int(token)} after the grammar's text ended")
+                return taken
             if not self.matcher.accept_token(int(token)):
                 raise GrammarViolation(f"committed token {int(token)} is not allowed by the request's grammar")
+        return len(tokens)
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` committed tokens (a stop string cut them from the output)."""
+        if count:
+            self.matcher.rollback(count)
 
     @property
     def ended(self) -> bool:
