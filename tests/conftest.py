@@ -50,6 +50,11 @@ FORWARDED_TO_WORKERS = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Token authentication for every Ray cluster of the run, set before any starts: Ray 2.60 turns
+    # it on in this process at the first local ray.init anyway (RAY_AUTH_MODE=token, token in
+    # ~/.ray/auth_token), and a cluster started out of process before that would otherwise run
+    # without it, or with it while this process's drivers do not ask for a token.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     profile = os.environ.get(PROFILE_ENV)
     if not profile:
         quick_loop = (config.getoption("markexpr", "") or "").replace(" ", "") == "notslow"

@@ -102,7 +102,9 @@ class RayHead:
 def start_ray_head(num_cpus: int = 2, env: Mapping[str, str] | None = None, dashboard: bool = False,
                    prefix: str = "rh-", extra_args: tuple[str, ...] = ()) -> RayHead:
     """`ray start --head` bound to 127.0.0.1 with every port chosen free; `env` is the whole
-    environment of `ray start` (default: this process's, without RAY_ADDRESS)."""
+    environment of `ray start` (default: this process's, without RAY_ADDRESS). With
+    RAY_AUTH_MODE=token there (tests/conftest.py sets it for the suite, as Ray 2.60 itself does
+    for the first local `ray.init`), the head and every driver use ~/.ray/auth_token."""
     env = dict(os.environ if env is None else env)
     env.pop("RAY_ADDRESS", None)
     temp_dir = short_temp_dir(prefix)
@@ -118,6 +120,8 @@ def start_ray_head(num_cpus: int = 2, env: Mapping[str, str] | None = None, dash
     head = RayHead(address=f"127.0.0.1:{gcs_port}", temp_dir=temp_dir, agent_port=agent_port,
                    dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard else None, env=env)
     try:
+        if env.get("RAY_AUTH_MODE", "").lower() == "token":  # the token in ~/.ray/auth_token, made if missing
+            head.ray_cli("get-auth-token", "--generate", timeout=120)
         head.ray_cli(*args, timeout=180)
     except subprocess.CalledProcessError as exc:
         head.stop()

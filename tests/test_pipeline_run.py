@@ -30,16 +30,17 @@ from pipeline.outputs import read_output, resume_progress
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
 from pipeline.worker import CRASH_ONCE_ENV
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
-from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
+from tests.tiny_models import TINY_VOCAB
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    """A tiny target dir, a random draft head checkpoint and a trie for its tokenizer."""
-    return save_tiny_artifacts(tmp_path_factory.mktemp("artifacts"))
+@pytest.fixture
+def artifacts(tiny_artifacts):
+    """A tiny target dir, a random draft head checkpoint and a trie for its tokenizer (the
+    session's, tests/conftest.py; other modules import this fixture by name)."""
+    return tiny_artifacts
 
 
 def word_prompt(rng, n: int) -> str:
@@ -90,14 +91,9 @@ def expected_greedy(artifacts: dict, prompts: dict[str, str], max_new_tokens: in
     return {k: r.token_ids for k, r in zip(prompts, results)}
 
 
-@pytest.fixture
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
-def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, fresh_ray, monkeypatch):
+def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, shared_ray, monkeypatch):
+    """On the session's Ray cluster: the crash hook reaches this job's workers (forwarded), so a
+    worker still dies mid-batch and Ray still redoes the batch."""
     marker = tmp_path / "crashed"
     monkeypatch.setenv(CRASH_ONCE_ENV, str(marker))  # one worker dies mid-batch; Ray redoes the batch
     prompts = write_inputs(tmp_path / "in.jsonl", good=10)
@@ -128,7 +124,7 @@ def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, fr
     assert json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())["run_id"] == "test-run"
 
 
-def test_a_sampled_job_reproduces_its_rows_under_another_mode_and_batching(tmp_path, artifacts, fresh_ray):
+def test_a_sampled_job_reproduces_its_rows_under_another_mode_and_batching(tmp_path, artifacts, shared_ray):
     """Per-row seeds + coupled sampling: a seeded sampled job writes the same tokens for every row
     under `ar` with one worker and under `dart_lookup` (job cache and job n-gram learning as rows
     finish) with two workers, other batch sizes and continuous batching."""
@@ -179,7 +175,7 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
     assert len(keys) == len(set(keys)) == 30
 
 
-def test_n_samples_resume_regenerates_only_the_missing_samples(tmp_path, artifacts, fresh_ray):
+def test_n_samples_resume_regenerates_only_the_missing_samples(tmp_path, artifacts, shared_ray):
     """n = 3 completions per prompt, written 2 rows per part, so a prompt's samples spread over
     parts; parts lost as a crash between two writes loses them (parts are atomic), the resumed run
     generates exactly the samples missing, with the same tokens (each sample's seed is its own)."""
