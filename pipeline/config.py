@@ -29,7 +29,7 @@ from pipeline.row_settings import MAX_SAMPLES, SETTING_NAMES, default_settings_c
 
 T = TypeVar("T")
 
-FORMATS = ("jsonl", "parquet")
+FORMATS = ("jsonl", "parquet", "openai_batch")  # openai_batch: Batch API request lines (pipeline/openai_batch.py)
 # What a run does when output.url already holds rows (pipeline/output_modes.py).
 IF_EXISTS = ("error", "resume", "beside", "replace")
 
@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 @dataclass
 class InputConfig:
     urls: list[str] = MISSING  # fsspec URLs, paths or globs (s3://bucket/prompts/*.jsonl)
-    format: str = "jsonl"  # jsonl | parquet
+    format: str = "jsonl"  # jsonl | parquet | openai_batch
     id_column: str = "id"
     prompt_column: str | None = "prompt"  # plain user message text ...
     messages_column: str | None = None  # ... or a list of {role, content} chat messages
@@ -157,6 +157,9 @@ class OutputConfig:
     # as run.resume: true), beside (write this run to <url>-<run id>), replace (write it aside and
     # replace the old rows once it has finished). pipeline/output_modes.py
     if_exists: str = "error"
+    # Also write the OpenAI Batch API's output file, <url>/_openai_batch_output.jsonl, when the job has
+    # finished: one line per request line of an input.format=openai_batch job (pipeline/openai_batch.py).
+    openai_batch: bool = False
 
 
 @dataclass
@@ -308,6 +311,10 @@ def validate(cfg: PipelineConfig) -> None:
     check(r.max_live is None or 1 <= r.max_live <= r.batch_size, "resources.max_live",
           "must be null (= batch_size) or between 1 and resources.batch_size")
     check(o.rows_per_file >= 1, "output.rows_per_file", "must be >= 1")
+    check(not o.openai_batch or i.format == "openai_batch", "output.openai_batch",
+          f"needs input.format: openai_batch (its lines answer the request lines), got {i.format!r}")
+    check(not o.openai_batch or o.include_token_ids, "output.openai_batch",
+          "needs output.include_token_ids: true (a response's logprobs name their tokens from them)")
     check(o.if_exists in IF_EXISTS, "output.if_exists", f"must be one of {IF_EXISTS}, got {o.if_exists!r}")
     check(not cfg.run.resume or o.if_exists in ("error", "resume"), "run.resume",
           f"run.resume=true resumes the output, which contradicts output.if_exists={o.if_exists}; set one of them")

@@ -99,6 +99,11 @@ PARSED_SCHEMA = INPUT_SCHEMA.append(pa.field(ORDER_COLUMN, pa.string(), nullable
 ROWS_PER_BLOCK = 4096
 READ_CHUNK_BYTES = 4 << 20
 
+# jsonl: one prompt object per line; parquet: one per row; openai_batch: OpenAI Batch API request
+# lines (pipeline/openai_batch.py).
+INPUT_FORMATS = ("jsonl", "parquet", "openai_batch")
+InputFormat = Literal["jsonl", "parquet", "openai_batch"]
+
 _MISSING = object()
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -293,22 +298,31 @@ def parse_jsonl_line(line: bytes, fields: PromptFields) -> tuple[str | None, str
 
 def parse_jsonl_record(line: bytes, fields: PromptFields) -> tuple[str | None, str | None, str | None, str | None]:
     """(id, prompt, error, settings JSON) of one JSONL line (bytes without the newline)."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return None, None, f"malformed JSON: invalid UTF-8 at byte {e.start}", None
-    try:
-        record = json.loads(text)
-    except RecursionError:
-        return None, None, "malformed JSON: nested too deeply", None
-    except ValueError as e:  # json.JSONDecodeError, and int strings beyond Python's digit limit
-        return None, None, f"malformed JSON: {e}", None
-    if not isinstance(record, dict):
-        return None, None, f"line is not a JSON object (got {_type_name(record)})", None
+    record, error = load_json_object(line)
+    if error:
+        return None, None, error, None
     row_id, prompt, error = normalise_record(fields, record.get(fields.id_column, _MISSING),
                                              record.get(fields.content_column, _MISSING))
     values = {name: record[column] for name, column in fields.setting_columns if column in record}
     return (row_id, *fields.with_settings(prompt, error, values))
+
+
+def load_json_object(line: bytes) -> tuple[dict | None, str | None]:
+    """(the JSON object on one line, None) or (None, why the line is not one): "malformed JSON: ..."
+    for bytes that are not UTF-8 JSON, "line is not a JSON object (got list)" for other values."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"malformed JSON: invalid UTF-8 at byte {e.start}"
+    try:
+        record = json.loads(text)
+    except RecursionError:
+        return None, "malformed JSON: nested too deeply"
+    except ValueError as e:  # json.JSONDecodeError, and int strings beyond Python's digit limit
+        return None, f"malformed JSON: {e}"
+    if not isinstance(record, dict):
+        return None, f"line is not a JSON object (got {_type_name(record)})"
+    return record, None
 
 
 def iter_lines(f: Any, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
@@ -361,13 +375,15 @@ class _RowBuilder:
         self._columns: dict[str, list] = {name: [] for name in PARSED_SCHEMA.names}
 
     def add(self, row_key: str, row_id: str | None, prompt: str | None, error: str | None, order: str,
-            settings: str | None = None) -> None:
+            settings: str | None = None, kind: str | None = None) -> None:
+        """One parsed row; `kind` overrides the file's prompt kind (an OpenAI batch file mixes chat
+        and completion requests)."""
         c = self._columns
         c["settings"].append(settings)
         c["row_key"].append(row_key)
         c["id"].append(row_id)
         c["prompt"].append(prompt)
-        c["prompt_kind"].append(self.kind)
+        c["prompt_kind"].append(kind or self.kind)
         c["source"].append(self.source)
         c["error"].append(error)
         c[ORDER_COLUMN].append(order)
@@ -435,25 +451,41 @@ class JsonlPromptDatasource(_PromptDatasource):
 
     def _read_rows(self, f: pa.NativeFile, source: str) -> Iterator[pa.Table]:
         rows = _RowBuilder(source, self._fields.kind, self._rows_per_block)
-        repeats: Counter[str] = Counter()  # only lines without a usable id are counted
+        keys = JsonlRowKeys(source)
         for line_no, line in iter_lines(f):
             if line_no == 1:
                 refuse_if_not_text(line, source)
             if not line.strip():
                 continue
-            row_id, prompt, error, settings = parse_jsonl_record(line, self._fields)
-            if row_id is not None:
-                row_key = "id:" + row_id
-            else:
-                digest = hashlib.sha1(line).hexdigest()[:16]
-                repeat = repeats[digest]
-                repeats[digest] += 1
-                row_key = f"row:{source}#{digest}" + (f"~{repeat}" if repeat else "")
-            rows.add(row_key, row_id, prompt, error, order_key(source, line_no, "line"), settings)
+            row_id, prompt, error, settings, kind = self._parse_line(line)
+            rows.add(keys.key(row_id, line), row_id, prompt, error, order_key(source, line_no, "line"), settings,
+                     kind)
             if rows.full():
                 yield rows.take()
         if len(rows):
             yield rows.take()
+
+    def _parse_line(self, line: bytes) -> tuple[str | None, str | None, str | None, str | None, str | None]:
+        """(id, prompt, error, settings JSON, prompt kind or None for the file's) of one non-blank line."""
+        return (*parse_jsonl_record(line, self._fields), None)
+
+
+class JsonlRowKeys:
+    """The row keys of one JSONL file's lines, in file order: "id:<id>" for a line with a usable
+    id, else "row:<source>#<sha1 of the line>[~<n>]" (the n-th repeat of the same line). Shared by
+    the reader and pipeline.openai_batch, which re-reads request files to join them with the output."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self._repeats: Counter[str] = Counter()  # only lines without a usable id are counted
+
+    def key(self, row_id: str | None, line: bytes) -> str:
+        if row_id is not None:
+            return "id:" + row_id
+        digest = hashlib.sha1(line).hexdigest()[:16]
+        repeat = self._repeats[digest]
+        self._repeats[digest] += 1
+        return f"row:{self.source}#{digest}" + (f"~{repeat}" if repeat else "")
 
 
 def _python_values(column: pa.Array) -> list:
@@ -579,13 +611,13 @@ def refuse_if_not_text(first_line: bytes, source: str) -> None:
 
 def prompt_datasource(
     urls: Sequence[str],
-    format: Literal["jsonl", "parquet"],
+    format: InputFormat,
     fields: PromptFields,
     storage_options: dict[str, Any] | None = None,
 ) -> FileBasedDatasource:
     """The Ray Data reader for the input files named by `urls` (listed once, here)."""
-    if format not in ("jsonl", "parquet"):
-        raise ValueError(f"input format must be 'jsonl' or 'parquet', got {format!r}")
+    if format not in INPUT_FORMATS:
+        raise ValueError(f"input format must be 'jsonl', 'parquet' or 'openai_batch', got {format!r}")
     files = expand_inputs(urls, storage_options)
     for url in files:  # file names become the rows' source column (UTF-8 text), and a codec must be known
         if _as_text(url)[1]:  # undecodable bytes in a local file name come back as lone surrogates
@@ -593,7 +625,7 @@ def prompt_datasource(
         if any(c in url for c in "\n\r\t"):  # Ray Data parses paths as URLs, and urllib drops these
             raise InputError(f"cannot read {url!r}: Ray Data cannot open a file whose name holds a line break or "
                              f"tab; rename the file")
-        if format == "jsonl":
+        if format != "parquet":  # jsonl, openai_batch: JSON lines
             jsonl_codec(url)
     schemes = sorted({u.split("://", 1)[0] for u in files})
     if len(schemes) > 1:
@@ -604,7 +636,12 @@ def prompt_datasource(
     for path, url in zip(paths, files):
         if url_prefix + path != url:  # the readers rebuild source URLs from the paths Ray hands them
             raise StorageError(f"cannot map input {url} to a path on its filesystem (got {path})")
-    datasource_class = JsonlPromptDatasource if format == "jsonl" else ParquetPromptDatasource
+    if format == "openai_batch":
+        from pipeline.openai_batch import OpenAIBatchDatasource  # it builds on this module
+
+        datasource_class = OpenAIBatchDatasource
+    else:
+        datasource_class = JsonlPromptDatasource if format == "jsonl" else ParquetPromptDatasource
     return datasource_class(paths, fields=fields, url_prefix=url_prefix, filesystem=arrow_filesystem(fs))
 
 
@@ -786,7 +823,7 @@ def describe_duplicates(repeated: dict[str, tuple[str, int]], max_examples: int 
 
 def read_prompts_with_report(
     urls: Sequence[str],
-    format: Literal["jsonl", "parquet"],
+    format: InputFormat,
     id_column: str = "id",
     prompt_column: str | None = "prompt",
     messages_column: str | None = None,
@@ -814,7 +851,7 @@ class PromptScan:
     pending: int | None  # rows whose key is not among `done_keys` (None when none were given)
 
 
-def scan_prompts(urls: Sequence[str], format: Literal["jsonl", "parquet"], fields: PromptFields, *,
+def scan_prompts(urls: Sequence[str], format: InputFormat, fields: PromptFields, *,
                  done_keys: frozenset[str] | None = None,
                  storage_options: dict[str, Any] | None = None) -> PromptScan:
     """Run the duplicate pass over the inputs now (it reads every input file: one that cannot be
@@ -836,7 +873,7 @@ def scan_prompts(urls: Sequence[str], format: Literal["jsonl", "parquet"], field
 
 def read_prompts(
     urls: Sequence[str],
-    format: Literal["jsonl", "parquet"],
+    format: InputFormat,
     id_column: str = "id",
     prompt_column: str | None = "prompt",
     messages_column: str | None = None,

@@ -216,6 +216,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
         f.write(json.dumps(summary, indent=1, default=str))
     commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
+    if cfg.output.openai_batch:  # the Batch API's output lines, from every part of the committed output
+        from pipeline.openai_batch import write_job_batch_output
+
+        final_url = plan.url if plan.stages else cfg.output.url
+        print(f"openai batch output: {write_job_batch_output(cfg, resolved, final_url)}")
     return summary
 
 

@@ -397,7 +397,7 @@ def test_input_errors(ray_session, tmp_path):
     with pytest.raises(StorageError, match="no files match"):
         read_prompts([str(tmp_path / "*.jsonl")], "jsonl")
     (tmp_path / "x.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="'jsonl' or 'parquet'"):
+    with pytest.raises(ValueError, match="'jsonl', 'parquet' or 'openai_batch'"):
         read_prompts([str(tmp_path)], "csv")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(InputError) as excinfo:  # at start-up, as a plain one-line error
