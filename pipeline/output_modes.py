@@ -41,6 +41,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
+from pipeline import io_retry
 from pipeline.config import PipelineConfig
 from pipeline.outputs import list_parts
 from pipeline.preflight import StartupError
@@ -317,8 +318,11 @@ def commit_output(plan: OutputPlan) -> dict[str, Any] | None:
     names = [posixpath.basename(p) for p in list_parts(fs, staging, plan.write_url)]
     marker = {"run_id": plan.run_id, "parts": names, "replaces": plan.state.rows_by_run,
               "committed_at": dt.datetime.now(dt.timezone.utc).isoformat()}
-    fs.pipe_file(posixpath.join(staging, COMMIT_MARKER), json.dumps(marker).encode())  # the commit point
-    finish_replacement(plan.url, staging)
+    marker_path = posixpath.join(staging, COMMIT_MARKER)
+    retry = io_retry.active()  # the job's: transient store failures are waited out (pipeline/io_retry.py)
+    retry.call("write marker", url_of(fs, marker_path),  # the commit point
+               lambda: fs.pipe_file(marker_path, json.dumps(marker).encode()))
+    retry.call("replace output", plan.url, lambda: finish_replacement(plan.url, staging))  # idempotent
     logger.info("replaced %s under %s with run %r (%d parts)", plan.state.describe(), plan.url, plan.run_id,
                 len(names))
     return marker

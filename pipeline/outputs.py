@@ -49,6 +49,7 @@ import ray
 import ray.data
 
 from dart_worker.stats import STAT_COLUMNS
+from pipeline import io_retry
 from pipeline.storage import StorageError, describe_error, filesystem_for, get_once, is_local, url_of
 
 logger = logging.getLogger(__name__)
@@ -335,12 +336,14 @@ def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options
     fs, directory = filesystem_for(output_url, storage_options)
     path = posixpath.join(directory, name)
     try:
-        if is_local(fs):
+        if is_local(fs):  # a local disk has no outages to wait out: a full disk is permanent
             _write_local_atomic(directory, name, data)
-        elif _is_object_store(fs):
-            fs.pipe_file(path, data)  # one upload under the final name: visible only when complete
+        elif _is_object_store(fs):  # one upload under the final name: visible only when complete
+            io_retry.active().call("write part", url_of(fs, path), lambda: fs.pipe_file(path, data))
         else:
-            _write_via_rename(fs, directory, name, data)
+            io_retry.active().call("write part", url_of(fs, path), lambda: _write_via_rename(fs, directory, name, data))
+    except StorageError:
+        raise
     except Exception as e:  # OSError, or botocore's own errors (endpoint unreachable, ...)
         raise StorageError(describe_error("write", url_of(fs, path), e)) from e
     return url_of(fs, path)
@@ -351,7 +354,12 @@ def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options
 
 
 def list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
-    """Paths of the part files directly under `directory`, sorted; [] if the directory does not exist yet."""
+    """Paths of the part files directly under `directory`, sorted; [] if the directory does not exist
+    yet. Transient failures are retried under the process's policy (pipeline/io_retry.py)."""
+    return io_retry.active().call("list output", output_url, lambda: _list_parts(fs, directory, output_url))
+
+
+def _list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
     try:
         fs.invalidate_cache(directory)  # other processes write here; a cached listing would be stale
         entries = fs.ls(directory, detail=False)
@@ -375,7 +383,7 @@ def written_rows(output_url: str, *, storage_options: dict[str, Any] | None = No
     that cannot be read counts nothing: resume would generate those rows again). Read-only."""
     fs, directory = filesystem_for(output_url, storage_options)
 
-    def rows(path: str) -> int:
+    def footer_rows(path: str) -> int:
         try:
             with fs.open(path, "rb") as f:
                 return pq.ParquetFile(f).metadata.num_rows
@@ -383,8 +391,9 @@ def written_rows(output_url: str, *, storage_options: dict[str, Any] | None = No
             return 0
         except pa.ArrowInvalid:  # not a readable Parquet file
             return 0
-        except Exception as e:
-            raise StorageError(describe_error("read", url_of(fs, path), e)) from e
+
+    def rows(path: str) -> int:
+        return io_retry.active().call("read part", url_of(fs, path), lambda: footer_rows(path))
 
     with ThreadPoolExecutor(_LIST_THREADS) as pool:
         return sum(pool.map(rows, list_parts(fs, directory, output_url)))
@@ -407,7 +416,9 @@ def _read_part(fs: fsspec.AbstractFileSystem, path: str, columns: list[str] | No
     except Exception:
         pass
     try:
-        data = fs.cat_file(path)
+        data = io_retry.active().call("read part", url_of(fs, path), lambda: fs.cat_file(path))
+    except StorageError:
+        raise
     except Exception as e:
         raise StorageError(describe_error("read", url_of(fs, path), e)) from e
     try:

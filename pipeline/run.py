@@ -37,6 +37,7 @@ import pyarrow as pa
 import ray
 
 from dart_worker.device import DeviceUnavailable
+from pipeline import io_retry
 from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, PromptFields, scan_prompts
@@ -95,10 +96,33 @@ def storage_failure(exc: BaseException) -> str | None:
 # -------------------------------------------------------------------------------- dataflow
 
 
-def write_rows(batch: pa.Table, output_url: str, run_id: str) -> pa.Table:
-    """Ray Data task: write one atomic Parquet part; hand back only the per-row stats."""
-    write_part(batch, output_url, run_id)
-    return batch.select([c for c in STAT_COLUMNS if c in batch.column_names])
+# Columns a write task adds to the stats it hands back: its upload's retries and seconds waited
+# (on the part's first row), which the driver sums into the summary's storage_retries.
+WRITE_RETRY_COLUMNS = ("storage_write_retries", "storage_write_wait_s")
+
+
+def write_rows(batch: pa.Table, output_url: str, run_id: str, io_retry_s: float = 0.0) -> pa.Table:
+    """Ray Data task: write one atomic Parquet part, its upload retried under the job's policy
+    (pipeline/io_retry.py); hand back only the per-row stats and the upload's retries."""
+    policy = io_retry.RetryPolicy(io_retry_s, ledger=io_retry.RetryLedger())
+    with io_retry.using(policy):
+        write_part(batch, output_url, run_id)
+    stats = batch.select([c for c in STAT_COLUMNS if c in batch.column_names])
+    count = policy.ledger.counts.get("write part", io_retry.OperationCount())
+    rest = [0] * (len(stats) - 1)
+    return (stats.append_column(WRITE_RETRY_COLUMNS[0], pa.array([count.retries, *rest], pa.int64()))
+            .append_column(WRITE_RETRY_COLUMNS[1], pa.array([count.waited_s, *rest], pa.float64())))
+
+
+def add_write_retries(ledger: io_retry.RetryLedger, batch: pa.Table) -> None:
+    """The retries of the write tasks behind `batch` (WRITE_RETRY_COLUMNS), into the driver's ledger."""
+    if WRITE_RETRY_COLUMNS[0] not in batch.column_names:
+        return
+    retries = batch.column(WRITE_RETRY_COLUMNS[0]).to_pylist()
+    waited = batch.column(WRITE_RETRY_COLUMNS[1]).to_pylist()
+    parts_retried = sum(1 for r in retries if r)
+    if parts_retried:
+        ledger.merge({"write part": {"retries": sum(retries), "waited_s": sum(waited), "recovered": parts_retried}})
 
 
 def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str]):
@@ -139,7 +163,8 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
         # tasks and Ray's own processes, spinning threads made decoding steps >10x slower.
         runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
     )
-    ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"]},
+    ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"],
+                                               "io_retry_s": cfg.run.io_retry_s},
                         batch_size=cfg.output.rows_per_file, batch_format="pyarrow", num_cpus=0.25)
     return ds, duplicates
 
@@ -167,7 +192,8 @@ def rows_on_storage(url: str, counted_by_driver: int, earlier: int) -> tuple[int
     its result reaches the driver), so it is only the fallback, a lower bound, when the store cannot
     be read."""
     try:
-        return max(0, written_rows(url) - earlier), True
+        with io_retry.using(io_retry.NO_RETRY):  # one try: the job is stopping already
+            return max(0, written_rows(url) - earlier), True
     except Exception as exc:  # the store that stopped the job may not answer a listing either
         log.warning("cannot count the rows under %s (%s); the driver's count is a lower bound", url, exc)
         return counted_by_driver, False
@@ -180,6 +206,13 @@ def stop_note(plan, tally: RunTally, progress: ResumeProgress, cause: str = "onc
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
+    """The job: every storage operation of the driver follows the job's retry policy
+    (run.io_retry_s, pipeline/io_retry.py), and the summary counts the retries of all of them."""
+    with io_retry.using(io_retry.RetryPolicy(cfg.run.io_retry_s, ledger=io_retry.RetryLedger())) as policy:
+        return _run_pipeline(cfg, policy)
+
+
+def _run_pipeline(cfg: PipelineConfig, policy: io_retry.RetryPolicy) -> dict[str, Any]:
     target = ray_target(cfg.run.ray_address)
     check_reachable(target)  # before the artifacts: a cluster that is not there fails in seconds
     run_id = run_id_of(cfg)
@@ -212,9 +245,16 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     summary = build_summary(tally, run_id=run_id, config=to_dict(configured), resumed_rows=progress.rows_written,
                             duplicates=duplicates, output_totals=output_totals(cfg.output.url),
                             output_plan=plan.as_dict())
+    # Retries per operation: the driver's own (listing, reading parts, the summary) and the write tasks'.
+    summary["storage_retries"] = policy.ledger.as_dict()
+    if policy.ledger.total_retries():
+        print("storage: " + "; ".join(f"{op}: {c['retries']} retries, {c['waited_s']:.0f} s waited"
+                                      for op, c in summary["storage_retries"].items()))
     fs, path = filesystem_for(cfg.output.url)
-    with fs.open(f"{path.rstrip('/')}/{SUMMARY_NAME}", "w") as f:
-        f.write(json.dumps(summary, indent=1, default=str))
+    summary_url = f"{cfg.output.url.rstrip('/')}/{SUMMARY_NAME}"
+    text = json.dumps(summary, indent=1, default=str)
+    policy.call("write summary", summary_url, lambda: fs.pipe_file(f"{path.rstrip('/')}/{SUMMARY_NAME}",
+                                                                    text.encode()))
     commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
     if cfg.output.openai_batch:  # the Batch API's output lines, from every part of the committed output
         from pipeline.openai_batch import write_job_batch_output
@@ -229,6 +269,10 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
     """Every pending row through the workers and into parts, on the Ray this process is connected
     to; rows are tallied into `tally` as their results arrive. Returns the duplicate ids found."""
     check_cpu_budget(cfg, target)
+    # Ray Data's readers retry opening and reading an input file on errors whose text holds one of
+    # these (a fixed number of tries with backoff, its own policy); the job adds the transient ones.
+    context = ray.data.DataContext.get_current()
+    context.retried_io_errors = list(dict.fromkeys([*context.retried_io_errors, *io_retry.RETRIED_IO_ERROR_TEXT]))
     try:
         device = probe_workers(cfg)
     except DeviceUnavailable as exc:
@@ -243,6 +287,7 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
         try:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None) if ds is not None else ():
                 tally.add(batch)
+                add_write_retries(io_retry.active().ledger, batch)
                 tally.maybe_print(cfg.run.progress_interval_s)
         except Exception as exc:
             device_problem = worker_failure(exc)  # a worker on another node than the probe's
