@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ import numpy as np
 import torch
 
 from dart_worker.draft_head import DartDraftHead
-from dart_worker.drafters import drafter_names, drafter_spec
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.random_models import random_model, tiny_config
 from dart_worker.sampling import (
@@ -118,35 +118,46 @@ def family_parts(family: str, device: torch.device, directory: Path) -> tuple[An
     return model, parts
 
 
-def check_family(family: str, device: torch.device, modes: Sequence[str], prompts: int, new_tokens: int,
-                 directory: Path) -> list[dict[str, Any]]:
-    """Every mode x {alone, ragged batch, continuous batching} greedy, and seeded sampling vs ar."""
-    model, parts = family_parts(family, device, directory)
-    requests = random_prompts(prompts, seed=2)
-    reference = [transformers_greedy(model, p, new_tokens) for p in requests]
-    warps = [SAMPLED[i % len(SAMPLED)] for i in range(prompts)]
-    sampled = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=10 + i, max_new_tokens=new_tokens)
-               for i, (t, p, k) in enumerate(warps)]
-    ar_sampled = [r.token_ids for r in build_engine(parts, "ar").generate(requests, sampled)]
-    cases = []
-    for mode in modes:
-        engine = build_engine(parts, mode, TreeParams(budget=16))
-        started = time.perf_counter()
-        runs = {"alone": [engine.generate([p], greedy(new_tokens))[0] for p in requests],
-                "ragged batch": engine.generate(requests, greedy(new_tokens)),
-                "continuous batching": engine.generate(requests, greedy(new_tokens), max_live=2)}
-        for how, results in runs.items():
-            verdicts = [diagnose_greedy(model, p, r.token_ids, ref) for p, r, ref in zip(requests, results, reference)]
-            cases.append(_case(family, mode, f"greedy, {how}", verdicts, results))
-        results = engine.generate(requests, sampled, max_live=3)
-        verdicts = [diagnose_sampled(model, p, s, r.token_ids, ref)
-                    for p, s, r, ref in zip(requests, sampled, results, ar_sampled)]
-        cases.append(_case(family, mode, "seeded sampling = ar", verdicts, results))
-        cases[-1]["seconds"] = round(time.perf_counter() - started, 2)
-    return cases
+def family_cases(family: str, device: torch.device, modes: Sequence[str], prompts: int,
+                 new_tokens: int) -> Iterator[dict[str, Any]]:
+    """Every mode x {alone, ragged batch, continuous batching} greedy, and seeded sampling vs ar:
+    one case at a time (the report is written after each), in exact float32 throughout."""
+    with exact_float32(), tempfile.TemporaryDirectory(prefix="dart-acceptance-") as tmp:
+        model, parts = family_parts(family, device, Path(tmp))
+        requests = random_prompts(prompts, seed=2)
+        reference = [transformers_greedy(model, p, new_tokens) for p in requests]
+        warps = [SAMPLED[i % len(SAMPLED)] for i in range(prompts)]
+        sampled = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=10 + i, max_new_tokens=new_tokens)
+                   for i, (t, p, k) in enumerate(warps)]
+        ar_sampled = [r.token_ids for r in build_engine(parts, "ar").generate(requests, sampled)]
+        for mode in modes:
+            engine = build_engine(parts, mode, TreeParams(budget=16))
+            for how, max_live in (("alone", 1), ("ragged batch", None), ("continuous batching", 2)):
+                started = time.perf_counter()
+                results = (engine.generate(requests, greedy(new_tokens), max_live=max_live) if max_live != 1
+                           else [engine.generate([p], greedy(new_tokens))[0] for p in requests])
+                verdicts = [diagnose_greedy(model, p, r.token_ids, ref)
+                            for p, r, ref in zip(requests, results, reference)]
+                yield _case(family, mode, f"greedy, {how}", verdicts, results, time.perf_counter() - started)
+            started = time.perf_counter()
+            results = engine.generate(requests, sampled, max_live=3)
+            verdicts = [diagnose_sampled(model, p, s, r.token_ids, ref)
+                        for p, s, r, ref in zip(requests, sampled, results, ar_sampled)]
+            yield _case(family, mode, "seeded sampling = ar", verdicts, results, time.perf_counter() - started)
 
 
-def _case(family: str, mode: str, what: str, verdicts: list[dict], results) -> dict[str, Any]:
+@contextmanager
+def exact_float32() -> Iterator[None]:
+    """Exact equality needs exact float32 products on every device (no TF32 shortcuts)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _case(family: str, mode: str, what: str, verdicts: list[dict], results, seconds: float) -> dict[str, Any]:
     statuses = [v["status"] for v in verdicts]
     rounds = sum(r.stats.rounds for r in results)
     tokens = sum(len(r.token_ids) for r in results)
@@ -154,7 +165,7 @@ def _case(family: str, mode: str, what: str, verdicts: list[dict], results) -> d
             "identical": statuses.count("identical"), "ties": statuses.count("tie"),
             "differs": statuses.count("differs"), "tau": round(tokens / max(rounds, 1), 3),
             "details": [v for v in verdicts if v["status"] != "identical"],
-            "passed": "differs" not in statuses}
+            "passed": "differs" not in statuses, "seconds": round(seconds, 2)}
 
 
 # ------------------------------------------------------------------------------- chi-square
@@ -201,9 +212,10 @@ def first_two_tokens_p_value(model, prompt, params: SamplingParams, token_ids: S
     return chi_square_p_value(observed, expect)
 
 
-def chi_square_case(device: torch.device, mode: str, draws: int) -> dict[str, Any]:
+def chi_square_case(device: torch.device, mode: str, draws: int) -> Iterator[dict[str, Any]]:
     """y1 comes from prefill, y2 from the first verified tree: 4000 draws over the 64 cells of an
-    8-token vocabulary catch a 2% shift of a likely cell's probability."""
+    8-token vocabulary catch a 2% shift of a likely cell's probability. (A generator: one result,
+    computed in exact float32.)"""
     vocab = 8
     model = random_model(tiny_config("llama", vocab_size=vocab, initializer_range=0.1), device=device)
     head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=4, seed=123,
@@ -213,30 +225,10 @@ def chi_square_case(device: torch.device, mode: str, draws: int) -> dict[str, An
     params = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=3) for i in range(draws)]
     tree = TreeParams(top_k=vocab, budget=12, beam_width=4, lookup_min_match=1)
     started = time.perf_counter()
-    results = build_engine(parts, mode, tree).generate([prompt] * draws, params, max_live=min(draws, 1024))
-    p_value = first_two_tokens_p_value(model, prompt, params[0], [r.token_ids for r in results])
+    with exact_float32():
+        results = build_engine(parts, mode, tree).generate([prompt] * draws, params, max_live=min(draws, 1024))
+        p_value = first_two_tokens_p_value(model, prompt, params[0], [r.token_ids for r in results])
     accepted_first = float(np.mean([r.stats.accept_lengths[0] for r in results]))
-    return {"mode": mode, "check": "chi-square, first two tokens at T=1", "draws": draws,
+    yield {"mode": mode, "check": "chi-square, first two tokens at T=1", "draws": draws,
             "p_value": p_value, "accepted_in_first_round": round(accepted_first, 3),
             "passed": p_value > 1e-3, "seconds": round(time.perf_counter() - started, 2)}
-
-
-def run_correctness(device: torch.device, families: Sequence[str], modes: Sequence[str] | None, prompts: int,
-                    new_tokens: int, chi_square_draws: int, chi_square_mode: str) -> dict[str, Any]:
-    modes = list(modes or drafter_names())
-    unknown = [m for m in modes if m not in drafter_names()]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; registered: {list(drafter_names())}")
-    drafter_spec(chi_square_mode)
-    # Exact equality needs exact float32 products on every device (no TF32 shortcuts).
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with tempfile.TemporaryDirectory(prefix="dart-acceptance-") as tmp:
-            cases = [case for family in families
-                     for case in check_family(family, device, modes, prompts, new_tokens, Path(tmp))]
-        chi = chi_square_case(device, chi_square_mode, chi_square_draws) if chi_square_draws else None
-    finally:
-        torch.set_float32_matmul_precision(previous)
-    return {"cases": cases, "chi_square": chi,
-            "passed": all(c["passed"] for c in cases) and (chi is None or chi["passed"])}

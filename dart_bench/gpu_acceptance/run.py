@@ -1,9 +1,9 @@
-"""The acceptance run behind `python -m jobs.gpu_acceptance [config.yaml] [key=value ...]`: its config, the
-sections it runs and the report it writes (see the package docstring)."""
+"""The acceptance run behind `python -m jobs.gpu_acceptance [config.yaml] [key=value ...]`: its config, and
+`main`, which checks it and runs the sections (`plan`: which, in what order) through `runner`
+(the report written as it goes, one deadline, a watchdog). See the package docstring."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -14,11 +14,15 @@ from typing import Any
 
 import torch
 
-from dart_bench.gpu_acceptance.correctness import run_correctness
+from dart_bench.gpu_acceptance.plan import ordered_sections
 from dart_bench.gpu_acceptance.report import markdown
-from dart_bench.gpu_acceptance.speed import run_shape
+from dart_bench.gpu_acceptance.runner import AcceptanceRun, Deadline
+from dart_bench.gpu_acceptance.speed import free_device_memory
+from dart_worker import kernels
 from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
+from dart_worker.drafters import drafter_names
+from dart_worker.random_models import SHAPES
 
 
 class AcceptanceConfigError(ValueError):
@@ -28,7 +32,9 @@ class AcceptanceConfigError(ValueError):
 @dataclass
 class AcceptanceConfig:
     """Every list left null takes the device's default (real shapes and large batches on CUDA,
-    small ones on a CPU, where the suite runs this in a minute or two)."""
+    small ones on a CPU). `kernels` forces kernel strategies (`dart_worker.kernels.forced`) for
+    the whole run, e.g. `kernels={shapes:bucketed,gqa:pack,logits:batched,warp:dense}`: the GPU's
+    plan, run on a CPU by the test suite."""
 
     device: str = "cuda"  # cuda | cuda:N | cpu | auto
     output_dir: str = "gpu_acceptance"
@@ -41,7 +47,9 @@ class AcceptanceConfig:
     chi_square_draws: int = 4000
     chi_square_mode: str = DEFAULT_MODE
     # speed (random weights at real shapes)
-    shapes: list[str] | None = None  # null: gemma3-270m and llama3-8b on CUDA; small-llama on a CPU
+    # null: llama3-8b, then gemma3-270m on CUDA (the first one is timed right after the first family);
+    # small-llama on a CPU
+    shapes: list[str] | None = None
     dtype: str = DEFAULT_DTYPE  # of the timed models (auto: bf16 where the device computes it natively)
     context: int = 256  # prompt tokens before every timed step
     generate_tokens: int = 64
@@ -55,9 +63,12 @@ class AcceptanceConfig:
     budget: int = 32  # draft tree budget of the timed drafting modes
     throughput_batch: int | None = None  # null: 64 on CUDA, 4 on a CPU
     throughput_modes: list[str] = field(default_factory=lambda: ["ar", "dart_lookup"])
-    # Speed sections that would start after this many seconds of the run are skipped and listed,
-    # so the run fits one lent machine's call (8 minutes, with start-up and transfers).
-    time_budget_s: float = 420.0
+    kernels: dict[str, str] = field(default_factory=dict)  # strategy -> forced choice (dart_worker.kernels)
+    # The run's one deadline, counted from process start: sections that would start after it are
+    # skipped, a running one stops at its next result, and `watchdog_grace_s` later the watchdog
+    # writes the report and ends the process. 540 s leaves a minute of a 10-minute command.
+    time_budget_s: float = 540.0
+    watchdog_grace_s: float = 10.0
 
 
 def load(argv: list[str]) -> AcceptanceConfig:
@@ -65,16 +76,35 @@ def load(argv: list[str]) -> AcceptanceConfig:
 
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
     cfg = load_structured(AcceptanceConfig, path, overrides, AcceptanceConfigError)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: AcceptanceConfig) -> None:
+    """Every name in the config is known, before anything runs (a typo costs no GPU time)."""
     unknown = set(cfg.sections) - {"correctness", "speed"}
     if unknown:
         raise AcceptanceConfigError(f"sections: unknown {sorted(unknown)}; expected correctness and/or speed")
-    return cfg
+    bad_modes = [m for m in (cfg.modes or []) + [cfg.chi_square_mode] if m not in drafter_names()]
+    if bad_modes:
+        raise AcceptanceConfigError(f"modes: unknown {bad_modes}; registered: {list(drafter_names())}")
+    bad_shapes = [s for s in cfg.shapes or [] if s not in SHAPES]
+    if bad_shapes:
+        raise AcceptanceConfigError(f"shapes: unknown {bad_shapes}; expected some of {sorted(SHAPES)}")
+    try:
+        with kernels.forced(**cfg.kernels):
+            pass
+    except ValueError as exc:
+        raise AcceptanceConfigError(f"kernels: {exc}") from None
+    if cfg.time_budget_s <= 0 or cfg.watchdog_grace_s < 0:
+        raise AcceptanceConfigError("time_budget_s must be > 0 and watchdog_grace_s >= 0")
 
 
 def fill_device_defaults(cfg: AcceptanceConfig, device: torch.device) -> None:
     on_gpu = device.type == "cuda"
     defaults = {
-        "shapes": ["gemma3-270m", "llama3-8b"] if on_gpu else ["small-llama"],
+        "modes": list(drafter_names()),
+        "shapes": ["llama3-8b", "gemma3-270m"] if on_gpu else ["small-llama"],
         "verify_batches": [1, 8, 32, 64] if on_gpu else [1, 4],
         "verify_rows": [1, 2, 4, 8, 16, 32, 64] if on_gpu else [1, 4, 16],
         "gqa_batches": [1, 8, 32] if on_gpu else [1, 2],
@@ -100,45 +130,38 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     return env
 
 
-def run(cfg: AcceptanceConfig) -> dict[str, Any]:
-    started = time.perf_counter()
+def run(cfg: AcceptanceConfig, started: float | None = None) -> dict[str, Any]:
+    """The whole run (sections in `plan` order, the report written as it goes under
+    `cfg.output_dir`); the final report. `started`: the `time.monotonic()` the deadline counts from
+    (the process's start under `python -m jobs.gpu_acceptance`; now when None)."""
+    deadline = Deadline(time.monotonic() if started is None else started, cfg.time_budget_s)
     try:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
     except (RuntimeError, ValueError) as exc:
         raise AcceptanceConfigError(f"device/dtype: {exc}") from None
     fill_device_defaults(cfg, device)
-    report: dict[str, Any] = {"config": asdict(cfg), "environment": environment(device, dtype)}
-    if "correctness" in cfg.sections:
-        t0 = time.perf_counter()
-        report["correctness"] = run_correctness(device, cfg.families, cfg.modes, cfg.prompts, cfg.new_tokens,
-                                                cfg.chi_square_draws, cfg.chi_square_mode)
-        report["correctness"]["seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"correctness: {'passed' if report['correctness']['passed'] else 'FAILED'} "
-              f"in {report['correctness']['seconds']} s", flush=True)
-    if "speed" in cfg.sections:
-        deadline = started + cfg.time_budget_s
-        report["speed"] = []
-        for shape in cfg.shapes:
-            t0 = time.perf_counter()
-            report["speed"].append(run_shape(shape, device, dtype, cfg, deadline))
-            print(f"speed {shape}: {time.perf_counter() - t0:.1f} s", flush=True)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    report["passed"] = report.get("correctness", {}).get("passed", True)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "acceptance.md").write_text(markdown(report))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AcceptanceConfigError(f"output_dir: {exc}") from None
+    with kernels.forced(**cfg.kernels):
+        report: dict[str, Any] = {"config": asdict(cfg), "environment": environment(device, dtype)}
+        runner = AcceptanceRun(report, ordered_sections(cfg, device, dtype), out, deadline, cfg.watchdog_grace_s,
+                               markdown, free_memory=lambda: free_device_memory(device))
+        runner.run()
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """Exit 0: no correctness check failed or raised; 1: one did; 2: a bad setting (nothing ran)."""
     try:
         cfg = load(sys.argv[1:] if argv is None else argv)
-        report = run(cfg)
+        report = run(cfg, started)
     except AcceptanceConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(markdown(report))
     print(f"wrote {os.path.join(cfg.output_dir, 'acceptance.json')} and acceptance.md")
-    return 0 if report["passed"] else 1
+    return report["exit_code"]

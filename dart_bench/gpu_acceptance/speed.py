@@ -13,21 +13,28 @@ show, so nothing here reports them as figures of merit). Per model shape:
 - device-to-host synchronisations per round, counted (`dart_worker.sync_counter`) as the difference
   between a short and a long generation, so prefill and admission cancel out;
 - peak device memory; and throughput of `ar` and `dart_lookup` (cost-model sizing) at a large batch.
+
+Each measurement yields its cells one at a time (`dart_bench.gpu_acceptance.runner` writes the
+report after each), and `ShapeBench` builds a shape's model once for all of its sections and
+releases it after the last one, so the run can order sections by value across shapes
+(`dart_bench.gpu_acceptance.plan`).
 """
 
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dart_bench.gpu_acceptance.runner import SkipSection
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.kernels import GQAS, describe, forced, logits_for
@@ -83,7 +90,7 @@ def zipf_trie(vocab: int, path: Path, tokens: int = 400_000, seed: int = 0) -> N
 # ---------------------------------------------------------------------------- the sections
 
 def per_token_ms(model, parts: EngineParts, device: torch.device, context: int, new_tokens: int,
-                 repeats: int) -> dict[str, float]:
+                 repeats: int) -> Iterator[dict[str, float]]:
     """ms per generated token at batch 1: this engine's `ar` and transformers' `generate`, same prompt."""
     prompt = random_prompts(1, context, parts.target.vocab_size, seed=1)[0]
     engine = build_engine(parts, "ar")
@@ -91,54 +98,80 @@ def per_token_ms(model, parts: EngineParts, device: torch.device, context: int, 
     ids = torch.tensor([prompt], device=device)
     theirs = median_seconds(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                    do_sample=False, pad_token_id=0), device, repeats)
-    return {"ar_ms_per_token": 1e3 * ours / new_tokens, "transformers_ms_per_token": 1e3 * theirs / new_tokens,
-            "ar_vs_transformers": theirs / ours}
+    yield {"ar_ms_per_token": 1e3 * ours / new_tokens, "transformers_ms_per_token": 1e3 * theirs / new_tokens,
+           "ar_vs_transformers": theirs / ours}
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """What an out-of-memory error left behind, given back (the failed step's tensors are
+    garbage once its frames are gone)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
 def verify_grid(target: TargetAdapter, device: torch.device, batches: Sequence[int], rows: Sequence[int],
-                context: int, repeats: int) -> list[dict[str, Any]]:
-    """ms of one verify forward (with the logits the engine would compute) per batch x rows."""
+                context: int, repeats: int) -> Iterator[dict[str, Any]]:
+    """ms of one verify forward (with the logits the engine would compute) per batch x rows. A
+    batch that runs out of device memory yields one cell saying so, and the grid goes on."""
     deferred = logits_for(device, target.deferred_logits_pay) == "deferred"
-    cells = []
     for batch in batches:
-        state = target.new_state(batch)
-        target.prefill(state, random_prompts(batch, context, target.vocab_size, seed=batch))
-        base = None
-        for n in rows:
-            tokens = torch.randint(3, target.vocab_size, (batch, n), device=device)
-            depth = torch.arange(n, device=device)[None].expand(batch, -1)
-            ancestor = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(batch, -1, -1)
+        cells, failure = [], None
+        try:
+            cells = _verify_batch(target, device, batch, rows, context, repeats, deferred)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            failure = {"batch": batch, "rows": None, "error": f"out of memory: {' '.join(str(exc).split())[:160]}"}
+        if failure is not None:
+            free_device_memory(device)
+            yield failure
+        else:
+            yield from cells
 
-            def verify(state=state, tokens=tokens, depth=depth, ancestor=ancestor):
-                out = target.verify(state, tokens, depth, ancestor, defer_logits=deferred)
-                if deferred:  # a greedy walk projects at least the root row of every sequence
-                    target.logits_at(out.hidden[:, :1])
 
-            def drop_block(state=state, batch=batch):
-                target.commit(state, context, [[] for _ in range(batch)])
+def _verify_batch(target: TargetAdapter, device: torch.device, batch: int, rows: Sequence[int], context: int,
+                  repeats: int, deferred: bool) -> list[dict[str, Any]]:
+    state = target.new_state(batch)
+    target.prefill(state, random_prompts(batch, context, target.vocab_size, seed=batch))
+    base, cells = None, []
+    for n in rows:
+        tokens = torch.randint(3, target.vocab_size, (batch, n), device=device)
+        depth = torch.arange(n, device=device)[None].expand(batch, -1)
+        ancestor = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None].expand(batch, -1, -1)
 
-            seconds = median_seconds(verify, device, repeats, after=drop_block)
-            base = base or seconds
-            cells.append({"batch": batch, "rows": n, "ms": 1e3 * seconds, "vs_one_row": seconds / base})
+        def verify(state=state, tokens=tokens, depth=depth, ancestor=ancestor):
+            out = target.verify(state, tokens, depth, ancestor, defer_logits=deferred)
+            if deferred:  # a greedy walk projects at least the root row of every sequence
+                target.logits_at(out.hidden[:, :1])
+
+        def drop_block(state=state):
+            target.commit(state, context, [[] for _ in range(batch)])
+
+        seconds = median_seconds(verify, device, repeats, after=drop_block)
+        base = base or seconds
+        cells.append({"batch": batch, "rows": n, "ms": 1e3 * seconds, "vs_one_row": seconds / base})
     return cells
 
 
 def gqa_grid(target: TargetAdapter, device: torch.device, batches: Sequence[int], rows: Sequence[int],
-             context: int, repeats: int) -> list[dict[str, Any]]:
+             context: int, repeats: int) -> Iterator[dict[str, Any]]:
     """The verify grid once per `gqa` strategy of masked tree attention (`dart_worker.tree_attention`):
     which one this device should use (`dart_worker.kernels.gqa_for`)."""
-    cells = []
     for gqa in GQAS:
         with forced(gqa=gqa):
-            cells += [{"gqa": gqa, **cell} for cell in verify_grid(target, device, batches, rows, context, repeats)]
-    return cells
+            cells = list(verify_grid(target, device, batches, rows, context, repeats))
+        yield from ({"gqa": gqa, **cell} for cell in cells)
 
 
 def drafting_ms(parts: EngineParts, device: torch.device, modes: Sequence[str], batches: Sequence[int],
-                context: int, new_tokens: int, budget: int) -> list[dict[str, Any]]:
+                context: int, new_tokens: int, budget: int) -> Iterator[dict[str, Any]]:
     """Draft-head and tree-build ms per round, each stage synchronised (`sync_timing`)."""
-    cells = []
     for mode in modes:
         engine = build_engine(parts, mode, TreeParams(budget=budget))
         engine.sync_timing = True
@@ -148,19 +181,17 @@ def drafting_ms(parts: EngineParts, device: torch.device, modes: Sequence[str], 
             results = engine.generate(prompts, greedy(new_tokens))
             rounds = max(r.stats.rounds for r in results)
             stages = results[0].stats.stage_seconds  # every live sequence is charged each stage's time
-            cells.append({"mode": mode, "batch": batch, "rounds": rounds,
-                          "draft_head_ms_per_round": 1e3 * stages["draft"] / rounds,
-                          "tree_build_ms_per_round": 1e3 * stages["tree"] / rounds,
-                          "verify_ms_per_round": 1e3 * stages["verify"] / rounds,
-                          "mean_tree_size": float(np.mean([r.stats.mean_tree_size for r in results]))})
-    return cells
+            yield {"mode": mode, "batch": batch, "rounds": rounds,
+                   "draft_head_ms_per_round": 1e3 * stages["draft"] / rounds,
+                   "tree_build_ms_per_round": 1e3 * stages["tree"] / rounds,
+                   "verify_ms_per_round": 1e3 * stages["verify"] / rounds,
+                   "mean_tree_size": float(np.mean([r.stats.mean_tree_size for r in results]))}
 
 
 def syncs_per_round(parts: EngineParts, device: torch.device, modes: Sequence[str], batches: Sequence[int],
-                    context: int, budget: int) -> list[dict[str, Any]]:
+                    context: int, budget: int) -> Iterator[dict[str, Any]]:
     """Device-to-host syncs per decoding round: (syncs of a 24-token run - of an 8-token run) /
     (their rounds), so prefill and admission cancel out."""
-    cells = []
     for mode in modes:
         engine = build_engine(parts, mode, TreeParams(budget=budget))
         for batch in batches:
@@ -173,17 +204,15 @@ def syncs_per_round(parts: EngineParts, device: torch.device, modes: Sequence[st
                 counted.append((syncs.count, max(r.stats.rounds for r in results), dict(syncs.by_op)))
             (short, short_rounds, _), (long, long_rounds, by_op) = counted
             per_round = (long - short) / max(1, long_rounds - short_rounds)
-            cells.append({"mode": mode, "batch": batch, "syncs_per_round": per_round,
-                          "syncs_24_tokens": long, "rounds_24_tokens": long_rounds,
-                          **({"by_op_24_tokens": by_op} if by_op else {})})
-    return cells
+            yield {"mode": mode, "batch": batch, "syncs_per_round": per_round,
+                   "syncs_24_tokens": long, "rounds_24_tokens": long_rounds,
+                   **({"by_op_24_tokens": by_op} if by_op else {})}
 
 
 def throughput(parts: EngineParts, device: torch.device, modes: Sequence[str], batch: int, context: int,
-               new_tokens: int, budget: int) -> list[dict[str, Any]]:
+               new_tokens: int, budget: int) -> Iterator[dict[str, Any]]:
     """Generated tokens/s of `batch` requests decoded together, trees sized by the cost model."""
     prompts = random_prompts(batch, context, parts.target.vocab_size, seed=13)
-    cells = []
     for mode in modes:
         engine = build_engine(parts, mode, TreeParams(budget=budget), sizing="auto")
         engine.generate(prompts[:2], greedy(4))  # warm-up
@@ -193,10 +222,9 @@ def throughput(parts: EngineParts, device: torch.device, modes: Sequence[str], b
         synchronize(device)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.token_ids) for r in results)
-        cells.append({"mode": mode, "batch": batch, "tokens_per_s": tokens / seconds,
-                      "mean_tree_size": float(np.mean([r.stats.mean_tree_size for r in results])),
-                      "tau": float(np.mean([r.stats.tau for r in results]))})
-    return cells
+        yield {"mode": mode, "batch": batch, "tokens_per_s": tokens / seconds,
+               "mean_tree_size": float(np.mean([r.stats.mean_tree_size for r in results])),
+               "tau": float(np.mean([r.stats.tau for r in results]))}
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -205,42 +233,73 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
 
 
-def run_shape(shape: str, device: torch.device, dtype: torch.dtype, cfg, deadline: float) -> dict[str, Any]:
-    """Every timing section for one model shape; sections past `deadline` are skipped, not run."""
-    if device.type == "cuda":  # the previous shape's model is gone once its run_shape returned
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
-    model = random_model(shape, device=device, dtype=dtype)
-    target = TargetAdapter(model)
-    vocab = target.vocab_size
-    head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=7, seed=0,
-                                     kept_target_ids=range(min(vocab, DRAFT_VOCAB)), device=device, dtype=dtype)
-    out: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."),
-                           "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
-                           "kernels": describe(device, dtype), "build_s": time.perf_counter() - started,
-                           "skipped": []}
-    with tempfile.TemporaryDirectory(prefix="dart-acceptance-") as tmp:
-        parts = EngineParts(target=target, head=head, trie=zipf_trie(vocab, Path(tmp) / "zipf.ngram"))
-        sections = {
-            "per_token": lambda: per_token_ms(model, EngineParts(target=target), device, cfg.context,
-                                              cfg.generate_tokens, cfg.repeats),
-            "verify": lambda: verify_grid(target, device, cfg.verify_batches, cfg.verify_rows, cfg.context,
-                                          cfg.repeats),
-            "gqa": lambda: gqa_grid(target, device, cfg.gqa_batches, cfg.gqa_rows, cfg.context, cfg.repeats),
-            "drafting": lambda: drafting_ms(parts, device, ("dart", "dart_lookup"), cfg.drafting_batches,
-                                            cfg.context, cfg.drafting_tokens, cfg.budget),
-            "syncs": lambda: syncs_per_round(parts, device, ("ar", "dart", "dart_lookup"), cfg.drafting_batches,
-                                             cfg.context, cfg.budget),
-            "throughput": lambda: throughput(parts, device, cfg.throughput_modes, cfg.throughput_batch,
-                                             cfg.context, cfg.generate_tokens, cfg.budget),
-        }
-        for name, section in sections.items():
-            if time.perf_counter() > deadline:
-                out["skipped"].append(name)
-                continue
-            t0 = time.perf_counter()
-            out[name] = section()
-            out[f"{name}_s"] = round(time.perf_counter() - t0, 2)
-    out["peak_memory_gib"] = peak_memory_gib(device)
-    return out
+# ---------------------------------------------------------------------------- one shape
+
+MEASUREMENTS = ("per_token", "verify", "gqa", "drafting", "syncs", "throughput")
+
+
+class ShapeBench:
+    """One random-weight model of `shape`, built by the `build` section and shared by the shape's
+    timing sections (`measure(name)`); `release()` drops it (after the shape's last section, so
+    the next shape has the device's memory)."""
+
+    def __init__(self, shape: str, device: torch.device, dtype: torch.dtype, cfg):
+        self.shape, self.device, self.dtype, self.cfg = shape, device, dtype, cfg
+        self.model = self.target = self.head = None
+        self._parts: EngineParts | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def build(self) -> Iterator[dict[str, Any]]:
+        """The model, its adapter and a random draft head; yields what was built."""
+        self.release()  # the previous shape's model is gone once its last section finished
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
+        model = random_model(self.shape, device=self.device, dtype=self.dtype)
+        target = TargetAdapter(model)
+        vocab = target.vocab_size
+        self.head = DartDraftHead.random_init(model.config, model.get_input_embeddings(), draft_length=7, seed=0,
+                                              kept_target_ids=range(min(vocab, DRAFT_VOCAB)), device=self.device,
+                                              dtype=self.dtype)
+        self.model, self.target = model, target
+        yield {"shape": self.shape, "dtype": str(self.dtype).removeprefix("torch."),
+               "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
+               "kernels": describe(self.device, self.dtype), "build_s": time.perf_counter() - started}
+
+    def drafting_parts(self) -> EngineParts:
+        """Target, head and a Zipf trie over the target's vocabulary (built on first use)."""
+        if self._parts is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="dart-acceptance-")
+            trie = zipf_trie(self.target.vocab_size, Path(self._tmp.name) / "zipf.ngram")
+            self._parts = EngineParts(target=self.target, head=self.head, trie=trie)
+        return self._parts
+
+    def measure(self, name: str) -> Iterator[dict[str, Any]]:
+        """The cells of measurement `name` (one of MEASUREMENTS) on this shape's model."""
+        if self.model is None:
+            raise SkipSection(f"no model (speed/{self.shape}/build did not finish)")
+        cfg, device, target = self.cfg, self.device, self.target
+        if name == "per_token":
+            return per_token_ms(self.model, EngineParts(target=target), device, cfg.context, cfg.generate_tokens,
+                                cfg.repeats)
+        if name == "verify":
+            return verify_grid(target, device, cfg.verify_batches, cfg.verify_rows, cfg.context, cfg.repeats)
+        if name == "gqa":
+            return gqa_grid(target, device, cfg.gqa_batches, cfg.gqa_rows, cfg.context, cfg.repeats)
+        if name == "drafting":
+            return drafting_ms(self.drafting_parts(), device, ("dart", "dart_lookup"), cfg.drafting_batches,
+                               cfg.context, cfg.drafting_tokens, cfg.budget)
+        if name == "syncs":
+            return syncs_per_round(self.drafting_parts(), device, ("ar", "dart", "dart_lookup"),
+                                   cfg.drafting_batches, cfg.context, cfg.budget)
+        if name == "throughput":
+            return throughput(self.drafting_parts(), device, cfg.throughput_modes, cfg.throughput_batch,
+                              cfg.context, cfg.generate_tokens, cfg.budget)
+        raise ValueError(f"unknown measurement {name!r}; expected one of {MEASUREMENTS}")
+
+    def release(self) -> None:
+        self.model = self.target = self.head = self._parts = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        free_device_memory(self.device)
