@@ -13,7 +13,6 @@ failure into the same one line.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
@@ -65,12 +64,15 @@ def planned_device(cfg: PipelineConfig) -> str:
 def probe_workers(cfg: PipelineConfig) -> dict[str, Any]:
     """Run one task with a worker's resources and return its device report; a device problem
     there is a DeviceUnavailable with the worker's own line."""
+    from pipeline.ray_connection import ray_target
+
     r = cfg.resources
+    external = ray_target(cfg.run.ray_address).address is not None  # a cluster joined, not started here
     gpus_here = ray.cluster_resources().get("GPU", 0.0)
     if r.num_gpus_per_worker > 0 and gpus_here < r.num_gpus_per_worker:
         message = (f"resources.num_gpus_per_worker={r.num_gpus_per_worker:g} but the Ray cluster has "
                    f"{gpus_here:g} GPU(s)")
-        if not os.environ.get("RAY_ADDRESS"):
+        if not external:
             raise DeviceUnavailable(message + " (a local Ray instance: set num_gpus_per_worker=0 to run on CPUs)")
         log.warning("%s; waiting for the autoscaler to add a GPU node", message)
     probe = ray.remote(worker_device_report).options(num_cpus=min(r.num_cpus_per_worker, 1.0),
@@ -82,7 +84,7 @@ def probe_workers(cfg: PipelineConfig) -> dict[str, Any]:
         if line is None:
             raise
         raise DeviceUnavailable(line) from None
-    if report["device"] == "cpu" and not os.environ.get("RAY_ADDRESS"):
+    if report["device"] == "cpu" and not external:
         try:
             import torch
 

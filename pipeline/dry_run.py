@@ -11,7 +11,6 @@ the first real run start fast.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +102,10 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
     if plan.resumes:
         output["rows_done"] = len(existing_row_keys(cfg.output.url))
     r, m, d = cfg.resources, cfg.model, cfg.decoding
-    external = bool(os.environ.get("RAY_ADDRESS"))
+    from pipeline.ray_connection import ray_target
+
+    cluster = ray_target(cfg.run.ray_address).address  # None: a private local Ray
+    external = cluster is not None
     if not external:
         problem = cpu_budget_problem(cfg, local_cpu_count())
         if problem:
@@ -138,7 +140,7 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
                     "max_live": r.max_live or r.batch_size, "mode": d.mode,
                     "sizing": d.sizing, "tree_budget": d.tree.budget, "max_new_tokens": d.max_new_tokens,
                     "temperature": d.temperature, "device": planned_device(cfg), "dtype": m.dtype,
-                    "cluster": os.environ["RAY_ADDRESS"] if external else f"local Ray, {local_cpu_count()} CPUs"},
+                    "cluster": cluster if external else f"local Ray, {local_cpu_count()} CPUs"},
     }
 
 
