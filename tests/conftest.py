@@ -25,12 +25,19 @@ randomized, so a session's runs explore new examples.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Ray's single-machine mode for every Ray cluster of the run (what pipeline/ray_connection.py
+# uses for a local job): the node's address is 127.0.0.1 and Ray's servers listen there only.
+# Set before anything imports Ray, so this process and every Ray process it starts agree on it
+# (a driver outside it would turn the address 127.0.0.1 into the machine's network address).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from tests.hypothesis_budget import PROFILE_ENV, QUICK
 
@@ -61,6 +68,20 @@ def pytest_configure(config: pytest.Config) -> None:
         profile = QUICK if quick_loop else "dev"
         os.environ[PROFILE_ENV] = profile  # tests/hypothesis_budget.py reads the same choice
     settings.load_profile(profile)
+
+
+# A test that uses these is on a Ray cluster, hence in the slow tier: the session's, and the
+# module-scoped clusters of test_inputs, test_outputs, test_fuzz_inputs and test_device_check.
+RAY_FIXTURES = {"ray_head", "shared_ray", "join_shared_ray", "ray_session", "ray_with_a_gpu"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tier (`pytest -m "not slow"` leaves it out) holds, besides the tests marked slow
+    by hand (a real model, sampling statistics, whole trainings), every test that needs external
+    processes (marked integration: an S3 server, a Ray cluster, a job) or the session's cluster."""
+    for item in items:
+        if item.get_closest_marker("integration") or RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -119,7 +140,9 @@ def ray_head(s3_server, tmp_path_factory):
     env = {**os.environ, **s3_server.env, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     env.setdefault("DART_CACHE_DIR", str(tmp_path_factory.mktemp("ray-head-cache")))
-    head = start_ray_head(num_cpus=2, env=env, prefix="rs-", extra_args=("--object-store-memory=1000000000",))
+    # With the dashboard (on 127.0.0.1): Ray's state API (`ray.util.state.list_actors`) asks it.
+    head = start_ray_head(num_cpus=2, env=env, dashboard=True, prefix="rs-",
+                          extra_args=("--object-store-memory=1000000000",))
     try:
         yield head
     finally:
@@ -129,17 +152,36 @@ def ray_head(s3_server, tmp_path_factory):
         head.stop()
 
 
-@pytest.fixture
-def shared_ray(ray_head, monkeypatch):
-    """This test's Ray jobs join the session's cluster (RAY_ADDRESS), each a Ray job of its own;
-    the variables in FORWARDED_TO_WORKERS that the test sets reach the job's workers."""
+@contextlib.contextmanager
+def joined(head, forward: tuple[str, ...] = ()):
+    """While inside: Ray jobs started in this process join `head` (RAY_ADDRESS), and each hands its
+    workers this process's values of FORWARDED_TO_WORKERS and `forward`. For module-scoped
+    fixtures; tests use `shared_ray`."""
     import ray
 
     from tests.ray_processes import FORWARD_ENV_VAR
 
     ray.shutdown()
-    monkeypatch.setenv("RAY_ADDRESS", ray_head.address)
-    monkeypatch.setenv("RAY_RUNTIME_ENV_HOOK", "tests.ray_processes.forward_env_hook")
-    monkeypatch.setenv(FORWARD_ENV_VAR, " ".join(FORWARDED_TO_WORKERS))
-    yield ray_head
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ADDRESS", head.address)
+        mp.setenv("RAY_RUNTIME_ENV_HOOK", "tests.ray_processes.forward_env_hook")
+        mp.setenv(FORWARD_ENV_VAR, " ".join((*FORWARDED_TO_WORKERS, *forward)))
+        try:
+            yield head
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture
+def shared_ray(ray_head):
+    """This test's Ray jobs join the session's cluster (RAY_ADDRESS), each a Ray job of its own;
+    the variables in FORWARDED_TO_WORKERS that the test sets reach the job's workers."""
+    with joined(ray_head) as head:
+        yield head
+
+
+@pytest.fixture(scope="session")
+def join_shared_ray(ray_head):
+    """`with join_shared_ray(forward=(...)):` joins the session's cluster for a module-scoped
+    fixture (a finished job several tests read), like `shared_ray` for one test."""
+    return lambda forward=(): joined(ray_head, forward)

@@ -7,9 +7,11 @@ so a test that starts Ray out of process gives it a temp dir of its own and clea
 manager, dashboard, dashboard agent, runtime-env agent, metrics, Ray client): Ray's defaults
 (8265, 52365, 10001, ...) collide with any other Ray cluster on the machine, and a head whose
 dashboard agent could not bind its port never registers it, so `ray job submit` answers "No
-available agent" until it gives up. Every head is started with `--node-ip-address=127.0.0.1`
-and its dashboard on 127.0.0.1. (Ray 2.60 still advertises the machine's address for a
-127.0.0.1 head and its gRPC servers listen on all interfaces; that is Ray's, not the flag's.)
+available agent" until it gives up. Every head binds 127.0.0.1 only: Ray's single-machine mode
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as pipeline/ray_connection.py uses for a local job; without
+it Ray 2.60 turns `--node-ip-address=127.0.0.1` into the machine's network address and its
+servers listen on every interface), `--node-ip-address=127.0.0.1`, the dashboard on 127.0.0.1.
+Drivers that connect must be in the same mode (tests/conftest.py sets it for the test run).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def start_ray_head(num_cpus: int = 2, env: Mapping[str, str] | None = None, dash
     for the first local `ray.init`), the head and every driver use ~/.ray/auth_token."""
     env = dict(os.environ if env is None else env)
     env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single-machine mode: 127.0.0.1 only
     temp_dir = short_temp_dir(prefix)
     gcs_port, agent_port, dashboard_port = free_port(), free_port(), free_port()
     args = ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", f"--num-cpus={num_cpus}",

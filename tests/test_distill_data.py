@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import ray
 
 from dart_train.corpus import iter_conversations
 from dart_train.trainer import DataConfig, conversation_example
@@ -14,7 +13,7 @@ from dart_worker.loading import load_target
 from jobs.distill_data import main as distill_main
 from pipeline.distill import reply_text
 from pipeline.outputs import read_output
-from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
+from tests.tiny_models import TINY_VOCAB
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +25,9 @@ def test_reply_text_takes_off_the_frame_space_only():
     assert reply_text("") == ""
 
 
-def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path):
-    artifacts = save_tiny_artifacts(tmp_path / "artifacts")
+def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path, tiny_artifacts, shared_ray):
+    """The distillation's generation job joins the session's Ray cluster (tests/conftest.py)."""
+    artifacts = tiny_artifacts
     rng = np.random.default_rng(0)
     records = [{"id": f"c{k}", "conversations": [
         {"from": "human", "value": " ".join(f"w{t}" for t in rng.integers(4, TINY_VOCAB, size=6))},
@@ -41,16 +41,9 @@ def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path)
         "output": {"url": "unused"},
     }))
     out = tmp_path / "distilled.jsonl"
-    ray.shutdown()
-    # A private local Ray for this test (the pipeline's own ray.init then reuses it): the first
-    # Ray start of a session must not go looking for, or collide with, another cluster.
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    try:
-        assert distill_main([f"source={tmp_path / 'chats.jsonl'}", "num_prompts=6", "max_new_tokens=5",
-                             f"pipeline_config={tmp_path / 'job.yaml'}", f"work_dir={tmp_path / 'work'}",
-                             f"output={out}", "batch_size=4", f"trie_output={tmp_path / 'self.ngram'}"]) == 0
-    finally:
-        ray.shutdown()
+    assert distill_main([f"source={tmp_path / 'chats.jsonl'}", "num_prompts=6", "max_new_tokens=5",
+                         f"pipeline_config={tmp_path / 'job.yaml'}", f"work_dir={tmp_path / 'work'}",
+                         f"output={out}", "batch_size=4", f"trie_output={tmp_path / 'self.ngram'}"]) == 0
     generated = {r["id"]: r for r in read_output(str(tmp_path / "work" / "generated")).to_pylist()}
     train_ids = {c.id for c in iter_conversations(str(tmp_path / "chats.jsonl"), split="train")}
     assert len(generated) == 6 and set(generated) <= train_ids  # training split only

@@ -30,15 +30,14 @@ from tests.flaky_fs import FAIL_ENV
 from tests.hostile_inputs import HOSTILE_JSONL, good_line, nonblank_lines
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
 from tests.test_pipeline_run import config_file, word_prompt
-from tests.tiny_models import save_tiny_artifacts
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    return save_tiny_artifacts(tmp_path_factory.mktemp("artifacts"))
+@pytest.fixture
+def artifacts(tiny_artifacts):
+    return tiny_artifacts
 
 
 def run_job(config: Path, *overrides: str, env: dict | None = None, preamble: str = "") -> subprocess.CompletedProcess:
@@ -73,7 +72,9 @@ KINDS = {"prompt holds a lone surrogate", "id holds a lone surrogate", "malforme
          "line is not a JSON object"}
 
 
-def test_hostile_corpus_end_to_end(tmp_path, artifacts):
+def test_hostile_corpus_end_to_end(tmp_path, artifacts, ray_head):
+    """`python -m pipeline.run` in a process of its own, joining the session's Ray cluster
+    (RAY_ADDRESS, as under `ray job submit`)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -96,7 +97,7 @@ def test_hostile_corpus_end_to_end(tmp_path, artifacts):
     out = tmp_path / "out"
     config = config_file(tmp_path, artifacts, [str(tmp_path / "in")], str(out), decoding__max_new_tokens=4,
                          resources__num_workers=1, resources__batch_size=8, output__rows_per_file=16)
-    result = run_job(config)
+    result = run_job(config, env={"RAY_ADDRESS": ray_head.address})
     assert result.returncode == 0, result.stderr[-3000:]
 
     table = read_output(str(out)).to_pylist()
@@ -116,20 +117,15 @@ def test_hostile_corpus_end_to_end(tmp_path, artifacts):
 
 
 @pytest.fixture(scope="module")
-def flaky_ray(tmp_path_factory):
-    """A local Ray whose workers can import tests.flaky_fs; yields the flaky filesystem's state dir."""
+def flaky_ray(tmp_path_factory, join_shared_ray):
+    """Jobs on the session's Ray cluster whose workers import tests.flaky_fs (the cluster's
+    PYTHONPATH holds the repository) and get its failure setting; yields its state dir."""
     state = tmp_path_factory.mktemp("flaky-state")
-    env = {"PYTHONPATH": str(REPO), FAIL_ENV: f"b.jsonl:{state}"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAIL_ENV, env[FAIL_ENV])
-        ray.shutdown()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-                 runtime_env={"env_vars": env})
+    with pytest.MonkeyPatch.context() as mp, join_shared_ray(forward=(FAIL_ENV,)):
+        mp.setenv(FAIL_ENV, f"b.jsonl:{state}")
+        ray.init(logging_level="ERROR")  # joins RAY_ADDRESS; the jobs below reuse this connection
         ray.data.DataContext.get_current().enable_progress_bars = False
-        try:
-            yield state
-        finally:
-            ray.shutdown()
+        yield state
 
 
 def error_line(stderr: str) -> str:

@@ -231,19 +231,19 @@ def test_growth_is_the_ratio_between_the_smallest_and_largest_size():
 
 
 @pytest.mark.integration
-def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path):
+def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path, tiny_artifacts, shared_ray):
     """The duplicate pass counts the rows left to generate; when none are, the job ends without
     starting a generation worker (before, it loaded the model to process zero rows). A resume with
-    rows left still generates exactly those."""
+    rows left still generates exactly those. Each job joins the session's Ray cluster as a Ray job
+    of its own, and the actors counted are that job's (filtered by its job id)."""
     import ray
     from ray.util.state import list_actors
 
     from pipeline.config import load_config
     from pipeline.outputs import read_output
     from pipeline.run import run_pipeline
-    from tests.tiny_models import save_tiny_artifacts
 
-    artifacts = save_tiny_artifacts(tmp_path / "artifacts")
+    artifacts = tiny_artifacts
     lines = [json.dumps({"id": f"r{k % 7}", "prompt": f"w{5 + k} w9"}) for k in range(9)]  # r0, r1 twice
     (tmp_path / "in.jsonl").write_text("\n".join([*lines, "{broken", json.dumps({"id": "e", "prompt": ""})]) + "\n")
     overrides = [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
@@ -254,9 +254,11 @@ def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path):
 
     def job(*extra: str) -> tuple[dict, list[str]]:
         ray.shutdown()
+        ray.init()  # joins the shared cluster as a new Ray job; the pipeline keeps this connection
         try:
+            job_id = ray.get_runtime_context().get_job_id()
             summary = run_pipeline(load_config(None, [*overrides, *extra]))
-            actors = [a.class_name for a in list_actors()]
+            actors = [a.class_name for a in list_actors(filters=[("job_id", "=", job_id)], limit=1000)]
         finally:
             ray.shutdown()
         return summary, actors

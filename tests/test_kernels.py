@@ -138,6 +138,7 @@ def test_a_4x_style_head_decodes_like_its_weights_under_every_strategy():
                 assert [r.token_ids for r in decoded] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_under_gpu_strategies_equals_cpu_strategies(family):
     """Greedy (ragged batch, continuous batching) and seeded top-p sampling commit the same

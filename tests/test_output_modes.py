@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 
 import pipeline.output_modes as output_modes
 from pipeline.config import ConfigError, load_config
@@ -208,18 +207,9 @@ def test_a_night_always_resumes_its_own_output(tmp_path):
 # ------------------------------------------------------------------------ whole jobs (Ray)
 
 
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    from tests.tiny_models import save_tiny_artifacts
-
-    return save_tiny_artifacts(tmp_path_factory.mktemp("artifacts"))
-
-
 @pytest.fixture
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
+def artifacts(tiny_artifacts):
+    return tiny_artifacts
 
 
 def job_file(tmp_path: Path, artifacts: dict, run_id: str, max_new_tokens: int) -> Path:
@@ -237,7 +227,9 @@ def job_file(tmp_path: Path, artifacts: dict, run_id: str, max_new_tokens: int) 
 
 
 @pytest.mark.integration
-def test_second_run_stops_then_replace_and_beside(tmp_path, artifacts, fresh_ray, capsys, monkeypatch):
+def test_second_run_stops_then_replace_and_beside(tmp_path, artifacts, shared_ray, capsys, monkeypatch):
+    """Its jobs join the session's Ray cluster (tests/conftest.py), each a Ray job of its own, as
+    each `python -m pipeline.run` would be."""
     from pipeline.run import main, run_pipeline
 
     out = tmp_path / "out"

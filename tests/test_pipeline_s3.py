@@ -22,54 +22,43 @@ from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import SUMMARY_NAME, run_pipeline
 from tests.ray_processes import start_ray_head
-from tests.s3_server import running_s3_server
 from tests.test_pipeline_run import REPO, artifacts, config_file, write_inputs  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with running_s3_server(buckets=["prompts", "results"]) as server:
-        yield server
-
-
-@pytest.fixture
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
-def test_jsonl_and_parquet_from_a_bucket_and_resume(tmp_path, artifacts, s3, fresh_ray):  # noqa: F811
-    fs = s3.filesystem()
+def test_jsonl_and_parquet_from_a_bucket_and_resume(tmp_path, artifacts, s3_server, s3_bucket, shared_ray):  # noqa: F811
+    """On the session's S3 server (a bucket of this test's) and Ray cluster: the job's workers
+    get the S3 settings and credentials from this process's environment (forwarded)."""
+    fs, bucket = s3_server.filesystem(), s3_bucket
     prompts = write_inputs(tmp_path / "a.jsonl", good=5)
-    fs.put(str(tmp_path / "a.jsonl"), "prompts/jsonl/a.jsonl")
+    fs.put(str(tmp_path / "a.jsonl"), f"{bucket}/prompts/jsonl/a.jsonl")
     table = pa.table({"id": [f"pq-{k}" for k in range(4)], "prompt": ["w5 w6 w7", "w8 w9", None, "w10 w11 w12"]})
     pq.write_table(table, tmp_path / "b.parquet")
-    fs.put(str(tmp_path / "b.parquet"), "prompts/parquet/b.parquet")
+    fs.put(str(tmp_path / "b.parquet"), f"{bucket}/prompts/parquet/b.parquet")
 
-    jsonl_cfg = config_file(tmp_path, artifacts, ["s3://prompts/jsonl/*.jsonl"], "s3://results/jsonl")
+    jsonl_cfg = config_file(tmp_path, artifacts, [f"s3://{bucket}/prompts/jsonl/*.jsonl"],
+                            f"s3://{bucket}/results/jsonl")
     summary = run_pipeline(load_config(jsonl_cfg))
     assert summary["this_run"]["rows"] == len(prompts) + 6
-    out = read_output("s3://results/jsonl")
+    out = read_output(f"s3://{bucket}/results/jsonl")
     assert out.num_rows == len(prompts) + 6 and len(set(out["row_key"].to_pylist())) == out.num_rows
-    assert fs.exists(f"results/jsonl/{SUMMARY_NAME}")
+    assert fs.exists(f"{bucket}/results/jsonl/{SUMMARY_NAME}")
 
-    parquet_cfg = config_file(tmp_path, artifacts, ["s3://prompts/parquet/"], "s3://results/parquet",
-                              input__format="parquet")
+    parquet_cfg = config_file(tmp_path, artifacts, [f"s3://{bucket}/prompts/parquet/"],
+                              f"s3://{bucket}/results/parquet", input__format="parquet")
     run_pipeline(load_config(parquet_cfg))
     ray.shutdown()
-    rows = {r["id"]: r for r in read_output("s3://results/parquet").to_pylist()}
+    rows = {r["id"]: r for r in read_output(f"s3://{bucket}/results/parquet").to_pylist()}
     assert set(rows) == {"pq-0", "pq-1", "pq-2", "pq-3"}
     assert rows["pq-2"]["error"] and not rows["pq-0"]["error"] and rows["pq-0"]["num_generated_tokens"] > 0
 
     again = run_pipeline(load_config(parquet_cfg, ["run.resume=true"]))
     assert again["this_run"]["rows"] == 0 and again["this_run"]["rows_skipped_as_done"] == 4
-    assert read_output("s3://results/parquet").num_rows == 4
+    assert read_output(f"s3://{bucket}/results/parquet").num_rows == 4
 
-    secret = s3.env["AWS_SECRET_ACCESS_KEY"]
-    for path in fs.find("results"):
+    secret = s3_server.env["AWS_SECRET_ACCESS_KEY"]
+    for path in fs.find(f"{bucket}/results"):
         assert secret.encode() not in fs.cat_file(path), f"credential leaked into {path}"
 
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.pyproject import pyproject
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +44,7 @@ def test_requires_python_classifiers_ruff_and_docs_name_one_floor():
             assert stated == f"{major}.{minor}", f"{doc.relative_to(REPO)} says Python {stated}+"
 
 
+@pytest.mark.slow
 def test_no_code_needs_a_python_newer_than_the_floor():
     major, minor = floor()
     excludes = [arg for name in NOT_PYTHON for arg in ("--exclude", name)]

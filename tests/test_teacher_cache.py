@@ -203,6 +203,7 @@ def test_cache_of_another_target_tokenizer_taps_or_vocab_is_refused(setup, tmp_p
 # ------------------------------------------------------------------------------ the loss
 
 
+@pytest.mark.slow
 def test_loss_from_cache_equals_live_loss(setup, tmp_path):
     """k = Vd: the cached loss is the live loss. k < Vd: it is the KL of the distributions coarsened
     to (top-k ids, everything else), computed here independently from the live logits, and a lower
@@ -266,6 +267,7 @@ def test_top_k_kl_gradients_are_finite_when_every_id_is_kept():
 # -------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_training_from_the_cache_checkpoints_and_resumes_identically(setup, tmp_path, monkeypatch):
     cache_url = tmp_path / "cache"
     build(setup, cache_url, "cache.top_k=16")

@@ -403,6 +403,7 @@ def test_checkpoint_resume_reload_identical(tmp_path):
     assert not torch.equal(head_2.fc.weight, head_a.fc.weight)
 
 
+@pytest.mark.slow
 def test_trained_head_loads_strictly_and_decodes_losslessly(tmp_path):
     model = tiny_model("gemma3", num_layers=4)
     cfg = tiny_config(tmp_path / "run", 2)

@@ -301,6 +301,7 @@ def test_drafted_chains_commit_exactly_the_tokens_of_plain_sampling(name):
     assert len({tuple(r) for r in plain.tolist()}) > 100  # it really samples
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_sampling_verification_is_lossless(name):
     case = CASES[name]
@@ -346,6 +347,7 @@ def _draws_ignore_temperature(logits, params):
     return sampling.warp_logits_to_probs(logits, dataclasses.replace(params, temperature=1.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", ["child_row_reuses_its_parents_uniform", "draws_ignore_temperature"])
 def test_biased_verifiers_fail_the_same_test(bias, monkeypatch):
     """Negative controls: the statistical test must be able to fail, on the real pipeline."""

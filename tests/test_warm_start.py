@@ -4,7 +4,6 @@ job cache and the job n-gram) before its first row; outputs of another target ar
 from __future__ import annotations
 
 import pytest
-import ray
 
 from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.dry_run import dry_run, format_report
@@ -13,22 +12,19 @@ from pipeline.preflight import StartupError, _warm_documents, resolve_artifacts
 from pipeline.run import run_pipeline
 from pipeline.worker import GenerationWorker
 from tests.test_pipeline_run import config_file, write_inputs
-from tests.tiny_models import save_tiny_artifacts
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def earlier_run(tmp_path_factory):
-    """A finished greedy run on the tiny artifacts: (artifacts, its output URL, its rows)."""
+def earlier_run(tmp_path_factory, tiny_artifacts, join_shared_ray):
+    """A finished greedy run on the tiny artifacts: (artifacts, its output URL, its rows), a job
+    on the session's Ray cluster."""
     root = tmp_path_factory.mktemp("warm")
-    artifacts = save_tiny_artifacts(root / "artifacts")
+    artifacts = tiny_artifacts
     write_inputs(root / "in.jsonl", good=6, seed=5)
-    ray.shutdown()
-    try:
+    with join_shared_ray():
         run_pipeline(load_config(config_file(root, artifacts, [str(root / "in.jsonl")], str(root / "earlier"))))
-    finally:
-        ray.shutdown()
     rows = [r for r in read_output(str(root / "earlier")).to_pylist() if not r["error"]]
     return artifacts, str(root / "earlier"), rows
 
