@@ -162,14 +162,22 @@ def _start_local(num_cpus: int | None) -> None:
     """ray.init of a private instance whose every process listens on loopback only."""
     from ray._private import ray_constants
 
-    os.environ[_SINGLE_MACHINE_ENV] = "0"  # the Ray processes started below read it at import
+    # The Ray processes started below read the variable at import (the raylet's workers inherit it
+    # from the raylet); this process imported Ray already, so its copy of the flag is set too. Both
+    # are put back afterwards: a `ray start --address` run from this process later must still work.
+    previous_env = os.environ.get(_SINGLE_MACHINE_ENV)
     previous = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray already: its copy too
+    os.environ[_SINGLE_MACHINE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK,
                  logging_level="WARNING")
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = previous
+        if previous_env is None:
+            os.environ.pop(_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[_SINGLE_MACHINE_ENV] = previous_env
 
 
 @contextlib.contextmanager
