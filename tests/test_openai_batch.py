@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pyarrow.dataset
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, load_config
 from pipeline.openai_batch import (
     CHAT_URL,
     COMPLETIONS_URL,
+    FIELD_SETTINGS,
     OUTPUT_NAME,
     ZERO_PROBABILITY_LOGPROB,
     BatchRequest,
@@ -34,7 +37,8 @@ from pipeline.openai_batch import (
     write_batch_output,
 )
 from pipeline.outputs import read_output, rows_to_table, sample_key, write_part
-from pipeline.row_settings import checked_setting, decode_settings
+from pipeline.row_settings import SETTING_KINDS, checked_setting, decode_settings
+from tests.hypothesis_budget import examples
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,6 +146,41 @@ def test_what_cannot_be_honoured_is_an_error_row_naming_it(line, words):
     got = parse(line)
     assert got.error is not None and words in got.error, got.error
     assert got.prompt is None and got.settings is None
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 30) | st.floats(-3, 3) | st.text(max_size=5),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                        max_size=3), max_leaves=6)
+BODY_FIELDS = sorted({*FIELD_SETTINGS, "model", "max_tokens", "max_completion_tokens", "stop", "logprobs",
+                      "top_logprobs", "response_format", "structured_outputs", "user", "stream", "echo", "tools",
+                      "logit_bias", "tool_choice", "functions", "audio", "modalities", "prediction"})
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(BODY_FIELDS), JSON_VALUES, max_size=5),
+       chat_url=st.booleans())
+def test_a_field_is_honoured_or_named_never_dropped(fields, chat_url):
+    """Any body: parsing never raises; a line without an error carries every field it was given
+    that changes the answer (as a setting the row's checks accept), and a field the pipeline does
+    not know is named in the error whatever else is wrong."""
+    body = {**fields, **({"messages": [{"role": "user", "content": "w5"}]} if chat_url else {"prompt": "w5"})}
+    got = parse(request("p", body, url=CHAT_URL if chat_url else COMPLETIONS_URL))
+    known = {*FIELD_SETTINGS, "model", "max_tokens", "stop", "logprobs", "response_format", "structured_outputs",
+             "user", "stream", "echo", "tools", "logit_bias"} | ({"max_completion_tokens", "top_logprobs"}
+                                                               if chat_url else set())
+    for name in set(fields) - known:
+        if fields[name] is not None:
+            assert got.error is not None and f"body.{name}" in got.error, (name, got.error)
+    if got.error is None:
+        settings = decode_settings(got.settings)
+        for name in FIELD_SETTINGS:
+            if fields.get(name) is not None:
+                assert settings[name] == fields[name]
+        if fields.get("max_tokens") is not None or fields.get("max_completion_tokens") is not None:
+            assert "max_new_tokens" in settings
+        if isinstance(fields.get("response_format"), dict) and fields["response_format"].get("type") != "text":
+            assert "structured_output" in settings
+        assert set(settings) <= set(SETTING_KINDS)  # names the worker knows (it checks the values)
 
 
 def test_an_error_row_keeps_its_custom_id():
