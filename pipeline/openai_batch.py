@@ -40,6 +40,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline import io_retry
 from pipeline.inputs import (
     JsonlPromptDatasource,
     JsonlRowKeys,
@@ -356,8 +357,8 @@ def iter_request_lines(input_files: Sequence[str], max_prompt_chars: int | None 
         fs, path = filesystem_for(source, storage_options)
         codec = jsonl_codec(source)
         try:
-            with fs.open(path, "rb") as raw:
-                f = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), codec) if codec else raw
+            with _open_request_file(fs, path, source) as raw:
+                f = pa.CompressedInputStream(raw, codec) if codec else raw
                 keys = JsonlRowKeys(source)
                 for line_no, line in iter_lines(f):
                     if not line.strip():
@@ -370,6 +371,15 @@ def iter_request_lines(input_files: Sequence[str], max_prompt_chars: int | None 
                     yield RequestLine(key, source, line_no, request)
         except (OSError, pa.ArrowException) as e:
             raise StorageError(describe_error("read", source, e)) from e
+
+
+def _open_request_file(fs, path: str, source: str) -> pa.NativeFile:
+    """A request file as an Arrow stream: a local one read as it streams; a remote one fetched whole
+    under the job's retry policy (pipeline/io_retry.py: a transient failure is waited out), which
+    a stream cannot resume mid-file (a Batch API file is at most 200 MB)."""
+    if is_local(fs):
+        return pa.PythonFile(fs.open(path, "rb"), mode="r")
+    return pa.BufferReader(io_retry.active().call("read input", source, lambda: fs.cat_file(path)))
 
 
 def piece_bytes(piece: str, byte_decoder: Mapping[str, int] | None) -> bytes | None:
@@ -591,19 +601,23 @@ def write_batch_output(output_url: str, input_files: Sequence[str], *, model: st
 def write_file_atomically(output_url: str, name: str, data: bytes, *,
                           storage_options: dict[str, Any] | None = None) -> str:
     """`data` as `<output_url>/<name>`, never visible half-written: as pipeline.outputs writes a part
-    (a local temporary name and rename, one upload on an object store)."""
+    (a local temporary name and rename, one upload on an object store), remote writes under the
+    job's retry policy."""
     fs, directory = filesystem_for(output_url, storage_options)
     path = posixpath.join(directory, name)
+    url = url_of(fs, path)
     try:
         if is_local(fs):
             _write_local_atomic(directory, name, data)
         elif _is_object_store(fs):
-            fs.pipe_file(path, data)
+            io_retry.active().call("write batch output", url, lambda: fs.pipe_file(path, data))
         else:
-            _write_via_rename(fs, directory, name, data)
+            io_retry.active().call("write batch output", url, lambda: _write_via_rename(fs, directory, name, data))
+    except StorageError:
+        raise
     except Exception as e:
-        raise StorageError(describe_error("write", url_of(fs, path), e)) from e
-    return url_of(fs, path)
+        raise StorageError(describe_error("write", url, e)) from e
+    return url
 
 
 def write_job_batch_output(cfg, resolved: Mapping[str, Any], output_url: str) -> BatchOutputReport:

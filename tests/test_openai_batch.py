@@ -327,6 +327,17 @@ def test_the_file_answers_every_request_line_once_in_order_from_the_parts(tmp_pa
     assert pyarrow.dataset.dataset(str(tmp_path / "out"), format="parquet").count_rows() == len(rows)  # so do others
 
 
+def test_a_compressed_request_file_is_read_again_as_the_reader_reads_it(tmp_path):
+    import gzip
+
+    path = tmp_path / "requests.jsonl.gz"
+    path.write_bytes(gzip.compress(b"".join(json.dumps(chat(k)).encode() + b"\n" for k in ("x", "y"))))
+    write_part(rows_to_table([output_row("id:x"), output_row("id:y", text="w9")]), str(tmp_path / "out"), "run")
+    write_batch_output(str(tmp_path / "out"), [path.as_uri()], model="tiny", tokenizer=lambda: None)
+    assert [line["response"]["body"]["choices"][0]["message"]["content"] for line in batch_lines(tmp_path / "out")] \
+        == ["w5 w6", "w9"]
+
+
 def test_the_file_is_written_on_s3(tmp_path, s3_bucket):
     """The request file and the output on the local S3 server: the same lines as on a local disk."""
     import fsspec
