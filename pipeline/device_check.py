@@ -13,6 +13,7 @@ failure into the same one line.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Any
 
@@ -64,10 +65,10 @@ def planned_device(cfg: PipelineConfig) -> str:
 def probe_workers(cfg: PipelineConfig) -> dict[str, Any]:
     """Run one task with a worker's resources and return its device report; a device problem
     there is a DeviceUnavailable with the worker's own line."""
-    from pipeline.ray_connection import ray_target
-
     r = cfg.resources
-    external = ray_target(cfg.run.ray_address).address is not None  # a cluster joined, not started here
+    # A cluster joined, not started here: pipeline.ray_connection.ray_target's rule, spelled out so
+    # that this module (imported by the workers) stays clear of the driver's start-up modules.
+    external = bool(cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "").strip())
     gpus_here = ray.cluster_resources().get("GPU", 0.0)
     if r.num_gpus_per_worker > 0 and gpus_here < r.num_gpus_per_worker:
         message = (f"resources.num_gpus_per_worker={r.num_gpus_per_worker:g} but the Ray cluster has "

@@ -285,10 +285,16 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
         except (InputError, StorageError) as exc:
             raise StartupError(f"input: {exc}") from None
         try:
+            ledger, retries_shown = io_retry.active().ledger, 0
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None) if ds is not None else ():
                 tally.add(batch)
-                add_write_retries(io_retry.active().ledger, batch)
+                add_write_retries(ledger, batch)
                 tally.maybe_print(cfg.run.progress_interval_s)
+                if ledger.total_retries() != retries_shown:  # the storage waits behind the rows just counted
+                    retries_shown = ledger.total_retries()
+                    print("storage: rode out transient failures so far: " + "; ".join(
+                        f"{op} {c['retries']} retries, {c['waited_s']:.0f} s waited"
+                        for op, c in ledger.as_dict().items() if c["retries"]))
         except Exception as exc:
             device_problem = worker_failure(exc)  # a worker on another node than the probe's
             if device_problem is not None:

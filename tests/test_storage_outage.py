@@ -195,8 +195,11 @@ def test_a_job_rides_out_a_write_outage_with_every_row_once(tmp_path, tiny_artif
     the job waits, says so, and finishes with every row once; the summary counts the retries."""
     config, rows = s3_job(tmp_path, tiny_artifacts, s3_bucket, good=6, run__io_retry_s=20.0)
     rule = proxy.fail("PUT", PARTS, status=500, code="InternalError", for_s=6, after=1)
+    capsys.readouterr()
     assert main([str(config)]) == 0, capsys.readouterr().err[-3000:]
     assert rule.faults >= 1
+    shown = capsys.readouterr().out  # the driver's progress says what the storage cost
+    assert "storage: rode out transient failures so far: write part " in shown, shown[-3000:]
     keys = output_keys(s3_server, s3_bucket)
     assert len(keys) == len(set(keys)) == rows
     summary = json.loads(s3_server.filesystem().cat_file(f"{s3_bucket}/out/{SUMMARY_NAME}"))
