@@ -53,17 +53,16 @@ FIELDS = PromptFields(max_prompt_chars=MAX_CHARS)
 
 
 # ------------------------------------------------------------------------------------------
-# In-process reading: the per-file code of the Ray Data readers (one local Ray for the module)
+# In-process reading: the per-file code of the Ray Data readers (on the session's Ray cluster)
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
+def ray_session(join_shared_ray):
+    """This process joined to the session's Ray cluster (tests/conftest.py) for the module."""
+    with join_shared_ray():
+        ray.init(logging_level="ERROR")
+        ray.data.DataContext.get_current().enable_progress_bars = False
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
