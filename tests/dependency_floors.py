@@ -33,10 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 FLOORED = ("torch", "transformers", "ray")
 # What depends on the floored versions' APIs: the adapter's logits, masks and cache argument
 # (transformers), the tree attention registered with its attention interfaces (transformers),
-# Ray's remote errors read by the device check, and one whole job (Ray Data, Ray actors).
+# Ray's remote errors read by the device check, one whole job (Ray Data, Ray actors), and the GPU
+# acceptance run with the GPU's kernel plan (the GPU machine has transformers 5.17, docs/gpu.md).
 FLOOR_TESTS = (
     "tests/test_target.py",
     "tests/test_tree_attention.py",
+    "tests/test_gpu_acceptance.py::test_the_gpu_plan_runs_every_section_on_a_cpu_without_what_a_bare_gpu_machine_lacks",
     "tests/test_device_check.py::test_worker_failure_reads_the_line_from_remote_errors",
     "tests/test_pipeline_run.py::test_every_row_once_with_errors_and_lossless_results",
 )

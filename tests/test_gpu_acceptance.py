@@ -302,3 +302,15 @@ def test_report_writes_are_atomic(tmp_path):
     thread.join()
     assert not bad and json.loads(target.read_text())["n"] == 299
     assert [p.name for p in tmp_path.iterdir()] == ["acceptance.json"]
+
+
+def test_the_bundle_carries_the_omegaconf_this_suite_runs():
+    """The GPU machine installs omegaconf from the bundle's wheels: the version pinned is the one
+    installed here, where these tests import it, and nothing the GPU machine has is carried."""
+    import omegaconf
+
+    from jobs.gpu_acceptance.bundle import ON_THE_GPU_MACHINE, pins
+
+    carried = dict(pin.split("==") for pin in pins())
+    assert carried["omegaconf"] == omegaconf.__version__
+    assert not set(carried) & ON_THE_GPU_MACHINE

@@ -2,11 +2,13 @@
 
 A lent GPU machine has Python 3.12 with torch, transformers, numpy, pybind11, PyYAML and a
 compiler, no network, and takes at most 64 MiB of extra files per run. The acceptance run needs
-two small pure-Python packages more (omegaconf and its parser runtime, about 0.3 MB as wheels)
-and the C++ extension `ngram_native._core` built for that Python. This writes, under `dir`
-(default `.gpu`, which the repository ignores):
+one small pure-Python package more (omegaconf, 0.25 MB as a wheel, with whatever it requires
+that the GPU machine lacks: nothing from 2.4 on, antlr4-python3-runtime before) and the C++
+extension `ngram_native._core` built for that Python. The wheels are the versions installed
+where this runs - the environment the test suite ran in - so the GPU machine runs the omegaconf
+the suite tested. This writes, under `dir` (default `.gpu`, which the repository ignores):
 
-    dir/wheels/   omegaconf and antlr4-python3-runtime wheels (pip download / pip wheel)
+    dir/wheels/   omegaconf and its requirements (pip download; pip wheel for a source-only one)
     dir/ext/      ngram_native/_core.cpython-312-*.so, built here with python3.12 when it exists
                   (the GPU machine builds it itself otherwise: it has pybind11 and a compiler)
 
@@ -19,10 +21,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 REPO = Path(__file__).resolve().parents[2]
-WHEELS = {"omegaconf": "omegaconf==2.3.0", "antlr4": "antlr4-python3-runtime==4.9.3"}  # omegaconf 2.3 pins antlr4 4.9.*
+CARRIED = "omegaconf"  # what the acceptance run imports that a bare GPU machine lacks
+ON_THE_GPU_MACHINE = {"pyyaml", "torch", "transformers", "numpy", "pybind11", "typing-extensions"}
 PYTHON = "3.12"
 
 DEVICE_COMMAND = (
@@ -39,12 +46,31 @@ def run(*command: str, cwd: Path | None = None) -> None:
     subprocess.run(command, check=True, cwd=cwd)
 
 
+def pins(package: str = CARRIED) -> list[str]:
+    """`package==<installed version>` and, the same way, each of its runtime requirements that the
+    GPU machine lacks (recursively): exactly what the suite ran with here."""
+    found: dict[str, str] = {}
+    todo = [package]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in found or name in ON_THE_GPU_MACHINE:
+            continue
+        found[name] = metadata.version(name)
+        for text in metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": "", "python_version": PYTHON}):
+                todo.append(requirement.name)
+    return [f"{name}=={version}" for name, version in found.items()]
+
+
 def download_wheels(wheels: Path) -> None:
     wheels.mkdir(parents=True, exist_ok=True)
-    run(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON,
-        "--implementation", "py", "-d", str(wheels), WHEELS["omegaconf"])
-    # antlr4-python3-runtime 4.9.3 is published as a source archive only: build its (pure) wheel here.
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), WHEELS["antlr4"])
+    for pin in pins():
+        try:
+            run(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                PYTHON, "--implementation", "py", "-d", str(wheels), pin)
+        except subprocess.CalledProcessError:  # published as a source archive only: build its (pure) wheel here
+            run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), pin)
 
 
 def find_python() -> str | None:
