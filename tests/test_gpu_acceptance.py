@@ -65,6 +65,7 @@ def read_report(directory: Path) -> tuple[dict, dict, str]:
 
 # ------------------------------------------------------------------------- the GPU plan on a CPU
 
+@pytest.mark.slow  # ~16 s of CPU in a fresh process; 30-60 s of wall time on a shared 2-core machine
 def test_the_gpu_plan_runs_every_section_on_a_cpu_without_what_a_bare_gpu_machine_lacks(tmp_path):
     args = [*SMALL, *GPU_PLAN, "families=[llama,gemma3]", f"output_dir={tmp_path}"]
     done = run_in_a_process("import sys\n"
