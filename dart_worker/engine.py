@@ -93,6 +93,7 @@ class _Sequence:
     started: float = 0.0  # perf_counter when it joined the batch (its wall time starts there)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per round, when params.logprobs > 0
     sample: int = 0  # which of its prompt's completions (generate_samples)
+    error: str | None = None  # why it stopped with finish_reason "error" (its grammar got stuck)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its trees against the sizer's table
     grammar: GrammarState | None = None  # its structured-output matcher, at its committed tokens
     prompt_logprobs: TokenLogprobs | None = None  # with params.prompt_logprobs > 0, from its prefill
@@ -253,6 +254,8 @@ class DecodingEngine:
         return None if self.sizer is None else self.sizer.describe()
 
     def _result(self, seq: _Sequence) -> GenerationResult:
+        if seq.error is not None:
+            return GenerationResult(finish_reason="error", error=seq.error, stats=seq.stats, finished_unix=time.time())
         seq.stats.wall_seconds = time.perf_counter() - seq.started
         seq.stats.num_generated_tokens = len(seq.generated)
         result = GenerationResult(token_ids=seq.generated, text=self._detokenize(seq.generated)[: seq.text_end],
@@ -298,6 +301,9 @@ class DecodingEngine:
         grammar = None
         if params.structured_output is not None:  # an invalid constraint: this request's error
             grammar = self.grammars.start(params.structured_output, stop_ids)
+            if grammar.stuck:
+                raise ValueError(f"structured_output: no token of the target's vocabulary can start its text "
+                                 f"({params.structured_output.describe()})")
         return _Sequence(
             index=index,
             tokens=token_ids,
@@ -583,7 +589,12 @@ class DecodingEngine:
             new_tokens = new_tokens[:room]
         if seq.grammar is not None:
             taken = seq.grammar.commit(new_tokens)
-            if taken < len(new_tokens) or (seq.grammar.ended and not seq.finish_reason):
+            if seq.grammar.stuck:  # never verified again: it ends here
+                new_tokens = new_tokens[:taken]
+                seq.finish_reason = "error"
+                seq.error = ("structured_output: no token of the target's vocabulary can continue the text "
+                             f"{self._detokenize(seq.generated + new_tokens)!r}")
+            elif taken < len(new_tokens) or (seq.grammar.ended and not seq.finish_reason):
                 new_tokens = new_tokens[:taken]
                 seq.finish_reason = "stop"
         seq.tokens.extend(new_tokens)

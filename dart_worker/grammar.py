@@ -34,7 +34,7 @@ from dart_worker.structured_output import (
     StructuredOutputError,
     engine_message,
 )
-from ngram_native.trees import SOURCE_GRAMMAR, DraftTree, children, subtree
+from ngram_native.trees import SOURCE_GRAMMAR, SOURCE_HEAD, DraftTree, children, merge_trees, subtree
 
 # Compiled grammars a worker keeps (least recently used go first): a job has a few distinct schemas,
 # or one per row at worst; a compiled JSON schema over a 262k vocabulary is ~1 MB.
@@ -125,6 +125,8 @@ class GrammarState:
             if self.matcher.is_terminated():
                 return taken
             if not self.matcher.accept_token(int(token)):
+                if self.stuck:  # drawn from a row nothing was allowed in: the engine ends the request
+                    return taken
                 raise GrammarViolation(f"committed token {int(token)} is not allowed by the request's grammar")
         return len(tokens)
 
@@ -137,6 +139,16 @@ class GrammarState:
     def ended(self) -> bool:
         """No token can follow: a stop token was accepted, or (without stop tokens) the text is complete."""
         return bool(self.matcher.is_terminated())
+
+    @property
+    def stuck(self) -> bool:
+        """Can no token of the vocabulary continue the text, though it has not ended? (A grammar
+        whose next character no token spells: a constraint this tokenizer cannot write.)"""
+        if self.matcher.is_terminated():
+            return False
+        row = torch.zeros((1, self.words), dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(row, 0)
+        return not bool(row.any())
 
     @property
     def complete(self) -> bool:
@@ -152,15 +164,31 @@ class GrammarState:
         keep = self._walk(tree, None)
         return tree if keep.all() else subtree(tree, keep)
 
+    def shape(self, tree: DraftTree, max_depth: int, budget: int) -> DraftTree:
+        """`cut(tree)` with the grammar's forced text drafted after every leaf (the root's, for a tree
+        cut to nothing): the text a record forces between values (`", "age": `) follows the value
+        a drafter proposed, in the same round. At most `budget` forced nodes, none deeper than
+        `max_depth`; each is scored as its leaf (its own step is certain) and marked `SOURCE_GRAMMAR`."""
+        forced: dict[int, list[int]] = {}
+        keep = self._walk(tree, None, forced=forced, max_depth=max_depth, budget=budget)
+        if not forced:
+            return tree if keep.all() else subtree(tree, keep)
+        return _extended(tree, keep, forced)
+
     def masks(self, tree) -> torch.Tensor:
         """int32 bitmask [N + 1, ceil(V / 32)] of the tokens allowed at each row of `tree`: row 0
         after the committed text, row i + 1 after node i's path. Rows of nodes the grammar forbids
-        (a tree that was not `cut`) allow everything: verification never reaches them."""
+        (a tree that was not `cut`) allow everything: verification never reaches them. A row where
+        the grammar allows nothing (a text the tokenizer cannot continue) allows everything too, so
+        verification draws a token there rather than failing the batch; committing it leaves the
+        grammar `stuck`, and the engine ends that request with an error."""
         n = int(np.shape(tree.tokens)[0])
         bitmask = torch.full((n + 1, self.words), -1, dtype=torch.int32)
-        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, 0)
         if n:
             self._walk(tree, bitmask)
+        bitmask[~bitmask.any(dim=-1)] = -1  # rows where nothing is allowed (see above)
         return bitmask
 
     def forced(self, limit: int) -> list[int]:
@@ -180,38 +208,71 @@ class GrammarState:
             self.matcher.rollback(len(accepted))
         return accepted
 
-    def forced_tree(self, limit: int) -> DraftTree:
-        """`forced(limit)` as a chain: scored 0 (certain, so merges rank it first) and marked
-        `SOURCE_GRAMMAR` (the cost model learns its acceptance as its own source)."""
-        tokens = np.asarray(self.forced(limit), dtype=np.int32)
-        n = tokens.shape[0]
-        return DraftTree(tokens, np.arange(-1, n - 1, dtype=np.int32), np.arange(1, n + 1, dtype=np.int32),
-                         np.zeros(n, dtype=np.float64), np.full(n, SOURCE_GRAMMAR, dtype=np.uint8))
-
-    def _walk(self, tree, bitmask: torch.Tensor | None) -> np.ndarray:
+    def _walk(self, tree, bitmask: torch.Tensor | None, forced: dict[int, list[int]] | None = None,
+              max_depth: int = 0, budget: int = 0) -> np.ndarray:
         """Depth first over `tree`: which nodes the grammar allows (bool [N]); with `bitmask`, fill
-        each allowed node's row. The matcher ends where it started."""
+        each allowed node's row; with `forced`, collect the forced text after each allowed leaf
+        (node -1: the root, when nothing under it is allowed), within `max_depth` and `budget`
+        tokens in all. The matcher ends where it started."""
         matcher = self.matcher
         tokens = np.asarray(tree.tokens).tolist()
+        depths = np.asarray(tree.depths).tolist()
         offsets, child_idx = tree.children() if isinstance(tree, DraftTree) else children(tree.parents)
         offsets, child_idx = offsets.tolist(), child_idx.tolist()
         keep = np.zeros(len(tokens), dtype=bool)
-        # (node, next child slot) frames; node -1 is the root, at the committed text.
-        stack = [(-1, offsets[0])]
+        # (node, next child slot, whether a child was allowed) frames; node -1 is the root.
+        stack = [(-1, offsets[0], False)]
         while stack:
-            node, slot = stack[-1]
+            node, slot, fertile = stack[-1]
             if slot == offsets[node + 2]:
                 stack.pop()
+                if forced is not None and not fertile and budget > 0:
+                    text = self.forced(min(budget, max_depth - (depths[node] if node >= 0 else 0)))
+                    if text:
+                        forced[node] = text
+                        budget -= len(text)
                 if node >= 0:
                     matcher.rollback(1)
                 continue
-            stack[-1] = (node, slot + 1)
+            stack[-1] = (node, slot + 1, fertile)
             child = child_idx[slot]
             if matcher.is_terminated() or not matcher.accept_token(tokens[child]):
                 continue
+            stack[-1] = (node, slot + 1, True)
             keep[child] = True
             if bitmask is not None and not matcher.is_terminated():  # after a stop token nothing is read
                 matcher.fill_next_token_bitmask(bitmask, child + 1)
-            stack.append((child, offsets[child + 1]))
+            stack.append((child, offsets[child + 1], False))
         return keep
+
+
+def _extended(tree: DraftTree, keep: np.ndarray, forced: dict[int, list[int]]) -> DraftTree:
+    """The kept nodes of `tree` with each chain of `forced[leaf]` under its leaf (-1: the root), in
+    canonical order (`merge_trees` sorts a topological tree)."""
+    kept = np.flatnonzero(keep)
+    new_index = np.full(tree.size, -1, dtype=np.int64)
+    new_index[kept] = np.arange(kept.shape[0])
+    tokens = tree.tokens[kept].tolist()
+    parents = [int(new_index[p]) if p >= 0 else -1 for p in tree.parents[kept].tolist()]
+    depths = tree.depths[kept].tolist()
+    scores = (tree.scores[kept] if tree.scores is not None else np.zeros(kept.shape[0])).tolist()
+    sources = (tree.sources[kept] if tree.sources is not None else np.full(kept.shape[0], SOURCE_HEAD)).tolist()
+    for leaf, chain in forced.items():
+        parent = int(new_index[leaf]) if leaf >= 0 else -1
+        depth = depths[parent] if parent >= 0 else 0
+        score = scores[parent] if parent >= 0 else 0.0
+        for token in chain:
+            tokens.append(token)
+            parents.append(parent)
+            depth += 1
+            depths.append(depth)
+            scores.append(score)
+            sources.append(SOURCE_GRAMMAR)
+            parent = len(tokens) - 1
+    out = DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32), np.asarray(depths, np.int32),
+                    np.asarray(scores, np.float64), np.asarray(sources, np.uint8))
+    return merge_trees(out, _EMPTY, out.size)
+
+
+_EMPTY = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
 

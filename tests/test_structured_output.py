@@ -33,12 +33,13 @@ from dart_worker.structured_output import (
 )
 from dart_worker.target import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
-from ngram_native.trees import SOURCE_GRAMMAR, DraftTree
+from ngram_native.trees import SOURCE_GRAMMAR, DraftTree, merge_trees
 from tests.tiny_grammar import json_tokenizer
 from tests.tiny_models import TINY_VOCAB, tiny_model
 
 EOS = 2
 MODES = drafter_names()
+EMPTY = DraftTree(*(np.zeros(0, np.int32),) * 3)
 
 
 @pytest.fixture(scope="module")
@@ -154,20 +155,26 @@ def fresh_mask(book: GrammarBook, constraint: StructuredOutput, path: list[int])
     return out[0]
 
 
+TREE_TOKENS = [4, 5, 6, 10, 12, 13, 14, 22, 23, 24, 50, 51, 53, 56, 73, 86, 88, EOS]
+
+
 @st.composite
 def trees(draw, vocab=TINY_VOCAB, max_nodes=14):
+    """Random draft trees as builders make them: distinct tokens among siblings, canonical order."""
     n = draw(st.integers(0, max_nodes))
     parents, depths, tokens = [], [], []
-    for i in range(n):
-        parent = draw(st.integers(-1, i - 1))
+    for _ in range(n):
+        parent = draw(st.integers(-1, len(tokens) - 1))
+        used = {t for p, t in zip(parents, tokens) if p == parent}
+        token = draw(st.sampled_from(TREE_TOKENS))
+        if token in used:
+            continue
         parents.append(parent)
         depths.append(1 if parent < 0 else depths[parent] + 1)
-        tokens.append(draw(st.sampled_from([4, 5, 6, 10, 12, 13, 14, 22, 23, 24, 50, 51, 53, 56, 73, 86, 88, EOS])))
-    order = sorted(range(n), key=lambda i: depths[i])  # canonical: depths sorted, parents before children
-    new = {old: k for k, old in enumerate(order)}
-    return DraftTree(np.asarray([tokens[i] for i in order], np.int32),
-                     np.asarray([new[parents[i]] if parents[i] >= 0 else -1 for i in order], np.int32),
-                     np.asarray([depths[i] for i in order], np.int32))
+        tokens.append(token)
+    n = len(tokens)
+    topological = DraftTree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32), np.asarray(depths, np.int32))
+    return merge_trees(topological, EMPTY, n)  # canonical order, as every builder gives it
 
 
 CONSTRAINTS = [
@@ -197,30 +204,48 @@ def test_cut_and_masks_equal_a_fresh_matcher_per_node(tokenizer, tree, which, pr
     if fresh_mask(book, constraint, prefix) is None:
         return
     state.commit(prefix)
-    before = state.masks(DraftTree(*(np.zeros(0, np.int32),) * 3))[0].clone()
+    before = state.masks(EMPTY)[0].clone()
     cut = state.cut(tree)
     kept = {tuple(path_of(cut, i)) for i in range(cut.size)}
     expected = {tuple(path_of(tree, i)) for i in range(tree.size)
                 if fresh_mask(book, constraint, prefix + path_of(tree, i)) is not None}
     assert kept == expected
+    shaped = state.shape(tree, 12, 10)
+    shaped.validate()
+    shaped_paths = {tuple(path_of(shaped, i)) for i in range(shaped.size)}
+    assert kept <= shaped_paths and len(shaped_paths) <= len(kept) + 10
+    assert all(fresh_mask(book, constraint, prefix + list(p)) is not None for p in shaped_paths)
+    assert all(len(p) <= max(12, max(map(len, kept), default=0)) for p in shaped_paths)
     masks = state.masks(cut)
     assert torch.equal(masks[0], fresh_mask(book, constraint, prefix))
     for i in range(cut.size):
         assert torch.equal(masks[i + 1], fresh_mask(book, constraint, prefix + path_of(cut, i))), i
     # The walk leaves the matcher at the committed text.
-    assert torch.equal(state.masks(DraftTree(*(np.zeros(0, np.int32),) * 3))[0], before)
+    assert torch.equal(state.masks(EMPTY)[0], before)
 
 
 def test_forced_text_is_drafted_as_certain_grammar_nodes(tokenizer):
     book = GrammarBook(tokenizer, TINY_VOCAB)
     state = book.start(CONSTRAINTS[0], [EOS])
-    chain = state.forced_tree(10)
+    chain = state.shape(EMPTY, 10, 16)
     assert tokenizer.decode(chain.tokens.tolist()) == '{"name": "'
     assert (chain.sources == SOURCE_GRAMMAR).all() and (chain.scores == 0).all()
     assert chain.parents.tolist() == list(range(-1, chain.size - 1))
-    assert state.forced_tree(2).size == 2  # no deeper than asked
+    assert state.shape(EMPTY, 2, 16).size == 2  # no deeper than asked
+    assert state.shape(EMPTY, 10, 1).size == 1  # no more than the budget
     state.commit(chain.tokens.tolist())
     assert state.forced(10) == []  # inside a free string nothing is forced
+    # After a drafted value that closes the string, the text up to the next value follows it.
+    value = tokenizer('dog"', add_special_tokens=False)["input_ids"]
+    tree = DraftTree(np.asarray(value, np.int32), np.arange(-1, len(value) - 1, dtype=np.int32),
+                     np.arange(1, len(value) + 1, dtype=np.int32), np.asarray([-0.5, -0.75][: len(value)]),
+                     np.ones(len(value), np.uint8))
+    shaped = state.shape(tree, 10, 16)
+    assert shaped.tokens[: len(value)].tolist() == value
+    assert tokenizer.decode(shaped.tokens[len(value):].tolist()) == ', "age": '
+    assert (shaped.sources[len(value):] == SOURCE_GRAMMAR).all()
+    assert (shaped.scores[len(value):] == tree.scores[-1]).all()  # certain given the leaf
+    shaped.validate()
 
 
 def test_each_distinct_constraint_compiles_once(tokenizer):
@@ -412,7 +437,7 @@ def exact_completions(model, tokenizer, prompt, constraint, temperature):
         if state.ended:
             out[tuple(path)] = prob
             return
-        mask = state.masks(DraftTree(*(np.zeros(0, np.int32),) * 3))[0]
+        mask = state.masks(EMPTY)[0]
         allowed = [t for t in range(TINY_VOCAB) if (int(mask[t // 32]) >> (t % 32)) & 1]
         with torch.no_grad():
             logits = model(torch.tensor([prompt + path])).logits[0, -1].double() / temperature
@@ -455,3 +480,17 @@ def test_sampled_constrained_completions_follow_the_masked_target(model, tokeniz
         observed, expected = observed[:-1], expected[:-1]
     assert chisquare(observed, expected).pvalue > 1e-3
     assert sum(r.stats.accepted_tokens for r in results) > draws * 0.3  # drafts were really accepted
+
+
+def test_a_constraint_the_tokenizer_cannot_write_is_that_rows_error(engines):
+    """The tiny tokenizer has no capital letters: a regex that needs one can never be finished. At the
+    start it is refused at admission; reached mid-way, the row stops with an error naming the text, and
+    its neighbours decode as usual."""
+    engine = engines["dart_lookup"]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=20, structured_output={"regex": "[A-Z]+"}),
+              SamplingParams(temperature=0.0, max_new_tokens=20, structured_output={"regex": "ab[A-Z]"}),
+              SamplingParams(temperature=0.0, max_new_tokens=20, structured_output=CONSTRAINTS[2])]
+    start, midway, fine = engine.generate([[5, 6, 7]] * 3, params)
+    assert start.finish_reason == "error" and "can start its text" in start.error
+    assert midway.finish_reason == "error" and "can continue the text 'ab'" in midway.error
+    assert fine.error is None and fine.structured_complete

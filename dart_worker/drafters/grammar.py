@@ -5,9 +5,10 @@ the requests that carry a constraint:
 
 - drafts the grammar forbids are cut: verification draws from masked rows, so such a node can
   never be accepted and would only cost its row in the verify forward;
-- the text the grammar allows alone from the committed text (`{"name": "`, `", "age": `, a
-  closing `"}`) enters the tree as a chain of nodes scored 0 (certain, so a merge ranks them
-  first) and marked `SOURCE_GRAMMAR`, whose acceptance the cost model learns as its own source.
+- the text the grammar allows alone after each leaf of what is left (`{"name": "` at the start,
+  `", "age": ` after a drafted value, a closing `"}`), or after the committed text when nothing is
+  left, enters the tree as a chain of nodes each scored as its leaf (its own step is certain) and
+  marked `SOURCE_GRAMMAR`, whose acceptance the cost model learns as its own source.
 
 `ar` gets neither graft (`Drafter.speculates`): it stays plain decoding, the baseline.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dart_worker.grammar import GrammarState
-from ngram_native.trees import DraftTree, graft
+from ngram_native.trees import DraftTree
 
 
 def constrain_trees(trees: Sequence[DraftTree], grammars: Sequence[GrammarState | None], caps: Sequence[int], *,
@@ -27,9 +28,11 @@ def constrain_trees(trees: Sequence[DraftTree], grammars: Sequence[GrammarState 
     out = []
     for tree, grammar, cap in zip(trees, grammars, caps, strict=True):
         if grammar is not None:
-            tree = grammar.cut(tree)
-            if draft_forced:
-                forced = grammar.forced_tree(cap)
-                tree = graft(tree, forced, tree.size + forced.size)
+            tree = grammar.shape(tree, cap, FORCED_NODES + tree.size) if draft_forced else grammar.cut(tree)
         out.append(tree)
     return out
+
+
+# Forced nodes a round may add to a tree, beyond one per node it already has (a record's forced text
+# between two values is a few tokens; the cost model then sizes the tree as a whole).
+FORCED_NODES = 16
