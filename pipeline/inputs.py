@@ -636,13 +636,23 @@ def prompt_datasource(
     for path, url in zip(paths, files):
         if url_prefix + path != url:  # the readers rebuild source URLs from the paths Ray hands them
             raise StorageError(f"cannot map input {url} to a path on its filesystem (got {path})")
-    if format == "openai_batch":
-        from pipeline.openai_batch import OpenAIBatchDatasource  # it builds on this module
-
-        datasource_class = OpenAIBatchDatasource
-    else:
-        datasource_class = JsonlPromptDatasource if format == "jsonl" else ParquetPromptDatasource
+    datasource_class = _DATASOURCES.get(format)
+    if datasource_class is None:  # a reader defined elsewhere that nothing imported
+        raise ValueError(f"no reader registered for input format {format!r}: import its module "
+                         f"(pipeline.{format}) first")
     return datasource_class(paths, fields=fields, url_prefix=url_prefix, filesystem=arrow_filesystem(fs))
+
+
+# Input format -> its reader. Readers that build on this module register themselves here
+# (`register_datasource`: pipeline/openai_batch.py), so this module never imports them back.
+_DATASOURCES: dict[str, type[FileBasedDatasource]] = {}
+
+
+def register_datasource(format: str, datasource_class: type[FileBasedDatasource]) -> None:
+    """Make `prompt_datasource` read input format `format` (one of INPUT_FORMATS) with `datasource_class`."""
+    if format not in INPUT_FORMATS:
+        raise ValueError(f"unknown input format {format!r}; known: {list(INPUT_FORMATS)}")
+    _DATASOURCES[format] = datasource_class
 
 
 def _num_partitions() -> int:
@@ -916,3 +926,7 @@ def find_duplicate_ids(ds: ray.data.Dataset) -> dict[str, int]:
         .filter(expr=col("n") > 1)
     )
     return {row["id"]: int(row["n"]) for row in groups.iter_rows()}
+
+
+register_datasource("jsonl", JsonlPromptDatasource)
+register_datasource("parquet", ParquetPromptDatasource)

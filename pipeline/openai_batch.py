@@ -52,6 +52,7 @@ from pipeline.inputs import (
     normalise_messages,
     normalise_text_prompt,
     order_key,
+    register_datasource,
 )
 from pipeline.outputs import (
     _is_object_store,
@@ -633,3 +634,6 @@ def write_job_batch_output(cfg, resolved: Mapping[str, Any], output_url: str) ->
 
     return write_batch_output(output_url, resolved["input_files"], model=model_name(target), tokenizer=tokenizer,
                               max_prompt_chars=cfg.input.max_prompt_chars)
+
+
+register_datasource("openai_batch", OpenAIBatchDatasource)  # `input.format: openai_batch`

@@ -42,6 +42,7 @@ from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
 from pipeline.device_check import probe_workers, worker_failure
 from pipeline.inputs import InputError, PromptFields, scan_prompts
 from pipeline.ngram_store import shutdown_ngram_stores
+from pipeline.openai_batch import write_job_batch_output  # also registers the openai_batch reader
 from pipeline.output_modes import commit_output, open_output
 from pipeline.outputs import (
     ResumeProgress,
@@ -257,8 +258,6 @@ def _run_pipeline(cfg: PipelineConfig, policy: io_retry.RetryPolicy) -> dict[str
                                                                     text.encode()))
     commit_output(plan)  # replace: only now, with every row and the summary written, is the old run replaced
     if cfg.output.openai_batch:  # the Batch API's output lines, from every part of the committed output
-        from pipeline.openai_batch import write_job_batch_output
-
         final_url = plan.url if plan.stages else cfg.output.url
         print(f"openai batch output: {write_job_batch_output(cfg, resolved, final_url)}")
     return summary

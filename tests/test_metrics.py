@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_sources_and_stages_come_from_the_stats_columns():
     assert set(metrics.SOURCES) == {c.removeprefix("accepted_") for c in STAT_COLUMNS if c.startswith("accepted_")}
     assert {"head", "context"} <= set(metrics.SOURCES)
-    assert set(metrics.ROUND_STAGES) == {"draft", "tree", "verify", "commit"}
+    assert set(metrics.ROUND_STAGES) == {"draft", "tree", "grammar", "verify", "commit"}
 
 
 def test_record_batch_outside_ray_is_a_no_op():
