@@ -178,7 +178,8 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             entry["tau"] = statistics.mean(taus)
             rounds = sum(r["rounds"] for r in rows)
             entry["ms_per_round"] = {
-                stage: 1000 * sum(r[f"{stage}_s"] for r in rows) / max(rounds, 1) for stage in STAGES
+                # (records of runs before a stage existed lack it: 0 there)
+                stage: 1000 * sum(r.get(f"{stage}_s", 0.0) for r in rows) / max(rounds, 1) for stage in STAGES
             }
             entry["mean_tree_size"] = statistics.mean(r["mean_tree_size"] for r in rows)
             # Accepted draft tokens by the source that proposed them (records of older runs lack them).

@@ -112,9 +112,9 @@ class PrefillMeter:
         self.figures: dict[str, dict[str, float]] = {}
         target.prefill = self._prefill
 
-    def _prefill(self, state, prompts):
+    def _prefill(self, state, prompts, **kwargs):
         started = time.perf_counter()
-        out = self.original(state, prompts)
+        out = self.original(state, prompts, **kwargs)
         cell = self.figures.setdefault(self.label, {"calls": 0, "prompt_tokens": 0, "seconds": 0.0})
         cell["calls"] += 1
         cell["prompt_tokens"] += sum(len(p) for p in prompts)

@@ -361,7 +361,7 @@ def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_arti
     for arm in ("cache_off", "cache_on"):
         s = report["summary"][arm]
         assert s["rows"] == 6 and s["rows_failed"] == 0 and s["tokens"] > 0 and s["tau"] >= 1.0
-        assert set(s["accepted_tokens_by_source"]) == {"head", "context", "job_cache"}
+        assert set(s["accepted_tokens_by_source"]) == {"head", "context", "job_cache", "grammar"}
         assert s["us_per_seq_round"]["index_plus_graft"]["p99"] >= s["us_per_seq_round"]["index_plus_graft"]["median"]
     assert report["summary"]["cache_off"]["accepted_tokens_by_source"]["job_cache"] == 0
     assert report["summary"]["cache_on"]["cache"]["documents"] == 6

@@ -39,10 +39,10 @@ class PrefillCounter:
         self.calls, self.tokens = 0, 0
 
     def __enter__(self):
-        def counted(state, prompts):
+        def counted(state, prompts, **kwargs):
             self.calls += 1
             self.tokens += sum(len(p) for p in prompts)
-            return self.original(state, prompts)
+            return self.original(state, prompts, **kwargs)
 
         self.target.prefill = counted
         return self
