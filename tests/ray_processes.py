@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -72,8 +73,10 @@ class RayHead:
     env: dict[str, str]  # the environment `ray start` ran with (its workers inherit it)
 
     def ray_cli(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(["ray", *args], env=self.env, capture_output=True, text=True, check=check,
-                              timeout=timeout)
+        """The `ray` CLI of this interpreter's Ray (not whichever `ray` is first on PATH: in the
+        dependency floors' venv that is another Ray version, which drivers here refuse)."""
+        return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=self.env,
+                              capture_output=True, text=True, check=check, timeout=timeout)
 
     def wait_for_job_agent(self, timeout_s: float = 240.0) -> None:
         """Ask the head's dashboard agent until it answers its health check (the job agent
