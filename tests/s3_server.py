@@ -171,9 +171,11 @@ def running_s3_server(buckets: Iterable[str] = ()) -> Iterator[S3Server]:
                 mp.setenv(name, value)
             for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
                 mp.delenv(name, raising=False)
+            forget_cached_s3_filesystems()
             yield server
     finally:
         server.stop()
+        forget_cached_s3_filesystems()
 
 
 def use_s3_server(monkeypatch: pytest.MonkeyPatch, server: S3Server) -> None:
@@ -182,6 +184,20 @@ def use_s3_server(monkeypatch: pytest.MonkeyPatch, server: S3Server) -> None:
         monkeypatch.setenv(name, value)
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+    forget_cached_s3_filesystems()
+
+
+def forget_cached_s3_filesystems() -> None:
+    """Drop s3fs' cached filesystems, so the next `fsspec.filesystem("s3")` reads the environment again.
+
+    fsspec caches a filesystem per constructor arguments, not per environment: without this, a
+    test that points AWS_ENDPOINT_URL at its server can be handed a filesystem an earlier module
+    made for a server that has since stopped (CI's one failure at 9ff21f8: test_openai_batch after
+    test_inputs' module server, "Could not connect to the endpoint URL").
+    """
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @contextlib.contextmanager

@@ -16,8 +16,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -44,6 +42,7 @@ from pipeline.ngram_store import (
     sweep_orphans,
     trie_memory_usage,
 )
+from tests.s3_server import running_s3_server
 
 FP = "ab" * 32
 OTHER_FP = "cd" * 32
@@ -308,32 +307,11 @@ def test_starting_a_store_early_is_a_no_op_without_ray_and_never_raises(tmp_path
 # ----- a local two-node Ray cluster --------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def moto_s3():
-    """An S3 server on loopback, its endpoint and dummy credentials in the environment."""
-    if shutil.which("moto_server") is None:
-        pytest.skip("moto_server not installed (pip install 'moto[server]')")
-    port = _free_port()
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("moto_server did not start")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    """An S3 server on loopback (tests/s3_server.py), its endpoint and dummy credentials in the environment."""
+    with running_s3_server() as server:
+        yield server.endpoint
 
 
 @contextlib.contextmanager

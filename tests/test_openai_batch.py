@@ -338,12 +338,10 @@ def test_a_compressed_request_file_is_read_again_as_the_reader_reads_it(tmp_path
         == ["w5 w6", "w9"]
 
 
-def test_the_file_is_written_on_s3(tmp_path, s3_bucket):
+def test_the_file_is_written_on_s3(tmp_path, s3_server, s3_bucket):
     """The request file and the output on the local S3 server: the same lines as on a local disk."""
-    import fsspec
-
     lines = [chat("a"), chat("b", tools=[{}])]
-    fs = fsspec.filesystem("s3")
+    fs = s3_server.filesystem()
     fs.pipe_file(f"{s3_bucket}/in/requests.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode())
     output = f"s3://{s3_bucket}/out"
     write_part(rows_to_table([output_row("id:a"), output_row("id:b", error="unsupported field body.tools")]),
