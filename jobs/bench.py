@@ -40,6 +40,7 @@ KINDS = {
     "compare_heads": ("compare_heads", "draft heads side by side: dev accuracy, replay tau, decoding"),
     "teacher_cache": ("teacher_cache", "training throughput live vs from the teacher cache"),
     "tree_merge": ("tree_merge", "the per-round tree merge (hybrid modes): C++ vs its Python definition"),
+    "coupling": ("coupling", "draft/target agreement of sampled tokens per coupling of the randomness, by replay"),
 }
 
 

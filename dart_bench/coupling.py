@@ -1,0 +1,324 @@
+"""Drafts that know the dice (issue #48): `python -m jobs.bench coupling [config.yaml] [key=value ...]`.
+
+A sampled token is a fixed function of the request's key, its position and the target's
+distribution there (dart_worker.sampling), so a drafter may read the same randomness without
+changing a committed token. How much that is worth depends on how the draw uses it. Along the
+target's own sampled replies to ShareGPT dev prompts (replay: the target's taps fed to the draft
+head one committed token a round, no verification forwards), for every reply position and draft
+depth d = 1..depths, with p the target's warped distribution there and q the head's at the same
+temperature, the share of positions where the target's drawn token equals
+
+- `top1`: the head's most probable token (what the trees propose first today);
+- `inverse_cdf`: the head's inverse-CDF draw with the target's own uniform (today's sampler,
+  `sampling.inverse_cdf_sample`, read by the drafter);
+- `gumbel`: Gumbel-max with shared noise, argmax(log q + g) against argmax(log p + g), g the
+  vocabulary-sized noise of the position (`sampling.gumbel_noise`; the target's draw is this
+  product on the replies' prefixes, not a decode of its own);
+- `gumbel_2level`: the same with the two-level draw (`sampling.gumbel_sample` with no singles:
+  the block of 1024 token ids by Gumbel-max over block masses, then the token inside it) on both
+  sides, which needs 1.3k noise values a row instead of the vocabulary's;
+- `gumbel_partition`: the sampler's draw (`sampling.gumbel_sample`: the 64 heaviest tokens as their
+  own cells, blocks for the rest) against the drafter's guess (`sampling.coupled_candidates`: the
+  best of the head's top 64 by log q + g, the same noise);
+- `greedy_ref`: the head's argmax against the target's argmax (greedy decoding's agreement);
+- `coupling_limit`: 1 - TV(p, q), what no coupling can beat;
+
+plus `chain`, the one-chain expected accepted length from those rates (sum over d of the product
+of the rates up to d), and top-k membership (is the target's Gumbel draw among the k best of
+log q + g; is today's draw among the k most probable of q; is the partitioned draw among the
+drafter's k best guesses). Then the CPU cost per row of the
+noise and of each draw over the target's vocabulary. Writes coupling.json and coupling.md under
+output_dir.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dart_bench.replay import ReplayJobConfig, TuneConfigError, load_structured_config, replay_job_main
+
+METHODS = ("top1", "inverse_cdf", "gumbel", "gumbel_2level", "gumbel_partition", "greedy_ref", "coupling_limit")
+# Prompts whose head runs in one lockstep batch (bounds the target logits held: [reply, V] each).
+GROUP = 4
+
+
+@dataclass
+class CouplingConfig(ReplayJobConfig):
+    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
+    num_prompts: int = 16
+    check_prompts: int = 8  # the first dev prompts (the decoding benchmarks'): skipped
+    max_new_tokens: int = 64
+    depths: int = 4
+    top_ks: list[int] = field(default_factory=lambda: [1, 2, 4])
+    noise_rows: list[int] = field(default_factory=lambda: [1, 16])  # rows per call of the cost timing
+    dtype: str = "fp32"
+    output_dir: str = "coupling"
+
+
+def parse(argv: list[str]) -> CouplingConfig:
+    cfg = load_structured_config(CouplingConfig, argv, TuneConfigError)
+    if cfg.num_prompts < 1 or cfg.depths < 1 or not cfg.temperatures or any(t <= 0 for t in cfg.temperatures):
+        raise TuneConfigError("num_prompts >= 1, depths >= 1 and temperatures > 0 are needed")
+    if any(k < 1 for k in cfg.top_ks) or any(r < 1 for r in cfg.noise_rows):
+        raise TuneConfigError("top_ks and noise_rows must be >= 1")
+    return cfg
+
+
+@dataclass
+class Tally:
+    """Per method and depth: agreements (or summed 1 - TV) and positions counted."""
+
+    depths: int
+    top_ks: list[int]
+    hits: dict[str, np.ndarray] = field(default_factory=dict)
+    count: np.ndarray | None = None
+    reproduced: list[int] = field(default_factory=lambda: [0, 0])  # replies' tokens re-drawn / checked
+
+    def __post_init__(self):
+        names = [*METHODS, *(f"{kind}_top{k}" for kind in ("gumbel", "partition", "q") for k in self.top_ks)]
+        self.hits = {m: np.zeros(self.depths) for m in names}
+        self.count = np.zeros(self.depths)
+
+    def rates(self) -> dict[str, list[float]]:
+        return {m: (h / np.maximum(self.count, 1)).tolist() for m, h in self.hits.items()}
+
+
+def chain_length(rates: list[float]) -> float:
+    """One chain's expected accepted length from per-depth acceptance rates."""
+    return float(np.cumprod(rates).sum())
+
+
+@torch.inference_mode()
+def target_rows(parts, ref) -> torch.Tensor:
+    """float32 logits [len(reply), V] of the target at each reply position (row j predicts reply[j])."""
+    target = parts.target
+    seq = ref.prompt + ref.reply
+    out = target.prefill(target.new_state(1), [seq], keep_hidden=True)
+    start = len(ref.prompt) - 1
+    return target.logits_at(out.hidden[0, start : start + len(ref.reply)]).float()
+
+
+@torch.inference_mode()
+def tally_group(parts, drafter, refs, params, key: int, noise: torch.Tensor, tally: Tally) -> None:
+    """Drive the head over `refs` one committed token a round and count every method's agreements."""
+    from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Finished
+
+    head = parts.head
+    depth_cap, temperature = tally.depths, params.temperature
+    rows = [target_rows(parts, ref) for ref in refs]
+    draft_to_target = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device)).cpu()
+    taps = [ref.taps for ref in refs]
+    tokens = [ref.prompt + ref.reply[:1] for ref in refs]
+    drafter.retire(NOTHING_FINISHED, keep=[])
+    width = max(len(ref.prompt) for ref in refs)
+    block = torch.zeros(len(refs), width, taps[0].shape[-1], dtype=taps[0].dtype, device=taps[0].device)
+    for b, ref in enumerate(refs):
+        block[b, : len(ref.prompt)] = taps[b][: len(ref.prompt)]
+    drafter.observe(CommittedBlock(block, [range(len(r.prompt)) for r in refs], tokens, joined=True))
+    live = list(range(len(refs)))  # the head's batch: references still drafting, in order
+    for i in range(max(len(ref.reply) for ref in refs) - 1):
+        # round i: generated tokens 0..i committed; depth d predicts generated index i + d
+        drafter.catch_up()
+        logits = drafter.logits[:, :depth_cap].float().cpu()
+        picks = [(b, k, d) for k, b in enumerate(live) for d in range(1, min(depth_cap, logits.shape[1]) + 1)
+                 if i + d < len(refs[b].reply)]
+        if picks:
+            _count(picks, i, refs, rows, logits, draft_to_target, params, key, noise, tally, temperature)
+        keep = [k for k, b in enumerate(live) if i + 2 < len(refs[b].reply)]
+        if len(keep) < len(live):
+            done = [b for k, b in enumerate(live) if k not in keep]
+            drafter.retire(Finished([tokens[b] for b in done], [len(refs[b].prompt) for b in done]), keep)
+            live = [live[k] for k in keep]
+        if not live:
+            break
+        step = torch.stack([taps[b][len(refs[b].prompt) + i] for b in live])[:, None]
+        for b in live:
+            tokens[b] = refs[b].prompt + refs[b].reply[: i + 2]
+        drafter.observe(CommittedBlock(step, [range(1)] * len(live), [tokens[b] for b in live]))
+
+
+def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, temperature) -> None:
+    """Tally the rows `picks` ((reference, its batch row, depth)) of round i."""
+    from dart_worker.sampling import (
+        BLOCK_STREAM,
+        GUMBEL_SINGLES,
+        coupled_candidates,
+        gumbel_sample,
+        inverse_cdf_sample,
+        position_uniforms,
+        row_seeds,
+        warp_logits_to_probs,
+    )
+
+    positions = np.asarray([i + d for _, _, d in picks], dtype=np.int64)
+    target_logits = torch.stack([rows[b][i + d] for b, _, d in picks])
+    head_logits = torch.stack([logits[k, d - 1] for _, k, d in picks])
+    drawn = torch.as_tensor([refs[b].reply[i + d] for b, _, d in picks])
+    depth = torch.as_tensor([d - 1 for _, _, d in picks])
+    p = warp_logits_to_probs(target_logits, params)
+    q = (head_logits / temperature).softmax(dim=-1)
+    logq = q.log().double()
+    q_full = torch.zeros_like(p).index_copy_(1, d2t, q)
+    uniforms = torch.from_numpy(position_uniforms(key, positions))
+    g = noise[torch.from_numpy(positions)]  # [R, V] float64
+    g_head = g[:, d2t]
+    target_gumbel = (p.double().log() + g).argmax(dim=-1)
+    head_gumbel_scores = logq + g_head
+    seeds = torch.from_numpy(row_seeds(key, positions))
+    block_seeds = torch.from_numpy(row_seeds(key, positions, BLOCK_STREAM))
+    partitioned = gumbel_sample(p, seeds, block_seeds)
+    top_q, top_ids = q.topk(GUMBEL_SINGLES, dim=-1)
+    guesses, _ = coupled_candidates(top_q.log(), d2t[top_ids], seeds, max(tally.top_ks))
+    results = {
+        "top1": d2t[q.argmax(dim=-1)] == drawn,
+        "inverse_cdf": inverse_cdf_sample(q_full, uniforms) == drawn,
+        "gumbel": d2t[head_gumbel_scores.argmax(dim=-1)] == target_gumbel,
+        "gumbel_2level": gumbel_sample(q_full, seeds, block_seeds, 0) == gumbel_sample(p, seeds, block_seeds, 0),
+        "gumbel_partition": guesses[:, 0] == partitioned,
+        "greedy_ref": d2t[head_logits.argmax(dim=-1)] == target_logits.argmax(dim=-1),
+        "coupling_limit": torch.minimum(p[:, d2t], q).sum(dim=-1),
+    }
+    for k in tally.top_ks:
+        top_g = d2t[head_gumbel_scores.topk(k, dim=-1).indices]
+        top_k_q = d2t[q.topk(k, dim=-1).indices]
+        results[f"gumbel_top{k}"] = (top_g == target_gumbel[:, None]).any(dim=-1)
+        results[f"q_top{k}"] = (top_k_q == drawn[:, None]).any(dim=-1)
+        results[f"partition_top{k}"] = (guesses[:, :k] == partitioned[:, None]).any(dim=-1)
+    for name, value in results.items():
+        tally.hits[name] += np.bincount(depth.numpy(), weights=value.double().numpy(), minlength=tally.depths)
+    tally.count += np.bincount(depth.numpy(), minlength=tally.depths)
+    redrawn = inverse_cdf_sample(p, uniforms) == drawn  # do the replies reproduce (fp32: they should)
+    tally.reproduced[0] += int(redrawn.sum())
+    tally.reproduced[1] += len(picks)
+
+
+def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
+    """What `noise_costs` times, over `rows` rows of `vocab` tokens."""
+    from dart_worker.sampling import BLOCK_STREAM, gumbel_noise, gumbel_sample, inverse_cdf_sample, row_seeds
+
+    logits = torch.randn(rows, vocab, device=device) * 3
+    probs = logits.softmax(dim=-1)
+    seeds = torch.from_numpy(row_seeds(7, np.arange(rows))).to(device)
+    block_seeds = torch.from_numpy(row_seeds(7, np.arange(rows), BLOCK_STREAM)).to(device)
+    uniforms = torch.rand(rows, dtype=torch.float64, device=device)
+    ids = torch.arange(vocab, device=device)
+    return {
+        "softmax (reference pass)": lambda: logits.softmax(dim=-1),
+        "gumbel noise, whole vocabulary": lambda: gumbel_noise(seeds, ids),
+        "gumbel-max draw, whole vocabulary": lambda: (probs.double().log() + gumbel_noise(seeds, ids)).argmax(-1),
+        "gumbel-max draw, two-level": lambda: gumbel_sample(probs, seeds, block_seeds, 0),
+        "gumbel-max draw, partitioned (the sampler)": lambda: gumbel_sample(probs, seeds, block_seeds),
+        "inverse-CDF draw (before #48)": lambda: inverse_cdf_sample(probs, uniforms),
+    }
+
+
+def noise_costs(vocab: int, row_counts: list[int], device: torch.device, repeats: int = 5) -> list[dict]:
+    """Milliseconds per row (median of `repeats`) over a `vocab`-token row: the warp's softmax (a
+    reference pass), the vocabulary-sized Gumbel noise, the flat Gumbel-max draw (noise + argmax),
+    the two-level draw and the inverse-CDF draw it replaces."""
+    out = []
+    for rows in row_counts:
+        for name, fn in _cost_cases(rows, vocab, device).items():
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out.append({"rows": rows, "what": name, "ms_per_row": 1e3 * float(np.median(times)) / rows})
+    return out
+
+
+def measure(cfg: CouplingConfig) -> dict[str, Any]:
+    from dart_bench.common import load_parts, machine_conditions, select_prompts
+    from dart_bench.replay import references, reply_sampling
+    from dart_worker.device import configure_cpu_threads
+    from dart_worker.engine_factory import build_drafter
+    from dart_worker.sampling import gumbel_noise, request_key, row_seeds
+    from ngram_native.builders import TreeParams
+
+    threads = configure_cpu_threads(cfg.threads)
+    conditions = machine_conditions(threads)
+    out = Path(cfg.output_dir)
+    parts = load_parts(cfg, ["chain"])
+    if parts.head is None:
+        raise TuneConfigError("coupling needs a draft head")
+    chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
+    prompts = [ids for _, ids in chosen[cfg.check_prompts :]]
+    if not prompts:
+        raise TuneConfigError(f"no dev prompts fit max_prompt_tokens={cfg.max_prompt_tokens}")
+    vocab = parts.target.vocab_size
+    # Every reply is sampled with the same seed (one SamplingParams for the batch), so one key.
+    key = request_key(reply_sampling(cfg))
+    positions = np.arange(cfg.max_new_tokens)
+    noise = gumbel_noise(torch.from_numpy(row_seeds(key, positions)), torch.arange(vocab))  # [T, V] float64
+    results = []
+    for temperature in cfg.temperatures:
+        cfg_t = replace(cfg, temperature=float(temperature))
+        folder = out / f"T{temperature:g}"
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        refs = references(cfg_t, parts, prompts, folder)
+        params = reply_sampling(cfg_t)
+        tally = Tally(cfg.depths, list(cfg.top_ks))
+        for first in range(0, len(refs), GROUP):
+            drafter = build_drafter(parts, "chain", TreeParams(budget=cfg.depths, max_depth=cfg.depths))
+            tally_group(parts, drafter, refs[first : first + GROUP], params, key, noise, tally)
+        rates = tally.rates()
+        results.append({
+            "temperature": float(temperature), "prompts": len(refs), "positions_per_depth": tally.count.tolist(),
+            "rates": rates, "chain": {m: chain_length(rates[m]) for m in METHODS if m != "coupling_limit"},
+            "replies_reproduced": tally.reproduced, "seconds": time.perf_counter() - start,
+        })
+        print(f"T={temperature:g}: {len(refs)} prompts in {results[-1]['seconds']:.0f} s")
+    costs = noise_costs(vocab, list(cfg.noise_rows), parts.target.device)
+    return {"config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
+            "dtype": str(parts.target.dtype), "vocab": vocab, "draft_vocab": parts.head.config.draft_vocab_size,
+            "load_average_end": list(os.getloadavg()), "results": results, "noise_costs": costs}
+
+
+def summarize(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results:
+        depths = len(r["positions_per_depth"])
+        lines += [f"### T={r['temperature']:g} ({r['prompts']} prompts, positions per depth "
+                  f"{', '.join(str(int(c)) for c in r['positions_per_depth'])}; replies re-drawn "
+                  f"{r['replies_reproduced'][0]}/{r['replies_reproduced'][1]})", "",
+                  "| agreement with the target's draw | " + " | ".join(f"depth {d}" for d in range(1, depths + 1))
+                  + " | one-chain expected accepted length |",
+                  "|---|" + "---:|" * (depths + 1)]
+        for m in METHODS:
+            chain = r["chain"].get(m)
+            lines.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in r["rates"][m])
+                         + f" | {'' if chain is None else f'{chain:.3f}'} |")
+        lines += ["", "| top-k membership | " + " | ".join(f"depth {d}" for d in range(1, depths + 1)) + " |",
+                  "|---|" + "---:|" * depths]
+        for name in [n for n in r["rates"] if n.startswith(("gumbel_top", "partition_top", "q_top"))]:
+            lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in r["rates"][name]) + " |")
+        lines.append("")
+    return lines
+
+
+def cost_table(costs: list[dict]) -> list[str]:
+    lines = ["| rows per call | what | ms per row |", "|---:|---|---:|"]
+    lines += [f"| {c['rows']} | {c['what']} | {c['ms_per_row']:.2f} |" for c in costs]
+    return lines
+
+
+def header(cfg: CouplingConfig, figures: dict) -> str:
+    m = figures["machine"]
+    return (f"# Coupling: agreement of draft with the target's sampled token\n\n"
+            f"{m['cpu']}, {m['threads']} threads, {figures['dtype']}, load {m['load_average_start']} -> "
+            f"{figures['load_average_end']}, git {m['git_commit']}; target vocabulary {figures['vocab']}, "
+            f"head vocabulary {figures['draft_vocab']}\n\n" + "\n".join(cost_table(figures["noise_costs"])) + "\n\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return replay_job_main(argv, "jobs.bench coupling", __doc__, parse, measure, summarize, "coupling", header)
