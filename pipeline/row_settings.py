@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dart_worker.sampling import SamplingParams
 from dart_worker.structured_output import StructuredOutputError, check_syntax, parse_structured_output
+
+if TYPE_CHECKING:  # dart_worker.sampling imports torch; read tasks import this module (tests/test_layering.py)
+    from dart_worker.sampling import SamplingParams
 
 # Setting -> what it must hold. int settings accept integral floats (a Parquet writer that went
 # through pandas stores an int column with nulls as float64), never bools or fractions.
@@ -153,7 +155,7 @@ def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], s
     fields["structured_output"] = defaults.structured_output
     fields.update(values)
     try:
-        return SamplingParams(seed=seed_of(base_seed), **fields)
+        return type(defaults)(seed=seed_of(base_seed), **fields)
     except (TypeError, ValueError) as exc:
         raise SettingError(f"row setting: {exc}") from None
 

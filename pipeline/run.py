@@ -33,7 +33,6 @@ import sys
 import time
 from typing import Any
 
-import pyarrow as pa
 import ray
 
 from dart_worker.device import DeviceUnavailable
@@ -49,7 +48,6 @@ from pipeline.outputs import (
     filter_done,
     remove_temp_files,
     resume_progress,
-    write_part,
     written_rows,
 )
 from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
@@ -57,8 +55,9 @@ from pipeline.ray_connection import JobStopped, RayTarget, check_reachable, job_
 from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import settings_columns
 from pipeline.storage import StorageError, filesystem_for
-from pipeline.summary import STAT_COLUMNS, SUMMARY_NAME, RunTally, build_summary, output_totals
+from pipeline.summary import SUMMARY_NAME, RunTally, build_summary, output_totals
 from pipeline.worker import GenerationWorker, target_mismatch
+from pipeline.write_task import add_write_retries, write_rows
 
 log = logging.getLogger("pipeline")
 
@@ -95,35 +94,6 @@ def storage_failure(exc: BaseException) -> str | None:
 
 
 # -------------------------------------------------------------------------------- dataflow
-
-
-# Columns a write task adds to the stats it hands back: its upload's retries and seconds waited
-# (on the part's first row), which the driver sums into the summary's storage_retries.
-WRITE_RETRY_COLUMNS = ("storage_write_retries", "storage_write_wait_s")
-
-
-def write_rows(batch: pa.Table, output_url: str, run_id: str, io_retry_s: float = 0.0) -> pa.Table:
-    """Ray Data task: write one atomic Parquet part, its upload retried under the job's policy
-    (pipeline/io_retry.py); hand back only the per-row stats and the upload's retries."""
-    policy = io_retry.RetryPolicy(io_retry_s, ledger=io_retry.RetryLedger())
-    with io_retry.using(policy):
-        write_part(batch, output_url, run_id)
-    stats = batch.select([c for c in STAT_COLUMNS if c in batch.column_names])
-    count = policy.ledger.counts.get("write part", io_retry.OperationCount())
-    rest = [0] * (len(stats) - 1)
-    return (stats.append_column(WRITE_RETRY_COLUMNS[0], pa.array([count.retries, *rest], pa.int64()))
-            .append_column(WRITE_RETRY_COLUMNS[1], pa.array([count.waited_s, *rest], pa.float64())))
-
-
-def add_write_retries(ledger: io_retry.RetryLedger, batch: pa.Table) -> None:
-    """The retries of the write tasks behind `batch` (WRITE_RETRY_COLUMNS), into the driver's ledger."""
-    if WRITE_RETRY_COLUMNS[0] not in batch.column_names:
-        return
-    retries = batch.column(WRITE_RETRY_COLUMNS[0]).to_pylist()
-    waited = batch.column(WRITE_RETRY_COLUMNS[1]).to_pylist()
-    parts_retried = sum(1 for r in retries if r)
-    if parts_retried:
-        ledger.merge({"write part": {"retries": sum(retries), "waited_s": sum(waited), "recovered": parts_retried}})
 
 
 def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str]):

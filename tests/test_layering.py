@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import importlib.machinery
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +28,11 @@ FORBIDDEN = {
     "ngram_native": {"torch", "transformers", "ray", "pyarrow", "fsspec"},
     "dart_worker": {"ray"},
 }
+# Modules whose functions Ray Data runs in task workers (reads, the dedupe's counts, the resume
+# filter, part writes, the OpenAI batch reader): a task worker imports them and nothing else of
+# the job, so torch and transformers there would cost every task worker seconds and hundreds of MB.
+TASK_MODULES = ("pipeline.inputs", "pipeline.outputs", "pipeline.write_task", "pipeline.openai_batch")
+HEAVY_PACKAGES = ("torch", "transformers")
 # Modules a Ray Data generation worker runs; none of them may pull in training code or jobs.
 WORKER_MODULES = ("pipeline.worker",)
 # An engine's parts: only the engine and the factory that wires them touch them; everything else
@@ -222,6 +229,16 @@ def test_workers_import_no_training_code_and_no_jobs():
                     todo.append(nxt)
         assert not {m for m in seen if _layer(m) in ("dart_train", "jobs")}, sorted(seen)
         assert "pipeline.run" not in seen  # the driver is not part of a worker
+
+
+def test_ray_data_task_modules_import_neither_torch_nor_transformers():
+    """Imported for real in a fresh interpreter (lazy and TYPE_CHECKING imports are what the AST
+    scan cannot tell apart): the write task lived in pipeline/run.py and row settings imported
+    dart_worker.sampling, so every read and write task worker imported the whole engine."""
+    code = (f"import sys\nfor m in {TASK_MODULES!r}: __import__(m)\n"
+            f"print(sorted({{k.split('.')[0] for k in sys.modules}} & set({HEAVY_PACKAGES!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", f"a Ray Data task module imports {done.stdout.strip()}"
 
 
 def test_cycle_finder_finds_a_loop():
