@@ -50,6 +50,7 @@ import ray.data
 
 from dart_worker.stats import STAT_COLUMNS
 from pipeline import io_retry
+from pipeline.sampling_settings import RECORDED_SETTINGS
 from pipeline.storage import StorageError, describe_error, filesystem_for, get_once, is_local, url_of
 
 logger = logging.getLogger(__name__)
@@ -90,17 +91,8 @@ OUTPUT_SCHEMA = pa.schema(
         *(pa.field(name, _STAT_TYPES[kind]) for name, kind in STAT_COLUMNS.items()),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
         pa.field("mode", pa.string()),
-        pa.field("temperature", pa.float64()),
-        pa.field("top_p", pa.float64()),
-        pa.field("top_k", pa.int64()),
-        pa.field("min_p", pa.float64()),
-        pa.field("repetition_penalty", pa.float64()),
-        pa.field("presence_penalty", pa.float64()),
-        pa.field("frequency_penalty", pa.float64()),
-        pa.field("seed", pa.int64()),
-        pa.field("max_new_tokens", pa.int64()),
-        pa.field("n", pa.int64()),
-        pa.field("structured_output", pa.string()),  # the row's constraint as JSON ({"json": ...}), or null
+        # the settings the row decoded with (structured_output: its constraint as JSON, or null)
+        *(pa.field(name, arrow_type) for name, arrow_type in RECORDED_SETTINGS.items()),
         pa.field("target_fingerprint", pa.string()),
         pa.field("head_fingerprint", pa.string()),
         pa.field("trie_fingerprint", pa.string()),

@@ -27,30 +27,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dart_worker.structured_output import StructuredOutputError, check_syntax, parse_structured_output
+from pipeline.sampling_settings import PARAMS_SETTINGS, ROW_SETTING_KINDS
 
 if TYPE_CHECKING:  # dart_worker.sampling imports torch; read tasks import this module (tests/test_layering.py)
     from dart_worker.sampling import SamplingParams
 
-# Setting -> what it must hold. int settings accept integral floats (a Parquet writer that went
-# through pandas stores an int column with nulls as float64), never bools or fractions.
-SETTING_KINDS: dict[str, str] = {
-    "max_new_tokens": "int",
-    "temperature": "float",
-    "top_p": "float",
-    "top_k": "int",
-    "min_p": "float",
-    "repetition_penalty": "float",
-    "presence_penalty": "float",
-    "frequency_penalty": "float",
-    "logprobs": "int",
-    "prompt_logprobs": "int",
-    "seed": "int",
-    "stop": "strings",
-    "n": "int",  # completions of the row's prompt (row_sample_count), not a SamplingParams field
-    # A mapping with one of json / json_object / regex / choice / grammar, or its JSON text
-    # (dart_worker/structured_output.py); an invalid schema, regex or grammar is the row's error.
-    "structured_output": "structured",
-}
+# Setting -> what it must hold (pipeline/sampling_settings.py declares them). int settings accept
+# integral floats (a Parquet writer that went through pandas stores an int column with nulls as
+# float64), never bools or fractions; "structured" is a mapping with one of json / json_object /
+# regex / choice / grammar, or its JSON text (dart_worker/structured_output.py), an invalid schema,
+# regex or grammar being the row's error; `n` is the row's number of completions (row_sample_count).
+SETTING_KINDS: dict[str, str] = ROW_SETTING_KINDS
 SETTING_NAMES = tuple(SETTING_KINDS)
 # Most completions one row may ask for: a row's n is input data, and n sequences (and output rows)
 # per row are the worker's memory, so a hostile n must be an error row, not an out-of-memory worker.
@@ -150,9 +137,7 @@ def row_sampling_params(defaults: SamplingParams, settings: Mapping[str, Any], s
     base_seed = values.pop("seed", defaults.seed)
     if base_seed is not None and not 0 <= base_seed < 2**63:
         raise SettingError(f"setting 'seed' must be in [0, 2**63), got {base_seed}")
-    fields = {name: getattr(defaults, name) for name in SETTING_KINDS if name not in ("seed", "n")}
-    fields["stop_token_ids"] = defaults.stop_token_ids
-    fields["structured_output"] = defaults.structured_output
+    fields = {name: getattr(defaults, name) for name in PARAMS_SETTINGS if name != "seed"}
     fields.update(values)
     try:
         return type(defaults)(seed=seed_of(base_seed), **fields)

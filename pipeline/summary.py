@@ -17,11 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.sampling_settings import GROUPED_SETTINGS, SETTING_NAMES
+
 SUMMARY_NAME = "_job_summary.json"  # written next to the parts
 # The sampling settings a row decoded with (output columns of the same names): the summary groups
 # rows by them to report tau per setting, since speculation pays differently per temperature.
-SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+SETTING_COLUMNS = GROUPED_SETTINGS
 # Distinct settings tallied one by one; rows of further ones (per-row settings drawn from a range)
 # are tallied together as "other", so the driver's memory stays bounded.
 MAX_SETTING_GROUPS = 64
@@ -164,10 +165,7 @@ def count_distribution(values: Any) -> dict[str, Any]:
 def sampling_in_force(config: dict) -> dict[str, Any]:
     """The config's sampling settings (decoding.*): what every row without settings of its own used."""
     decoding = config.get("decoding", {})
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "n", "seed", "max_new_tokens", "logprobs", "prompt_logprobs", "stop", "stop_token_ids",
-             "structured_output")
-    return {name: decoding.get(name) for name in names if name in decoding}
+    return {name: decoding.get(name) for name in SETTING_NAMES if name in decoding}
 
 
 def output_totals(output_url: str) -> dict[str, Any]:

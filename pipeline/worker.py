@@ -37,6 +37,7 @@ from pipeline.ngram_store import acquire_trie, start_store
 from pipeline.outputs import result_rows_to_table, sample_key, storable_text
 from pipeline.remote_errors import exception_chain
 from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
+from pipeline.sampling_settings import PARAMS_SETTINGS, RECORDED_SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ def row_seed(base_seed: int, row_key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-# SamplingParams fields written on every output row: the settings the row decoded with.
-_SETTING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "max_new_tokens")
+# SamplingParams fields written on every output row as they are: the settings the row decoded with
+# (`n` and `structured_output`, recorded too, are written on their own: a count and a JSON text).
+_SETTING_COLUMNS = tuple(name for name in RECORDED_SETTINGS if name in PARAMS_SETTINGS and name != "structured_output")
 
 
 class TargetMismatch(RuntimeError):
@@ -259,12 +260,8 @@ class GenerationWorker:
     def _config_params(self) -> SamplingParams:
         """The config's sampling settings (seed = decoding.seed, the base of per-row seeds)."""
         d = self.cfg.decoding
-        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
-                              repetition_penalty=d.repetition_penalty, presence_penalty=d.presence_penalty,
-                              frequency_penalty=d.frequency_penalty, logprobs=d.logprobs,
-                              prompt_logprobs=d.prompt_logprobs, seed=d.seed,
-                              max_new_tokens=d.max_new_tokens, stop_token_ids=tuple(d.stop_token_ids),
-                              stop=tuple(d.stop), structured_output=d.structured_output)
+        values = {name: getattr(d, name) for name in PARAMS_SETTINGS}
+        return SamplingParams(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
 
     def _row(self, row: dict, result: GenerationResult, params: SamplingParams | None = None, sample: int = 0,
              n: int = 1) -> dict:
