@@ -144,6 +144,11 @@ class ResourcesConfig:
     # rest of the batch at once, so slots do not idle while the longest row ends.
     max_live: int | None = None
 
+    @property
+    def live_rows(self) -> int:
+        """Sequences one engine decodes together: max_live, else batch_size (a static batch)."""
+        return self.max_live or self.batch_size
+
 
 @dataclass
 class OutputConfig:

@@ -75,7 +75,7 @@ def kv_cache_plan(cfg: PipelineConfig, location: str) -> dict[str, Any]:
     dtype = (torch.bfloat16 if on_gpu else resolve_dtype("auto", "cpu")) if cfg.model.dtype == "auto" \
         else resolve_dtype(cfg.model.dtype, "cpu")
     device = torch.device("cuda" if on_gpu else "cpu")
-    budget = kv_budget(config, dtype, max_live=r.max_live or r.batch_size, max_prompt_tokens=cfg.input.max_prompt_chars,
+    budget = kv_budget(config, dtype, max_live=r.live_rows, max_prompt_tokens=cfg.input.max_prompt_chars,
                        max_new_tokens=d.max_new_tokens, tree_rows=d.tree.budget,
                        bucketed=shapes_for(device) == "bucketed")
     typical = min(budget.context_tokens, 2048 + d.max_new_tokens)
@@ -137,7 +137,7 @@ def dry_run(cfg: PipelineConfig, run_id: str) -> dict[str, Any]:
         "workers": {"workers": workers, "cpus_per_worker": r.num_cpus_per_worker,
                     "torch_threads": r.torch_threads or max(1, int(r.num_cpus_per_worker)),
                     "gpus_per_worker": r.num_gpus_per_worker, "batch_size": r.batch_size,
-                    "max_live": r.max_live or r.batch_size, "mode": d.mode,
+                    "max_live": r.live_rows, "mode": d.mode,
                     "sizing": d.sizing, "tree_budget": d.tree.budget, "max_new_tokens": d.max_new_tokens,
                     "temperature": d.temperature, "device": planned_device(cfg), "dtype": m.dtype,
                     "cluster": cluster if external else f"local Ray, {local_cpu_count()} CPUs"},

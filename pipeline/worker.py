@@ -158,7 +158,7 @@ class GenerationWorker:
         parts = EngineParts.from_model(model, self.tokenizer, tap_layers=model_cfg.tap_layers,
                                        head=resolved["head_dir"] if spec.needs_head else None, trie=trie)
         clock.lap("head" if spec.needs_head else "adapter")
-        live = self.cfg.resources.max_live or self.cfg.resources.batch_size
+        live = self.cfg.resources.live_rows
         self.engine = build_engine(parts, decoding.mode, decoding.tree, sizing=decoding.sizing, batches=(1, live))
         clock.lap("engine")  # with the verify-cost calibration when it is not cached yet
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
@@ -214,7 +214,7 @@ class GenerationWorker:
             out.setdefault("finished_at", batch_end)
         resources = self.cfg.resources
         record_batch(outputs, run_id=self.resolved["run_id"], worker=self.worker_name, mode=self.cfg.decoding.mode,
-                     batch_size=resources.max_live or resources.batch_size, wall_s=time.perf_counter() - started,
+                     batch_size=resources.live_rows, wall_s=time.perf_counter() - started,
                      job_state=self.engine.job_state())
         return result_rows_to_table(outputs)
 
