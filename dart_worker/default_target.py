@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from dart_worker.cache_dir import Steps, announce, build_atomically, cache_dir
 from dart_worker.fingerprint import CONVERSION_STAMP_NAME, file_fingerprint
-from dart_worker.gguf import load_gguf, load_gguf_tokenizer
+from dart_worker.gguf import load_gguf_model, load_gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +186,12 @@ def _convert_into(out_dir: Path) -> None:
         raise ValueError(f"{gguf_path} has sha256 {gguf_sha256}, {SOURCE_PACKAGE} expects "
                          f"{package.EXPECTED_SHA256}; delete it and retry")
 
-    # Dequantise in fp32, then round once to bf16.
-    phases = iter(["reading the tokenizer from the GGUF (~20 s)", "reading and dequantising the weights (~35 s)"])
-    model, tokenizer = load_gguf(gguf_path, dtype=torch.float32, progress=lambda: steps.step(next(phases)))
+    # The tokenizer-only copy (read from the GGUF once, ~20 s, and shared with default_tokenizer):
+    # a trie build or a driver has usually made it already. Dequantise in fp32, then round once to bf16.
+    steps.step("reading the tokenizer (its cached copy, else from the GGUF, ~20 s)")
+    tokenizer = AutoTokenizer.from_pretrained(str(_tokenizer_dir()))
+    steps.step("reading and dequantising the weights (~35 s)")
+    model = load_gguf_model(gguf_path, dtype=torch.float32)
     reference = reference_logits(model, tokenizer)
     steps.step("casting to bf16, saving the model directory and checking it against the GGUF")
     model = model.to(CONVERTED_DTYPE)
@@ -261,12 +264,18 @@ def default_tokenizer() -> PreTrainedTokenizerBase:
     Reading it from the GGUF takes ~20 s. If the default model has already been converted
     (`default_target_dir`), its directory holds the tokenizer; otherwise only the tokenizer is
     converted (not the ~1 min model conversion that a trie build or a driver does not need) and
-    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename).
-    Both copies come from the same GGUF load and have the same fingerprint.
+    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename). The
+    model conversion takes its tokenizer from that copy, so the GGUF's tokenizer is read once per
+    cache, and both copies have the same fingerprint.
     """
     model_dir = converted_dir_path()
     if check_converted_dir(model_dir) is None:
         return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(_tokenizer_dir()))
+
+
+def _tokenizer_dir() -> Path:
+    """The tokenizer-only copy of the default target's tokenizer, converted from the GGUF once."""
     package = _source_package()
 
     # Named after the GGUF's digest: a new package version gets a fresh copy.
@@ -278,9 +287,8 @@ def default_tokenizer() -> PreTrainedTokenizerBase:
                  f"saving it for fast loads; cached at {final}; about 20 s, once")
         load_gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))
 
-    tok_dir = build_atomically(
+    return build_atomically(
         final,
         convert,
         is_valid=lambda p: (p / "tokenizer_config.json").is_file() and (p / "tokenizer.json").is_file(),
     )
-    return AutoTokenizer.from_pretrained(str(tok_dir))

@@ -34,6 +34,18 @@ def load_gguf(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """Tokenizer + dequantised model from a GGUF file, on CPU in `dtype`.
 
     `progress`, if given, is called before reading the tokenizer and before reading the weights.
+    """
+    if progress is not None:
+        progress()
+    tokenizer = load_gguf_tokenizer(gguf_path)
+    if progress is not None:
+        progress()
+    return load_gguf_model(gguf_path, dtype, attn_implementation), tokenizer
+
+
+def load_gguf_model(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The dequantised model of a GGUF file (its weights alone), on CPU in `dtype`.
 
     transformers keeps GGUF weights in their packed blocks by default; dequantize=True gives
     plain nn.Linear weights the engine (and save_pretrained) can work with. The default
@@ -42,11 +54,6 @@ def load_gguf(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     from transformers import GgufConfig
 
     gguf_path = Path(gguf_path)
-    if progress is not None:
-        progress()
-    tokenizer = load_gguf_tokenizer(gguf_path)
-    if progress is not None:
-        progress()
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation=attn_implementation,
@@ -58,4 +65,4 @@ def load_gguf(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             delattr(model.config, attr)
     model.hf_quantizer = None
     log.info("model weights read and dequantised from %s in %.1f s", gguf_path.name, time.monotonic() - started)
-    return model, tokenizer
+    return model

@@ -49,14 +49,19 @@ def first_run_lines(text: str) -> list[str]:
 
 
 def test_default_target_conversion_announces_itself_and_its_steps(fresh_cache, monkeypatch, capsys):
-    def fake_load_gguf(path, dtype, progress=None):
-        assert Path(path).is_file()
-        progress()  # before the tokenizer
-        tokenizer = gemma_like_tokenizer()
-        progress()  # before the weights
-        return tiny_model("llama"), tokenizer
+    read = []
 
-    monkeypatch.setattr(default_target, "load_gguf", fake_load_gguf)
+    def fake_load_gguf_model(path, dtype):
+        assert Path(path).is_file()
+        read.append("weights")
+        return tiny_model("llama")
+
+    def fake_load_gguf_tokenizer(path):
+        read.append("tokenizer")
+        return gemma_like_tokenizer()
+
+    monkeypatch.setattr(default_target, "load_gguf_model", fake_load_gguf_model)
+    monkeypatch.setattr(default_target, "load_gguf_tokenizer", fake_load_gguf_tokenizer)
     path = default_target.default_target_dir()
     lines = first_run_lines(capsys.readouterr().err)
     converting = next(i for i, line in enumerate(lines) if "first run: converting the default target" in line)
@@ -71,6 +76,23 @@ def test_default_target_conversion_announces_itself_and_its_steps(fresh_cache, m
 
     assert default_target.default_target_dir() == path  # cached: silent
     assert first_run_lines(capsys.readouterr().err) == []
+    # the GGUF's tokenizer was read once, for the tokenizer-only copy the conversion took it from
+    assert read == ["tokenizer", "weights"]
+    default_target.default_tokenizer()
+    assert read == ["tokenizer", "weights"]
+
+
+def test_the_conversion_takes_the_tokenizer_a_trie_build_already_read(fresh_cache, monkeypatch):
+    """default_tokenizer first (a trie build, a driver), then the model: the GGUF's tokenizer, ~20 s
+    for Gemma-3's vocabulary, is read once."""
+    read = []
+    monkeypatch.setattr(default_target, "load_gguf_model",
+                        lambda path, dtype: read.append("weights") or tiny_model("llama"))
+    monkeypatch.setattr(default_target, "load_gguf_tokenizer",
+                        lambda path: read.append("tokenizer") or gemma_like_tokenizer())
+    default_target.default_tokenizer()
+    default_target.default_target_dir()
+    assert read == ["tokenizer", "weights"]
 
 
 def test_default_tokenizer_announces_itself_once(fresh_cache, monkeypatch, capsys):
