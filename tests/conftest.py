@@ -38,6 +38,16 @@ from hypothesis import HealthCheck, settings
 # Set before anything imports Ray, so this process and every Ray process it starts agree on it
 # (a driver outside it would turn the address 127.0.0.1 into the machine's network address).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# One intra-op thread for the tests' own torch work (and the processes they start, unless a test or
+# a job's config says otherwise): the suite's models are tiny, so a second thread buys nothing, and
+# on a 2-core machine where anything else runs (a Ray cluster, a job's workers, another test run)
+# OpenMP's spinning threads wait on each other at every op: beside one other busy process,
+# test_penalties + test_continuous_batching took 501 s with 2 threads, 36 s with 2 threads and
+# OMP_WAIT_POLICY=PASSIVE (what pipeline/run.py gives a job's workers), 32 s with 1. Set before
+# torch is imported; the product's workers set their own count from their config
+# (dart_worker.device.configure_cpu_threads), passive where a test gives them two.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tests.hypothesis_budget import PROFILE_ENV, QUICK
 
