@@ -22,6 +22,7 @@ from pipeline.config import load_config
 from pipeline.outputs import read_output
 from pipeline.run import run_pipeline
 from pipeline.summary import error_kind
+from tests import metrics_hold
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +115,9 @@ def test_metrics_reach_the_prometheus_endpoint(tmp_path):
     # Gauges are the live state of a worker process: Ray stops exporting them once the process
     # is gone (the job's actor pool ends with the job), so they are scraped while the job runs.
     ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=port,
-             _system_config={"metrics_report_interval_ms": 500})
+             _system_config={"metrics_report_interval_ms": 500},
+             runtime_env={"worker_process_setup_hook": "tests.metrics_hold.hold_batches_until_exported",
+                          "env_vars": {metrics_hold.PORT_ENV: str(port), "PYTHONPATH": str(REPO)}})
     gauges = GaugeWatcher(port, ("ray_dart_job_state_tokens", "ray_dart_job_state_bytes",
                                  "ray_dart_tokens_per_s", "ray_dart_batch_occupancy"))
     try:
