@@ -169,8 +169,6 @@ class HeadDrafter(ModelDrafter):
             self.logits = self.logits.index_select(0, to_device(order, self.logits.device, torch.long))
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
-        # This round's dice, read once: a caller that hands none next round gets no coupled guesses.
-        dice, self.dice = self.dice, []
         if self.paused:
             return [empty_tree() for _ in tokens]
         self.catch_up()  # a caller that never pauses the head need not run it first
@@ -180,8 +178,7 @@ class HeadDrafter(ModelDrafter):
         if max(caps, default=0) == 0:
             return [empty_tree() for _ in tokens]
         logits = self.logits[:, : max(caps)]
-        if len(dice) != len(tokens):
-            dice = [None] * len(tokens)
+        dice = self.dice if len(self.dice) == len(tokens) else [None] * len(tokens)
         self._coupled, self._coupled_host = self._coupled_guesses(logits, dice), None
         trees = [t.from_source(SOURCE_HEAD) for t in self.build(logits, tokens, caps)]
         if self._coupled is not None and self._coupled_host is None:  # a builder that read no candidates
