@@ -26,18 +26,9 @@ temperature, the share of positions where the target's drawn token equals
 plus `chain`, the one-chain expected accepted length from those rates (sum over d of the product
 of the rates up to d), and top-k membership (is the target's Gumbel draw among the k best of
 log q + g; is today's draw among the k most probable of q; is the partitioned draw among the
-drafter's k best guesses). Then the CPU cost per row of the noise and of each draw over the
-target's vocabulary. With `tau_modes`, also tau by replay (fixed sizing) at `tau_budgets`: greedy,
-and at each temperature with the dice handed to the drafter (coupled drafting) and withheld, on
-the same replies (`agreement=false` skips the tables above). Writes coupling.json and coupling.md
-under output_dir.
-
-    python -m jobs.bench coupling                                   # the agreement tables
-    python -m jobs.bench coupling agreement=false 'tau_modes=[dart]' 'temperatures=[1.0]' num_prompts=8
-
-The agreement tables compare the draws of the sampler before #48 (inverse CDF) with Gumbel-max
-products on the same replies; run after #48 the replies are Gumbel-max draws, so the
-`inverse_cdf` row and the replies' re-draw count then refer to a sampler no longer in use.
+drafter's k best guesses). Then the CPU cost per row of the
+noise and of each draw over the target's vocabulary. Writes coupling.json and coupling.md under
+output_dir.
 """
 
 from __future__ import annotations
@@ -67,11 +58,6 @@ class CouplingConfig(ReplayJobConfig):
     depths: int = 4
     top_ks: list[int] = field(default_factory=lambda: [1, 2, 4])
     noise_rows: list[int] = field(default_factory=lambda: [1, 16])  # rows per call of the cost timing
-    agreement: bool = True  # the per-depth agreement tables (off: tau only)
-    # Tau by replay (dart_train.replay, fixed sizing) of these modes at these budgets: greedy, and at
-    # each temperature with the dice handed to the drafter (coupled) and withheld (not coupled).
-    tau_modes: list[str] = field(default_factory=list)
-    tau_budgets: list[int] = field(default_factory=lambda: [16])
     dtype: str = "fp32"
     output_dir: str = "coupling"
 
@@ -261,7 +247,7 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     threads = configure_cpu_threads(cfg.threads)
     conditions = machine_conditions(threads)
     out = Path(cfg.output_dir)
-    parts = load_parts(cfg, ["chain", *cfg.tau_modes])
+    parts = load_parts(cfg, ["chain"])
     if parts.head is None:
         raise TuneConfigError("coupling needs a draft head")
     chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
@@ -274,7 +260,7 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     positions = np.arange(cfg.max_new_tokens)
     noise = gumbel_noise(torch.from_numpy(row_seeds(key, positions)), torch.arange(vocab))  # [T, V] float64
     results = []
-    for temperature in (cfg.temperatures if cfg.agreement else []):
+    for temperature in cfg.temperatures:
         cfg_t = replace(cfg, temperature=float(temperature))
         folder = out / f"T{temperature:g}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -293,56 +279,9 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
         })
         print(f"T={temperature:g}: {len(refs)} prompts in {results[-1]['seconds']:.0f} s")
     costs = noise_costs(vocab, list(cfg.noise_rows), parts.target.device)
-    taus = replay_taus(cfg, parts, prompts, out) if cfg.tau_modes else []
-    return {"taus": taus, "config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
+    return {"config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
             "dtype": str(parts.target.dtype), "vocab": vocab, "draft_vocab": parts.head.config.draft_vocab_size,
             "load_average_end": list(os.getloadavg()), "results": results, "noise_costs": costs}
-
-
-def replay_taus(cfg: CouplingConfig, parts, prompts: list[list[int]], out: Path) -> list[dict]:
-    """Tau by replay of every tau mode x budget: greedy replies, and at each temperature the sampled
-    replies with the dice handed to the drafter and withheld, on the same replies."""
-    from dart_bench.replay import references, reply_sampling
-    from dart_train.replay import mean_tau, replay
-    from dart_worker.engine_factory import build_drafter
-    from ngram_native.builders import TreeParams
-
-    rows = []
-    for temperature in [0.0, *cfg.temperatures]:
-        cfg_t = replace(cfg, temperature=float(temperature))
-        folder = out / f"T{temperature:g}"
-        folder.mkdir(parents=True, exist_ok=True)
-        refs = references(cfg_t, parts, prompts, folder)
-        params = reply_sampling(cfg_t)
-        for mode in cfg.tau_modes:
-            for budget in cfg.tau_budgets:
-                tree = TreeParams(budget=budget, job_ngram_tokens=0)  # every prompt once: no job history
-                for coupled in ([False] if params.is_greedy else [False, True]):
-                    start = time.perf_counter()
-                    stats = replay(build_drafter(parts, mode, tree), refs, cfg.max_new_tokens,
-                                   parts.target.max_positions, params=params if coupled else None)
-                    rows.append({"mode": mode, "budget": budget, "temperature": float(temperature),
-                                 "coupled": coupled, "tau": mean_tau(stats), "per_prompt_tau": [s.tau for s in stats],
-                                 "seconds": time.perf_counter() - start, "load_average": list(os.getloadavg())})
-                    print(f"tau {mode} budget {budget} T={temperature:g} coupled={coupled}: {rows[-1]['tau']:.3f}")
-    return rows
-
-
-def tau_table(taus: list[dict]) -> list[str]:
-    """Per mode and budget: greedy tau, and per temperature tau without and with the dice."""
-    if not taus:
-        return []
-    lines = ["| mode | budget | T | tau, greedy | tau, not coupled | tau, coupled | coupled / greedy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    by = {(r["mode"], r["budget"], r["temperature"], r["coupled"]): r["tau"] for r in taus}
-    for (mode, budget, temperature, coupled), tau in by.items():
-        if not coupled or temperature == 0:
-            continue
-        greedy = by.get((mode, budget, 0.0, False))
-        plain = by.get((mode, budget, temperature, False))
-        lines.append(f"| {mode} | {budget} | {temperature:g} | {greedy:.3f} | {plain:.3f} | {tau:.3f} | "
-                     f"{tau / greedy:.2f} |")
-    return lines
 
 
 def summarize(results: list[dict]) -> list[str]:
@@ -378,8 +317,7 @@ def header(cfg: CouplingConfig, figures: dict) -> str:
     return (f"# Coupling: agreement of draft with the target's sampled token\n\n"
             f"{m['cpu']}, {m['threads']} threads, {figures['dtype']}, load {m['load_average_start']} -> "
             f"{figures['load_average_end']}, git {m['git_commit']}; target vocabulary {figures['vocab']}, "
-            f"head vocabulary {figures['draft_vocab']}\n\n" + "\n".join(cost_table(figures["noise_costs"])) + "\n\n"
-            + "\n".join(tau_table(figures["taus"])) + "\n\n")
+            f"head vocabulary {figures['draft_vocab']}\n\n" + "\n".join(cost_table(figures["noise_costs"])) + "\n\n")
 
 
 def main(argv: list[str] | None = None) -> int:

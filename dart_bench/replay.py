@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_bench.common import TargetBenchConfig, load_parts, select_prompts
-from dart_worker.sampling import SAMPLER_VERSION, SamplingParams
+from dart_worker.sampling import SamplingParams
 from ngram_native.builders import InvalidTreeParams, TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
@@ -81,7 +81,7 @@ def references(cfg: ReplayJobConfig, parts, prompts: list[list[int]], out: Path)
     from dart_train.replay import target_references
 
     params = reply_sampling(cfg)
-    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed, SAMPLER_VERSION]
+    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed]
     key = hashlib.sha256(json.dumps([cfg.target, cfg.dtype, str(parts.target.dtype), cfg.max_new_tokens,
                                      prompts, *sampled]).encode()).hexdigest()
     path = out / "replies.json"

@@ -40,10 +40,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Dice, Drafter, Finished
+from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished
 from dart_worker.engine import accepted_sources
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams, request_key
+from dart_worker.sampling import SamplingParams
 from dart_worker.stats import RequestStats
 from ngram_native.trees import DraftTree
 
@@ -142,12 +142,10 @@ def _block(refs: list[Reference], starts: list[int], counts: list[int], tokens: 
 
 @torch.inference_mode()
 def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
-           max_positions: int | None = None, params: SamplingParams | None = None) -> list[RequestStats]:
+           max_positions: int | None = None) -> list[RequestStats]:
     """Decoding of every reference at once with `drafter`, verification replaced by the references
     (greedy or sampled, the same either way): one `RequestStats` per reference (accept lengths,
-    tree sizes, sources) as the engine would record them with fixed tree sizing. `params`: how the
-    replies were sampled (their seed gives every request's key), so the drafter reads the dice as
-    the engine hands them (`Drafter.read_dice`: coupled drafting); None (or greedy) hands none."""
+    tree sizes, sources) as the engine would record them with fixed tree sizing."""
     refs = list(refs)
     if not refs:
         return []
@@ -158,7 +156,6 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
     drafter.retire(NOTHING_FINISHED, keep=[])  # an empty batch, then every reference joins it
     drafter.observe(_block(refs, [0] * len(refs), [len(ref.prompt) for ref in refs], tokens, joined=True))
     done = [len(tokens[b]) - len(refs[b].prompt) >= len(refs[b].reply) for b in live]
-    key = None if params is None or params.is_greedy else request_key(params)
     while True:
         if any(done):
             finished = [b for b, d in zip(live, done) if d]
@@ -172,8 +169,6 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
             remaining = max_new_tokens - (len(tokens[b]) - len(refs[b].prompt))
             room = (max_positions or 1 << 30) - 2 - (len(tokens[b]) - 1)
             caps.append(max(0, min(remaining - 1, room)))
-        drafter.read_dice([None if key is None else Dice(key, len(tokens[b]) - len(refs[b].prompt), params.temperature)
-                           for b in live])
         trees = drafter.propose([tokens[b] for b in live], caps)
         starts, counts = [], []
         for b, tree in zip(live, trees):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dart_worker.sampling import GREEDY
-from ngram_native.trees import SOURCE_COUPLED, SOURCE_HEAD, DraftTree, subtree
+from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
 
 # Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
 SCORE_EDGES = np.array([-12.0, -8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.15,
@@ -621,8 +621,7 @@ class TreeSizer:
         be worth the model's seconds: h tokens more in (S + m) seconds beats the T - h tokens the
         round would have committed in S seconds without it, i.e. h (S + m) > T m.
         """
-        # the head's coupled guesses (SOURCE_COUPLED) are the head's too: it paid for them
-        head_only = sum(int(np.count_nonzero((_sources(tree)[nodes] & ~np.uint8(SOURCE_COUPLED)) == SOURCE_HEAD))
+        head_only = sum(int(np.count_nonzero(_sources(tree)[nodes] == SOURCE_HEAD))
                         for tree, nodes in zip(trees, accepted, strict=True))
         committed = len(trees) + sum(len(nodes) for nodes in accepted)
         seconds = verify_seconds + self.overhead_seconds

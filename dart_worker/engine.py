@@ -27,15 +27,7 @@ import torch
 
 from dart_worker import shape_buckets
 from dart_worker.cost_model import RowAcceptance, TreeSizer, row_pace
-from dart_worker.drafters.base import (
-    NOTHING_FINISHED,
-    CommittedBlock,
-    Dice,
-    Drafter,
-    Finished,
-    add_documents,
-    empty_tree,
-)
+from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.drafters.grammar import constrain_trees
 from dart_worker.grammar import GrammarBook, GrammarState
 from dart_worker.kernels import logits_for, shapes_for
@@ -536,8 +528,6 @@ class DecodingEngine:
             drafter.run_model(model_on)
         model_seconds = self._charge(live, "draft", t0) if model_on else 0.0
         t0 = self._now()
-        drafter.read_dice([None if s.params.is_greedy else Dice(s.key, len(s.generated), s.params.temperature)
-                           for s in live])
         trees = drafter.propose([s.tokens for s in live], caps)
         tree_seconds = self._charge(live, "tree", t0)
         trees = self._constrained(trees, live, caps)

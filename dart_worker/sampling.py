@@ -8,17 +8,13 @@ the distribution plain sampling would draw from. That distribution is defined he
 thing here as in `model.generate(do_sample=True, ...)`.
 
 Randomness is per request and per position: a request's key (`request_key`: from its seed, or
-fresh OS entropy, drawn once per request) and the index t of a generated token give that token's
-noise (`row_seeds`, then `gumbel_noise`: a counter-based hash of (key, t, token id), computed with
-integer ops on the logits' device), and the token is the Gumbel-max draw of the warped
-distribution with it (`gumbel_sample`). So a sampled token depends on the committed prefix and
-its position's noise alone: not on which requests share the batch, not on what was drafted, not
-on the decoding mode - a seeded request commits the same tokens under `ar` and every drafter
-(dart_worker/verification.py explains why the drafts cannot change them). And a drafter that
-reads the same noise (`coupled_candidates`) names the token the target will draw about as often
-as greedy drafting names the argmax (issue #48, docs/benchmarks.md); before #48 the draw was the
-inverse CDF of a uniform (`position_uniforms`, `inverse_cdf_sample`, kept for the measurement),
-which a drafter cannot exploit. Nothing here touches Python's `random` or torch's global RNG.
+fresh OS entropy) and the index t of a generated token give that token's uniform u_t
+(`position_uniforms`, a counter-based hash), and the token is the inverse-CDF draw of u_t from the
+warped distribution (`inverse_cdf_sample`). So a sampled token depends on the committed prefix
+and u_t alone: not on which requests share the batch, not on what was drafted, not on the
+decoding mode - a seeded request commits the same tokens under `ar` and every drafter
+(dart_worker/verification.py explains why the drafts cannot change them). Nothing here touches
+Python's `random` or torch's global RNG.
 """
 
 from __future__ import annotations
@@ -452,9 +448,6 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
 # mix(seed + (i + 1) * golden) - a function of (key, t, stream, i) alone, computed with int64
 # torch ops on whatever device holds the logits (`gumbel_noise`; numpy's `_splitmix64` is its
 # reference), so the same bits on every device and no vocabulary-sized host transfer.
-# Names the draw a seed's text depends on: saved sampled replies (the replay jobs' replies.json) are
-# reused only under the sampler that drew them. Before #48: the inverse-CDF draw.
-SAMPLER_VERSION = "gumbel-partition-1"
 TOKEN_STREAM = 0  # noise of tokens
 BLOCK_STREAM = 1  # noise of blocks of GUMBEL_BLOCK tokens (the two-level draw)
 GUMBEL_BLOCK = 1024

@@ -9,24 +9,21 @@ Greedy (temperature 0): at each row move to the child whose token is the row's a
 when there is none; the bonus is the argmax of the last row reached. The committed tokens are
 exactly what plain argmax decoding would produce, one forward per token.
 
-Sampling: coupled Gumbel-max draws. Every sampled token is drawn with noise that belongs to its
-position: the token at generated index t is
+Sampling: coupled inverse-CDF draws. Every sampled token is drawn with a uniform that belongs
+to its position: the token at generated index t is
 
-    y_t = gumbel_sample(p_t, noise_t),   noise_t = the rows of seeds row_seeds(key, t)   (dart_worker/sampling.py)
+    y_t = inverse_cdf(p_t, u_t),   u_t = position_uniforms(key, t)   (dart_worker/sampling.py)
 
-(argmax of log p + Gumbel noise over a partition of the vocabulary that p decides), where p_t is
-the warped target distribution after the committed prefix and `key` the request's (from its seed,
-or fresh entropy). Verifying a tree whose root row predicts index t: at the current row (depth d,
-predicting index t + d) draw y from the row's p with noise_{t+d}; move to the child whose token is
-y (the first such sibling); stop when there is none, and commit y as the bonus. This is the greedy
-walk with each row's argmax replaced by its coupled draw. (Until issue #48 the draw was the
-inverse-CDF draw of a uniform u_t; Gumbel-max lets a drafter that reads the same noise name the
-draw far more often, `sampling.coupled_candidates`.)
+where p_t is the warped target distribution after the committed prefix and `key` the request's
+(from its seed, or fresh entropy). Verifying a tree whose root row predicts index t: at the
+current row (depth d, predicting index t + d) draw y from the row's p with u_{t+d}; move to the
+child whose token is y (the first such sibling); stop when there is none, and commit y as the
+bonus. This is the greedy walk with each row's argmax replaced by its coupled draw.
 
 Why the committed tokens are distributed exactly as the target's. Each committed token is
-y = gumbel_sample(p(. | prefix), noise_t) with the committed prefix and p exactly the target's (the
-row reached spells the prefix), and noise_t is fresh: the prefix depends only on noise_0..noise_{t-1}.
-A Gumbel-max draw with fresh noise is distributed as p, so the sequence factorises as the
+y = inverse_cdf(p(. | prefix), u_t) with the committed prefix and p exactly the target's (the
+row reached spells the prefix), and u_t is a fresh uniform: the prefix depends only on u_0..u_{t-1}.
+An inverse-CDF draw of a fresh uniform is distributed as p, so the sequence factorises as the
 target's chain rule. More: the committed token is the same function of (prefix, u_t) that plain
 sampling (`ar`, an empty tree every round) computes, so for a given key every drafter commits
 *the same tokens* as `ar` (up to float rounding of p between differently shaped forwards) - drafts
@@ -39,8 +36,7 @@ is lost against it. Repeated sibling tokens are harmless (the first is taken).
 Device use per batch of sampling requests:
 1. Rows with children (the only rows the walk can leave) are warped, requests sharing a warp
    (temperature, top-k, top-p) together, in memory-bounded chunks, and each gets its coupled
-   draw (one batched Gumbel-max draw over the chunk, each row with the noise of its position: its
-   seeds are one small upload, the noise is computed on the device).
+   draw (one batched inverse-CDF over the chunk, each row with the uniform of its position).
    The draws and those rows' sums (a finiteness check) cross to the host in ONE transfer.
 2. The walks run on the host: a few dozen comparisons.
 3. A walk that ends on a leaf row (every node of the path accepted) needs that row's draw: only
@@ -58,7 +54,7 @@ import numpy as np
 import torch
 
 from dart_worker.logits_processors import RowControls, controlled_logits
-from dart_worker.sampling import BLOCK_STREAM, SamplingParams, gumbel_sample, row_seeds, warp_logits_to_probs
+from dart_worker.sampling import SamplingParams, inverse_cdf_sample, position_uniforms, warp_logits_to_probs
 from dart_worker.transfer import to_device, to_host
 from ngram_native.trees import SOURCE_COPIED, TreeLike, check_tree, children
 
@@ -254,12 +250,12 @@ def _verify_sampled(
             continue
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
-        seeds = np.concatenate([_row_seeds(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk], axis=1)
-        index = to_device(np.concatenate([sequence, row, *seeds]), device)  # one upload
-        rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows : 2 * num_rows]],
+        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
+        index = to_device(np.concatenate([sequence, row]), device)
+        rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows:]],
                                         [(trees[k], controls[k], parent_nodes[k]) for k in chunk])
         probs = warp_logits_to_probs(rows_logits, params[chunk[0]])
-        draw_parts.append(gumbel_sample(probs, index[2 * num_rows : 3 * num_rows], index[3 * num_rows :]).double())
+        draw_parts.append(inverse_cdf_sample(probs, to_device(uniforms, device)).double())
         sum_parts.append(probs.sum(dim=-1).double())
     (host,) = to_host(torch.cat([*draw_parts, *sum_parts])) if rows_done else (np.zeros(0),)  # THE transfer
     host_draws, host_sums = host[:rows_done].astype(np.int64), host[rows_done:]
@@ -282,8 +278,8 @@ def _verify_sampled(
         leaf_node = [walks[k][0][-1] if walks[k][0] else -1 for k in leaves]
         leaf_index = to_device([[batch_index[k] for k in leaves], [n + 1 for n in leaf_node]], device)
         picked = logits[leaf_index[0], leaf_index[1]]
-        seeds = to_device(np.concatenate([_row_seeds(keys[k], positions[k], depths[k], np.asarray([n]))
-                                          for k, n in zip(leaves, leaf_node, strict=True)], axis=1), device)
+        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], np.asarray([n]))
+                                   for k, n in zip(leaves, leaf_node, strict=True)])
         draws = torch.empty(len(leaves), dtype=torch.float64, device=device)
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
@@ -291,7 +287,7 @@ def _verify_sampled(
             chunk_logits = controlled_logits(picked[chunk_dev], [(trees[leaves[j]], controls[leaves[j]],
                                                                   np.asarray([leaf_node[j]])) for j in chunk])
             probs = warp_logits_to_probs(chunk_logits, params[leaves[chunk[0]]])
-            draws[chunk_dev] = gumbel_sample(probs, seeds[0, chunk_dev], seeds[1, chunk_dev]).double()
+            draws[chunk_dev] = inverse_cdf_sample(probs, to_device(uniforms[chunk], device)).double()
             sums[chunk_dev] = probs.sum(dim=-1).double()
         (host,) = to_host(torch.cat([draws, sums]))  # the second transfer
         bad = np.flatnonzero(~(np.abs(host[len(leaves):] - 1.0) <= _ROW_SUM_TOLERANCE))
@@ -303,11 +299,11 @@ def _verify_sampled(
     return [_acceptance(t, path, bonus) for t, (path, bonus) in zip(trees, walks, strict=True)]
 
 
-def _row_seeds(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-    """The noise seeds [2, n] (token stream, block stream: `sampling.gumbel_sample`) of the rows of
-    `nodes` (-1 = the root): the row of a node at depth d predicts generated index position + d."""
+def _row_uniforms(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """The uniforms of the rows of `nodes` (-1 = the root): the row of a node at depth d predicts
+    generated index position + d."""
     row_depth = np.where(nodes < 0, 0, depths[np.maximum(nodes, 0)]) if depths.size else np.zeros(len(nodes), np.int64)
-    return np.stack([row_seeds(key, position + row_depth), row_seeds(key, position + row_depth, BLOCK_STREAM)])
+    return position_uniforms(key, position + row_depth)
 
 
 def _coupled_walk(tree: TreeLike, drawn: dict[int, int]) -> tuple[list[int], int | None]:
@@ -349,7 +345,7 @@ def verify_batch(
     the verify block from them (`TreeBatch.from_trees`), and they are not checked again here.
 
     logits: [B, S, V] (S >= 1 + N_b, padded; any float dtype, computed in float32), row 0 = root.
-    params[b] / keys[b]: request b's sampling parameters and noise key (`sampling.request_key`;
+    params[b] / keys[b]: request b's sampling parameters and uniform key (`sampling.request_key`;
     None is allowed for greedy requests); positions[b]: the generated-token index its root row
     predicts (how many tokens it has generated so far). Both may be omitted when every request is
     greedy. controls[b]: what changes request b's logits (its penalties' history, its grammar's

@@ -47,10 +47,6 @@ SOURCE_JOB_CACHE = 4  # earlier rows' finished outputs (the job-level cache of t
 SOURCE_GRAMMAR = 8  # text a request's structured-output grammar allows alone (dart_worker/grammar.py)
 SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE: "job_cache",
                 SOURCE_GRAMMAR: "grammar"}
-# The head's guess at a sampled request's coupled draw (issue #48: dart_worker/drafters/head.py), always
-# with SOURCE_HEAD: its tokens count as the head's, and the cost model tables its acceptance apart
-# (acceptance is keyed by the bits). Not in SOURCE_NAMES, so no statistics column of its own.
-SOURCE_COUPLED = 16
 # Sources accepted in long runs, unlike a head's one-level-at-a-time drafts: copied earlier text, and
 # the text a grammar forces (the deferred greedy walk projects ahead through them).
 SOURCE_COPIED = SOURCE_CONTEXT | SOURCE_JOB_CACHE | SOURCE_GRAMMAR

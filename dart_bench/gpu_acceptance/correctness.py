@@ -32,9 +32,8 @@ from dart_worker.sampling import (
     SamplingParams,
     TokenHistory,
     apply_penalties,
-    gumbel_noise,
+    position_uniforms,
     request_key,
-    row_seeds,
     warp_logits_to_probs,
 )
 from dart_worker.target import TargetAdapter
@@ -42,7 +41,7 @@ from ngram_native import NgramTrie, TreeParams, build_trie
 
 VOCAB = 48  # small enough that draft top-k often holds the target's choice, so trees are accepted
 EOS = 2
-TIE_TOLERANCE = 1e-4  # relative to the largest |logit| (greedy) or absolute on log p + g (sampling)
+TIE_TOLERANCE = 1e-4  # relative to the largest |logit| (greedy) or absolute on the CDF (sampling)
 SAMPLED = ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 0), (1.0, 0.8, 5))  # (temperature, top_p, top_k)
 
 
@@ -84,8 +83,7 @@ def diagnose_greedy(model, prompt, ours: list[int], reference: list[int]) -> dic
 
 
 def diagnose_sampled(model, prompt, params: SamplingParams, ours: list[int], reference: list[int]) -> dict[str, Any]:
-    """Where a sampled output leaves `ar`'s, and how close that position's Gumbel-max draw was to a
-    tie (the gap between the two best log p + g of the draw's cells, `sampling.gumbel_sample`)."""
+    """Where a sampled output leaves `ar`'s, and how close that position's uniform was to a CDF edge."""
     k = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
     if k == len(ours) == len(reference):
         return {"status": "identical"}
@@ -94,11 +92,10 @@ def diagnose_sampled(model, prompt, params: SamplingParams, ours: list[int], ref
     logits = _last_logits(model, list(prompt) + reference[:k])[None]
     logits = apply_penalties(logits, [params], [TokenHistory(list(prompt) + reference[:k], len(prompt))], [[]])
     probs = warp_logits_to_probs(logits, params)[0].double()
-    seeds = torch.from_numpy(row_seeds(request_key(params), [k]))
-    scores = (probs.log() + gumbel_noise(seeds, torch.arange(probs.shape[-1]))[0]).cpu()
-    best = scores.topk(2).values
-    margin = float(best[0] - best[1])
-    return {"status": "tie" if margin <= TIE_TOLERANCE else "differs", "position": k, "draw_margin": margin}
+    cdf = probs.cumsum(0).cpu().numpy()
+    u = float(position_uniforms(request_key(params), [k])[0])
+    margin = float(np.min(np.abs(cdf - u)))
+    return {"status": "tie" if margin <= TIE_TOLERANCE else "differs", "position": k, "cdf_margin": margin}
 
 
 def self_trie(target: TargetAdapter, path: Path) -> NgramTrie:

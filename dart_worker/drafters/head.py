@@ -8,15 +8,6 @@ They differ only in how those per-position distributions become a tree:
 - `chain`: the top-1 token per position (plain speculative decoding with a parallel drafter);
 - `ddtree`: DDTree's best-first heap over per-position log-probs under the node budget;
 - `dart`: DART's N-gram-guided beam search (the corpus trie re-scores the head's top-k).
-
-Coupled drafting (issue #48): for a sampled sequence every committed token is the Gumbel-max draw
-of the target's distribution with the noise of its position (dart_worker.sampling), which the
-drafter is told (`read_dice`). At each depth the head's own guess at that draw - the best of its
-top tokens by log q + g, at the request's temperature (`sampling.coupled_candidates`) - is
-grafted into the builder's tree as one chain (the depth-d node drawn with the noise of position
-+ d - 1), each node scored as the builder's best path at its depth (it is accepted at least as
-often: docs/benchmarks.md), marked `SOURCE_HEAD | SOURCE_COUPLED` so the cost model learns its
-acceptance on its own. Greedy sequences get none: their coupled token is the head's argmax.
 """
 
 from __future__ import annotations
@@ -30,7 +21,6 @@ import torch
 from dart_worker.draft_head import DraftKVCache
 from dart_worker.drafters.base import (
     CommittedBlock,
-    Dice,
     Finished,
     ModelDrafter,
     PerSequence,
@@ -38,11 +28,10 @@ from dart_worker.drafters.base import (
     empty_tree,
 )
 from dart_worker.kernels import shapes_for
-from dart_worker.sampling import GUMBEL_SINGLES, coupled_candidates, row_seeds
-from dart_worker.transfer import to_device, to_device_packed, to_host
+from dart_worker.transfer import to_device, to_host
 from ngram_native.builders import TreeParams, build_chain_trees, build_dart_trees, build_ddtree_trees
 from ngram_native.job_ngram import JobNgram
-from ngram_native.trees import SOURCE_COUPLED, SOURCE_HEAD, DraftTree, graft
+from ngram_native.trees import SOURCE_HEAD, DraftTree
 
 # Committed tokens handed to the N-gram scorer as context (it reads only its last n - 1).
 NGRAM_CONTEXT_TOKENS = 8
@@ -83,12 +72,6 @@ class HeadDrafter(ModelDrafter):
         # The head's forwards in bucket shapes where the verify forward's are (CUDA: graphs).
         self.bucketed = shapes_for(head.device) == "bucketed"
         self.unread: PerSequence = PerSequence(_Unread)
-        self.dice: list[Dice | None] = []  # this round's, from `read_dice`
-        self._coupled: tuple[torch.Tensor, torch.Tensor] | None = None  # on the device, until `candidates`
-        self._coupled_host: tuple[np.ndarray, np.ndarray] | None = None
-
-    def read_dice(self, dice: Sequence[Dice | None]) -> None:
-        self.dice = list(dice)
 
     def observe(self, block: CommittedBlock) -> None:
         if block.joined:
@@ -177,39 +160,7 @@ class HeadDrafter(ModelDrafter):
         caps = [min(c, self.tree.max_depth) if self.tree.max_depth else c for c in max_depths]
         if max(caps, default=0) == 0:
             return [empty_tree() for _ in tokens]
-        logits = self.logits[:, : max(caps)]
-        dice = self.dice if len(self.dice) == len(tokens) else [None] * len(tokens)
-        self._coupled, self._coupled_host = self._coupled_guesses(logits, dice), None
-        trees = [t.from_source(SOURCE_HEAD) for t in self.build(logits, tokens, caps)]
-        if self._coupled is not None and self._coupled_host is None:  # a builder that read no candidates
-            self._coupled_host = to_host(*self._coupled)
-        self._coupled = None
-        if self._coupled_host is None:
-            return trees
-        ids, log_q = self._coupled_host
-        return [tree if d is None else graft(tree, coupled_chain(tree, ids[b, : caps[b]], log_q[b, : caps[b]]),
-                                             self.tree.budget)
-                for b, (tree, d) in enumerate(zip(trees, dice, strict=True))]
-
-    def _coupled_guesses(self, logits: torch.Tensor, dice: Sequence[Dice | None]):
-        """Per sequence and depth, the head's guess at the target's coupled draw (target id) and its
-        log q, on the device ([B, D'] each); None when no sequence samples."""
-        if not any(d is not None and d.temperature > 0 for d in dice):
-            return None
-        batch, depth = logits.shape[0], logits.shape[1]
-        seeds = np.zeros((batch, depth), dtype=np.int64)
-        temperature = np.ones(batch, dtype=np.float32)
-        for b, d in enumerate(dice):
-            if d is not None and d.temperature > 0:
-                seeds[b] = row_seeds(d.key, d.position + np.arange(depth))
-                temperature[b] = d.temperature
-        seeds_dev, temperature_dev = to_device_packed([seeds, temperature], logits.device)
-        log_q = torch.log_softmax(logits.float() / temperature_dev[:, None, None], dim=-1)
-        top_log_q, top_ids = log_q.topk(min(GUMBEL_SINGLES, log_q.shape[-1]), dim=-1)
-        ids, best = coupled_candidates(top_log_q.reshape(batch * depth, -1),
-                                       self.head.to_target_ids(top_ids).reshape(batch * depth, -1),
-                                       seeds_dev.reshape(-1))
-        return ids.reshape(batch, depth).to(torch.int32), best.reshape(batch, depth).float()
+        return [t.from_source(SOURCE_HEAD) for t in self.build(self.logits[:, : max(caps)], tokens, caps)]
 
     def build(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]], caps: list[int]) -> list[DraftTree]:
         """Trees from draft logits [B, D', draft vocab] (D' = the deepest cap)."""
@@ -217,12 +168,8 @@ class HeadDrafter(ModelDrafter):
 
     def candidates(self, values: torch.Tensor, draft_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The tree builders' inputs on the host: target ids (int32) and float32 scores of the
-        head's top-k, [B, D', k] each, in the round's one draft transfer (with the coupled guesses
-        of sampled sequences, when there are any)."""
-        coupled = self._coupled or ()
-        ids, scores, *guesses = to_host(self.head.to_target_ids(draft_ids).to(torch.int32), values.float(), *coupled)
-        if guesses:
-            self._coupled_host = (guesses[0], guesses[1])
+        head's top-k, [B, D', k] each, in the round's one draft transfer."""
+        ids, scores = to_host(self.head.to_target_ids(draft_ids).to(torch.int32), values.float())
         return ids, scores
 
 
@@ -276,22 +223,3 @@ class DartDrafter(HeadDrafter):
         # self.tree as built (checked once); the builder reads at most the K candidates given
         return build_dart_trees(ids, values, contexts, scorer, params=self.tree, eos_ids=self.eos_ids,
                                 max_depths=caps)
-
-
-def coupled_chain(tree: DraftTree, ids: np.ndarray, log_q: np.ndarray) -> DraftTree:
-    """The coupled guesses of one sequence (target ids [D], their log q) as a chain below the
-    root, for grafting into `tree`: the depth-d node scored as the best path of `tree` at depth d
-    (the coupled guess is accepted at least as often as the head's top token, docs/benchmarks.md),
-    or, below `tree`'s deepest level, its parent's score plus its own log q."""
-    depth = len(ids)
-    best = np.full(depth, -np.inf)  # the best path score of `tree` at each depth
-    if tree.size and tree.scores is not None:
-        shallow = tree.depths <= depth
-        np.maximum.at(best, tree.depths[shallow] - 1, tree.scores[shallow])
-    scores = np.zeros(depth)
-    for d in range(depth):
-        parent = scores[d - 1] if d else 0.0
-        scores[d] = min(best[d], parent) if np.isfinite(best[d]) else parent + float(log_q[d])
-    return DraftTree(np.asarray(ids, np.int32), np.arange(-1, depth - 1, dtype=np.int32),
-                     np.arange(1, depth + 1, dtype=np.int32), scores,
-                     np.full(depth, SOURCE_HEAD | SOURCE_COUPLED, np.uint8))
