@@ -1,0 +1,119 @@
+"""The Gumbel-max draw `jobs.bench coupling` measures couplings with (issue #48; not the engine's
+sampler: the switch was measured and reverted, docs/benchmarks.md). The noise is a counter-based
+function of (key, position, stream, token id) whose int64 torch implementation equals its numpy
+definition; the partitioned draw is distributed exactly as its weights (chi-square; a biased draw
+fails the same test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dart_worker import sampling
+from dart_worker.sampling import (
+    BLOCK_STREAM,
+    GUMBEL_BLOCK,
+    SamplingParams,
+    gumbel_noise,
+    gumbel_sample,
+    noise_bits,
+    request_key,
+    row_seeds,
+)
+
+ALPHA = 1e-4
+VOCAB = 32
+
+
+# ---------------------------------------------------------------------------------- the noise
+
+
+def test_noise_bits_equal_the_numpy_definition_whatever_is_asked_with_them():
+    seeds = row_seeds(request_key(SamplingParams(seed=5)), [0, 3, 3, 1000])
+    ids = np.asarray([0, 1, 262_143, 7, 99_999])
+    got = noise_bits(torch.from_numpy(seeds), torch.from_numpy(ids)).numpy().view(np.uint64)
+    # The id-th output of splitmix64 started at the seed: numpy's unsigned arithmetic, wrapping.
+    with np.errstate(over="ignore"):
+        expected = sampling._splitmix64(seeds.view(np.uint64)[:, None] + ids.astype(np.uint64) * sampling._GOLDEN)
+    np.testing.assert_array_equal(got, expected)
+    # An element's noise does not depend on the other elements of its call.
+    alone = noise_bits(torch.from_numpy(seeds[1:2]), torch.tensor([7])).numpy().view(np.uint64)
+    assert alone[0, 0] == expected[1, 3]
+    # Streams and positions give unrelated seeds; the same (key, position, stream) the same seed.
+    assert len({*row_seeds(1, [0, 1, 2]).tolist(), *row_seeds(1, [0, 1, 2], BLOCK_STREAM).tolist()}) == 6
+    np.testing.assert_array_equal(row_seeds(9, [4, 4]), row_seeds(9, [4, 4]))
+
+
+def test_gumbel_noise_is_standard_gumbel():
+    g = gumbel_noise(torch.from_numpy(row_seeds(3, [11])), torch.arange(200_000))[0].numpy()
+    assert stats.kstest(g, stats.gumbel_r.cdf).pvalue > ALPHA
+
+
+# ------------------------------------------------------------------------------ the draw is exact
+
+
+def _weights(vocab: int, seed: int) -> torch.Tensor:
+    """A distribution with a few heavy tokens, a long tail spread over several blocks, and zeros."""
+    rng = np.random.default_rng(seed)
+    w = rng.exponential(size=vocab) * (rng.random(vocab) < 0.6)
+    w[rng.choice(vocab, 5, replace=False)] += 0.05 * w.sum()
+    return torch.from_numpy(w / w.sum()).float()
+
+
+def _draw_many(weights: torch.Tensor, draws: int, singles: int, key: int = 17) -> np.ndarray:
+    rows = weights[None].expand(draws, -1)
+    positions = np.arange(draws)
+    return gumbel_sample(rows, torch.from_numpy(row_seeds(key, positions)),
+                         torch.from_numpy(row_seeds(key, positions, BLOCK_STREAM)), singles).numpy()
+
+
+def _pvalue(drawn: np.ndarray, weights: torch.Tensor) -> float:
+    exact = weights.double().numpy()
+    exact = exact / exact.sum()
+    counts = np.bincount(drawn, minlength=exact.size)
+    assert counts[exact == 0].sum() == 0, "a zero-weight token was drawn"
+    # Pool into cells expected >= 5: the heavy tokens alone, the tail by id ranges.
+    order = np.argsort(-exact)
+    expected, observed, acc_e, acc_o = [], [], 0.0, 0
+    for i in order[exact[order] > 0]:
+        acc_e += exact[i] * drawn.size
+        acc_o += counts[i]
+        if acc_e >= 5:
+            expected.append(acc_e)
+            observed.append(acc_o)
+            acc_e, acc_o = 0.0, 0
+    expected[-1] += acc_e
+    observed[-1] += acc_o
+    return float(stats.chisquare(observed, np.asarray(expected) * sum(observed) / sum(expected)).pvalue)
+
+
+@pytest.mark.parametrize("singles", [0, 4, sampling.GUMBEL_SINGLES])
+def test_gumbel_sample_is_distributed_as_its_weights(singles):
+    weights = _weights(3 * GUMBEL_BLOCK + 200, seed=singles)  # blocks, a partial last block, singles
+    drawn = _draw_many(weights, 40_000, singles)
+    assert _pvalue(drawn, weights) > ALPHA
+    # Each level decides draws: tail tokens and heavy ones both come out.
+    heavy = set(weights.topk(5).indices.tolist())
+    assert 0.1 < np.isin(drawn, list(heavy)).mean() < 0.9
+
+
+def test_a_biased_draw_fails_the_same_test(monkeypatch):
+    """The negative control: noise at half its scale (a draw at a lower temperature) is caught."""
+    real = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seeds, ids: 0.8 * real(seeds, ids))
+    weights = _weights(3 * GUMBEL_BLOCK + 200, seed=4)
+    assert _pvalue(_draw_many(weights, 40_000, 4), weights) < ALPHA
+
+
+def test_gumbel_sample_never_draws_zero_weight_tokens_and_follows_one_hot_rows():
+    weights = torch.zeros(3, 2 * GUMBEL_BLOCK + 5)
+    weights[0, 7] = 1.0
+    weights[1, GUMBEL_BLOCK + 3] = 2.0
+    weights[2, [1, 2 * GUMBEL_BLOCK + 4]] = 1.0
+    for singles in (0, 1, 64):
+        for t in range(20):
+            drawn = gumbel_sample(weights, torch.from_numpy(row_seeds(1, [t] * 3)),
+                                  torch.from_numpy(row_seeds(1, [t] * 3, BLOCK_STREAM)), singles).tolist()
+            assert drawn[:2] == [7, GUMBEL_BLOCK + 3] and drawn[2] in (1, 2 * GUMBEL_BLOCK + 4)
