@@ -12,13 +12,13 @@ temperature, the share of positions where the target's drawn token equals
 - `inverse_cdf`: the head's inverse-CDF draw with the target's own uniform (today's sampler,
   `sampling.inverse_cdf_sample`, read by the drafter);
 - `gumbel`: Gumbel-max with shared noise, argmax(log q + g) against argmax(log p + g), g the
-  vocabulary-sized noise of the position (`sampling.gumbel_noise`; the target's draw is this
+  vocabulary-sized noise of the position (`gumbel.gumbel_noise`; the target's draw is this
   product on the replies' prefixes, not a decode of its own);
-- `gumbel_2level`: the same with the two-level draw (`sampling.gumbel_sample` with no singles:
+- `gumbel_2level`: the same with the two-level draw (`gumbel.gumbel_sample` with no singles:
   the block of 1024 token ids by Gumbel-max over block masses, then the token inside it) on both
   sides, which needs 1.3k noise values a row instead of the vocabulary's;
-- `gumbel_partition`: the sampler's draw (`sampling.gumbel_sample`: the 64 heaviest tokens as their
-  own cells, blocks for the rest) against the drafter's guess (`sampling.coupled_candidates`: the
+- `gumbel_partition`: the sampler's draw (`gumbel.gumbel_sample`: the 64 heaviest tokens as their
+  own cells, blocks for the rest) against the drafter's guess (`gumbel.coupled_candidates`: the
   best of the head's top 64 by log q + g, the same noise);
 - `greedy_ref`: the head's argmax against the target's argmax (greedy decoding's agreement);
 - `coupling_limit`: 1 - TV(p, q), what no coupling can beat;
@@ -146,16 +146,8 @@ def tally_group(parts, drafter, refs, params, key: int, noise: torch.Tensor, tal
 
 def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, temperature) -> None:
     """Tally the rows `picks` ((reference, its batch row, depth)) of round i."""
-    from dart_worker.sampling import (
-        BLOCK_STREAM,
-        GUMBEL_SINGLES,
-        coupled_candidates,
-        gumbel_sample,
-        inverse_cdf_sample,
-        position_uniforms,
-        row_seeds,
-        warp_logits_to_probs,
-    )
+    from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_SINGLES, coupled_candidates, gumbel_sample, row_seeds
+    from dart_worker.sampling import inverse_cdf_sample, position_uniforms, warp_logits_to_probs
 
     positions = np.asarray([i + d for _, _, d in picks], dtype=np.int64)
     target_logits = torch.stack([rows[b][i + d] for b, _, d in picks])
@@ -201,7 +193,8 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
 
 def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
     """What `noise_costs` times, over `rows` rows of `vocab` tokens."""
-    from dart_worker.sampling import BLOCK_STREAM, gumbel_noise, gumbel_sample, inverse_cdf_sample, row_seeds
+    from dart_bench.gumbel import BLOCK_STREAM, gumbel_noise, gumbel_sample, row_seeds
+    from dart_worker.sampling import inverse_cdf_sample
 
     logits = torch.randn(rows, vocab, device=device) * 3
     probs = logits.softmax(dim=-1)
@@ -238,10 +231,11 @@ def noise_costs(vocab: int, row_counts: list[int], device: torch.device, repeats
 
 def measure(cfg: CouplingConfig) -> dict[str, Any]:
     from dart_bench.common import load_parts, machine_conditions, select_prompts
+    from dart_bench.gumbel import gumbel_noise, row_seeds
     from dart_bench.replay import references, reply_sampling
     from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_drafter
-    from dart_worker.sampling import gumbel_noise, request_key, row_seeds
+    from dart_worker.sampling import request_key
     from ngram_native.builders import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)

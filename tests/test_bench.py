@@ -533,3 +533,23 @@ def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
     alone = {mode: [{k: v for k, v in r.items() if k != "group"} for r in rows] for mode, rows in records.items()}
     assert summarize(alone)["dart"]["speedup_vs_ar"] == pytest.approx(2.0)
     assert summarize(alone)["ar"]["throughput"] == pytest.approx(30 / 7.0)
+
+
+def test_bench_coupling_runs_on_a_tiny_model_and_its_rates_are_consistent(tiny_artifacts, tmp_path):
+    """`jobs.bench coupling` end to end: every method's per-depth agreement is a rate, the top-k
+    memberships grow with k, and Gumbel-max's top-1 membership is Gumbel-max's agreement itself."""
+    import json
+
+    from jobs.bench import main as jobs_bench_main
+
+    jobs_bench_main(["coupling", f"target={tiny_artifacts['target']}", f"head={tiny_artifacts['head']}",
+                     "num_prompts=2", "check_prompts=0", "max_new_tokens=8", "temperatures=[1.0]",
+                     "noise_rows=[1]", f"output_dir={tmp_path}"])
+    report = json.loads((tmp_path / "coupling.json").read_text())
+    [result] = report["results"]
+    rates = result["rates"]
+    assert all(0.0 <= r <= 1.0 for values in rates.values() for r in values)
+    for family in ("gumbel", "partition", "q"):
+        for depth in range(4):
+            assert rates[f"{family}_top1"][depth] <= rates[f"{family}_top2"][depth] <= rates[f"{family}_top4"][depth]
+    assert rates["gumbel_top1"] == rates["gumbel"] and rates["partition_top1"] == rates["gumbel_partition"]

@@ -11,17 +11,10 @@ import pytest
 import torch
 from scipy import stats
 
-from dart_worker import sampling
-from dart_worker.sampling import (
-    BLOCK_STREAM,
-    GUMBEL_BLOCK,
-    SamplingParams,
-    gumbel_noise,
-    gumbel_sample,
-    noise_bits,
-    request_key,
-    row_seeds,
-)
+from dart_bench import gumbel as sampling
+from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_BLOCK, gumbel_noise, gumbel_sample, noise_bits, row_seeds
+from dart_worker import sampling as engine_sampling
+from dart_worker.sampling import SamplingParams, request_key
 
 ALPHA = 1e-4
 VOCAB = 32
@@ -36,7 +29,8 @@ def test_noise_bits_equal_the_numpy_definition_whatever_is_asked_with_them():
     got = noise_bits(torch.from_numpy(seeds), torch.from_numpy(ids)).numpy().view(np.uint64)
     # The id-th output of splitmix64 started at the seed: numpy's unsigned arithmetic, wrapping.
     with np.errstate(over="ignore"):
-        expected = sampling._splitmix64(seeds.view(np.uint64)[:, None] + ids.astype(np.uint64) * sampling._GOLDEN)
+        offsets = ids.astype(np.uint64) * engine_sampling._GOLDEN
+        expected = engine_sampling._splitmix64(seeds.view(np.uint64)[:, None] + offsets)
     np.testing.assert_array_equal(got, expected)
     # An element's noise does not depend on the other elements of its call.
     alone = noise_bits(torch.from_numpy(seeds[1:2]), torch.tensor([7])).numpy().view(np.uint64)
