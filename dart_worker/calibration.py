@@ -153,9 +153,10 @@ def deferral_pays(target) -> bool:
     per machine and model shape and then read from the cache beside the curves.
 
     The decision keys the curves (`calibration_key`'s `logits`), and its two sides are often close
-    (a 2-core fp32 EPYC: 16 rows 172 ms against 3 x 61 ms), so a worker that measured it afresh at
-    every start could flip under a burst of load elsewhere, miss its own curves and spend its
-    start-up calibrating again. Stored, every start on the machine decides alike."""
+    (on a CPU where `logits_at` runs MKL's faster orientation, a tree's rows cost about as much as
+    a walk's few single ones; docs/benchmarks.md), so a worker that measured it afresh at every
+    start could flip under a burst of load elsewhere, miss its own curves and spend its start-up
+    calibrating again. Stored, every start on the machine decides alike."""
     if target._deferral_pays is None:
         target._deferral_pays = bool(_measured_once(target, "deferred_logits_pay", target.deferred_logits_pay))
     return target._deferral_pays

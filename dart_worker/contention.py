@@ -1,10 +1,10 @@
 """How much of a timed stretch this process spent waiting for a CPU that other work held.
 
 Timings that are cached and reused by later processes (the verify-cost calibration) must not be
-taken while something else loads the machine: a curve measured at load 25 on 2 cores (1 row
-600 ms where a quiet start measures 190 ms, and every larger size flattened by the same load)
-made every later job on the machine believe a plain step costs 2.2x what it does, so trees
-looked cheap and a sampling job ran at 0.60x `ar`. Wall time alone cannot tell a slow machine
+taken while something else loads the machine: a curve measured under heavy load (every size
+slowed, and the larger ones flattened by the same load) made every later job on the machine
+believe a plain step costs several times what it does, so trees looked cheap and a sampling job
+ran slower than `ar` (docs/benchmarks.md has the figures). Wall time alone cannot tell a slow machine
 from a busy one; the kernel can: /proc/<pid>/task/<tid>/schedstat holds, per thread, the
 nanoseconds it sat runnable on a run queue waiting for a CPU. Summed over this process's threads
 and divided by the wall time of the stretch, that is how many of our threads were waiting on

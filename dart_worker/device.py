@@ -98,7 +98,7 @@ def resolve_worker_device(spec: str, assigned_gpus: list[str]) -> torch.device:
     The assignment decides, never what happens to be visible: "auto" means CUDA when GPUs were
     assigned and the CPU otherwise, "cuda" without an assignment and "cpu" with one are errors, and
     a worker holding GPUs that torch cannot use stops with one line saying what was assigned, what
-    torch sees and the wheel's CUDA version, instead of running 50x slower on the CPU.
+    torch sees and the wheel's CUDA version, instead of running on the CPU, far slower, unnoticed.
     """
     name = spec.strip().lower()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")

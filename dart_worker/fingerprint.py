@@ -166,8 +166,8 @@ def cached_tokenizer_fingerprint(tokenizer: Any) -> str:
     """`tokenizer_fingerprint`, read from the project cache when this tokenizer was loaded before
     from the same unchanged files with the same libraries.
 
-    Computing it reads the whole vocabulary and segmentation (Gemma-3's 262k tokens: ~4 s on a
-    2-core CPU), and a drafting job did it twice at start-up (the driver's trie check, then every
+    Computing it reads the whole vocabulary and segmentation (Gemma-3's 262k tokens: seconds of a
+    worker's start-up), and a drafting job did it twice at start-up (the driver's trie check, then every
     worker's) where an `ar` job does not at all. The cache key is what the result depends on as
     loaded: the library versions, the class, the directory's tokenizer files (name, size, mtime,
     inode, as for model files), the vocabulary size with added tokens and the special tokens; a

@@ -1,8 +1,8 @@
 """GGUF files through transformers: the tokenizer, and the weights dequantised to plain tensors.
 
 Used by `loading.load_target` for a .gguf target, and by `default_target` to convert the
-embedded default once (reading a GGUF costs about a minute for 270M parameters: tokenizer
-~20 s, dequantising ~30 s; a converted directory loads in seconds).
+embedded default once (reading a GGUF rebuilds the tokenizer from its vocabulary and
+dequantises every weight, far slower than loading a converted directory's safetensors).
 """
 
 from __future__ import annotations

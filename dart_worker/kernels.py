@@ -8,7 +8,7 @@ tensors (`forced`), so no result can depend on a branch that only one kind of de
 
 - `projection` (a few hidden rows onto a vocabulary): `weight_first` (`W @ rows^T`) or `linear`
   (`rows @ W^T`, what `nn.Linear` computes). Preferred: `weight_first` for float32 on a CPU (MKL
-  runs it 1.5-4x faster there, see projection.py), `linear` elsewhere.
+  runs a few rows faster that way round, see projection.py), `linear` elsewhere.
 - `warp` (temperature / top-k / top-p over a vocabulary): `candidates` (only the few tokens that
   can survive; host syncs) or `dense` (whole rows, no host syncs). Preferred: `candidates` on a
   CPU, where a pass over 262k logits costs milliseconds and a sync is free; `dense` elsewhere.

@@ -2,7 +2,8 @@
 
 `DynamicLayer.update` concatenates the whole cache with every forward's new rows: on a CPU at
 batch 16 with ~350-token contexts that copies ~200 MB per decoding step (18 layers x keys and
-values), 16% of a step on the 2-core EPYC (torch.profiler: `aten::cat` 66 of 359 ms). Here each
+values), a copy that grows with the context while the step's own work does not (the profile is in
+docs/benchmarks.md). Here each
 layer's `keys`/`values` are prefix views of buffers with spare slots, and new rows are written
 after the prefix. Everything `TargetState` does to a layer keeps working unchanged:
 

@@ -3,7 +3,7 @@
 A target spec is one of:
   "default"            the embedded default (Gemma-3-270M, see default_target.py)
   a local directory    a Hugging Face model directory (config.json + weights + tokenizer)
-  a path ending .gguf  a GGUF file, dequantised through transformers (slow: ~1 min for 270M;
+  a path ending .gguf  a GGUF file, dequantised through transformers (slow, at every load;
                        prefer converting once to a directory, as the default target does)
   a URL                any fsspec URL of such a directory or .gguf file (s3://, gs://, ...):
                        downloaded once per node into the project cache and verified

@@ -1,8 +1,8 @@
 """A verify forward over its real rows only: a padded [B, S] tree block packed into one row of R tokens.
 
 A batch's trees differ in size, and the padded verify block has B x S rows for B + sum N real
-ones. Where a forward costs its rows (a CPU without matrix units: the fp32 EPYC runs Gemma-3-270M
-at ~140 ms for 1 row and ~800 ms for 17), padding is paid in full: one sequence's 8-node tree in a
+ones. Where a forward costs its rows (a CPU without matrix units, whose forward time grows with
+its rows; docs/benchmarks.md), padding is paid in full: one sequence's 8-node tree in a
 batch of 16 made a 144-row forward out of 24 real rows. Everything in a decoder layer but
 attention is row by row (embedding, norms, projections, MLP, rotary embeddings at each row's own
 position), so it runs on the packed [1, R] rows; only attention needs the block, whose rows read
@@ -96,11 +96,11 @@ class PackedRows:
         """`attention(query [b, Hq, s, D], key, value [b, Hkv, T, D], mask [b, 1, s, T])` -> [b, s, Hq, D]
         for packed queries [1, Hq, R, D] over the block's keys, values and mask: [1, R, Hq, D].
 
-        Attention costs every query row of its block, padding included (fp32 EPYC, Gemma-3-270M,
-        batch 16, ~400 cached slots: 3.2 ms a layer for the roots alone, 6.6 for a 9-row block).
-        When few sequences have a tree, the roots attend as one [B, 1] block and the nodes as a
-        block of only the sequences with a tree (their keys and values gathered: a copy of their
-        share of the cache), else everything as the padded block.
+        Attention costs every query row of its block, padding included (a 9-row block reads the
+        cache for all 9 rows, where the roots alone read it once). When few sequences have a
+        tree, the roots attend as one [B, 1] block and the nodes as a block of only the sequences
+        with a tree (their keys and values gathered: a copy of their share of the cache), else
+        everything as the padded block.
         """
         if not 0 < 3 * self.node_batch <= self.batch:
             return self.pack(attention(self.spread_heads(query), key, value, mask))[None]

@@ -2,10 +2,10 @@
 
 A decoding round projects a handful of final hidden states onto a wide vocabulary: the target's
 262k x 640 LM head for the rows a verification reads, the draft head's 16k x 640 head for its D
-read-out rows. As `rows x weight^T` (what `nn.Linear` computes) MKL runs such a product 1.5-4x
-slower than the same product as `weight x rows^T` on a 2-core AVX2 EPYC in float32 (default
-target, median of 7: 4 rows 160 -> 61 ms; draft head, 8 rows 14.5 -> 7.1 ms; 1 row and 100+ rows
-about equal). `python -m jobs.bench verify_shapes` prints both ways side by side.
+read-out rows. As `rows x weight^T` (what `nn.Linear` computes) MKL runs such a product slower
+than the same product as `weight x rows^T` on an AVX2 CPU in float32, for a few rows (1 row and
+100+ rows about equal; docs/benchmarks.md has the figures). `python -m jobs.bench verify_shapes`
+prints both ways side by side.
 
 Which orientation runs is the `projection` strategy of `dart_worker.kernels` (weight-first for
 float32 on a CPU: that is where it was measured; a GPU and bf16 CPUs (AMX, oneDNN) keep the
@@ -30,7 +30,7 @@ def project(hidden: torch.Tensor, linear: nn.Module) -> torch.Tensor:
 
     The rows are flattened into one contiguous [rows, in] matrix first: a strided view (say
     every sequence's root row, `hidden[:, :1]`) would otherwise be multiplied as a batch of
-    separate products, each reading the whole weight (16 sequences: 6x the time of one).
+    separate products, each reading the whole weight (16 sequences: 16 reads of it, not one).
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     out = (linear.weight @ rows.t()).t().contiguous() if _weight_first(rows, linear) else linear(rows)

@@ -311,10 +311,10 @@ _TOP_P_CANDIDATES = 1024
 
 
 def _top_p_candidates(scores: torch.Tensor, top_p: float):
-    """A full sort of a 262k vocabulary costs ~30 ms per row on a CPU, and the nucleus is
-    nearly always far smaller: take the m best tokens, decide them, and stop once the worst
-    candidate is dropped - every token outside scores no higher, so has at least as much mass
-    above it and is dropped too. Otherwise grow m (at worst to the whole vocabulary)."""
+    """A full sort of a 262k vocabulary per row is a large share of a round's non-model time on a
+    CPU, and the nucleus is nearly always far smaller: take the m best tokens, decide them, and
+    stop once the worst candidate is dropped - every token outside scores no higher, so has at
+    least as much mass above it and is dropped too. Otherwise grow m (at worst to the whole vocabulary)."""
     probs = scores.softmax(dim=-1)
     # float32 softmax over a large vocabulary is off by a common factor ~1e-5 (its normaliser);
     # measuring masses against the actual total cancels that factor.
@@ -415,8 +415,8 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     rows, vocab = weights.shape
     device = weights.device
     full = vocab - vocab % _CDF_BLOCK
-    # Block sums in the weights' dtype (a float64 reduction over [16, 262k] cost 20 ms on a CPU,
-    # the float32 one 0.5 ms), accumulated in float64: a block's sum is off by float32 rounding
+    # Block sums in the weights' dtype (a float64 reduction over [16, 262k] is many times dearer
+    # than the float32 one on a CPU), accumulated in float64: a block's sum is off by float32 rounding
     # of its own mass at most, which moves the odds of a draw by as little as the float32
     # probabilities themselves are exact.
     sums = [weights[:, :full].reshape(rows, -1, _CDF_BLOCK).sum(dim=-1)] if full else []

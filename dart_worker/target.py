@@ -368,9 +368,10 @@ class TargetAdapter:
         """Measured once per adapter: is projecting `walk_rows` rows one at a time (a greedy walk
         over deferred logits) cheaper than one projection of a `tree_rows`-row tree?
 
-        Where the projection's cost grows with its rows, deferring pays; with AMX bf16, on a GPU,
-        and on a 2-core fp32 EPYC since `logits_at` uses MKL's faster orientation (16 rows 172 ms
-        against 3 x 61 ms), 16 rows cost about as much as a few single ones and it does not.
+        Where the projection's cost grows with its rows, deferring pays; where a matrix unit (AMX
+        bf16, a GPU) or MKL's faster orientation (`logits_at`, fp32 CPUs) makes 16 rows cost about
+        as much as a few single ones, it does not. Which side wins is too close to call by device
+        kind, hence a measurement (docs/benchmarks.md).
         """
         if self._deferral_pays is None:
             self._deferral_pays = walk_rows * self.projection_seconds(1) < self.projection_seconds(tree_rows)

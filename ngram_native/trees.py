@@ -104,8 +104,9 @@ class DraftTree:
     @cached_property
     def _child_by_token(self) -> dict[tuple[int, int], int]:
         """(parent, token) -> the first such child. A dict, because walks step one token at a
-        time from Python: a numpy scan of the children per step cost 25 us, and the lookup
-        payoff's walks (`dart_worker.drafters.hybrid.LookupPayoff`) took 3 ms a round at batch 16."""
+        time from Python, many per round (the lookup payoff's walks,
+        `dart_worker.drafters.hybrid.LookupPayoff`), where a numpy scan of the children per step
+        costs a call's overhead per step (docs/benchmarks.md)."""
         keys = list(zip(self.parents.tolist(), self.tokens.tolist()))
         return dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))  # the first child wins
 

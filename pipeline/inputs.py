@@ -685,9 +685,9 @@ def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = Non
     (`merge_repeats`). Only "id:" keys can repeat (the others are unique by construction), but
     every key is checked so that any collision would still be caught. The sort gets a dataset (and
     DataContext) of its own, with the task-based sort shuffle: the hash shuffle starts aggregator
-    actors, which took seconds for a few thousand keys on a 2-CPU node. Ray Data's own
-    groupby().aggregate() did the same job 5-7x slower (22 s against 3.5 s for 100k rows here: it
-    aggregates group by group).
+    actors, whose start-up alone outweighs a few thousand keys on a small node. Ray Data's own
+    groupby().aggregate() does the same job slower, since it aggregates group by group
+    (docs/benchmarks.md has the figures).
     """
     parsed = ray.data.read_datasource(datasource)
     parsed.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED

@@ -595,7 +595,8 @@ def start_store(trie_url: str, *, namespace: str = NAMESPACE) -> None:
 
     A worker calls this before loading its target, so that the store's start (a new Ray worker
     process, then the copy into shared memory and its check) runs while the target loads instead
-    of after it (1.8 s of a drafting worker's start-up on a 2-core CPU); `acquire_trie` later
+    of after it (on the start-up's critical path it is what makes a drafting worker start later
+    than an `ar` one); `acquire_trie` later
     finds the store answering. Does nothing outside Ray; any problem is left for `acquire_trie`
     to report with its full checks."""
     if not _ray_running():

@@ -131,7 +131,7 @@ def build_dataset(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[
         # A crashed worker is restarted and its batch redone: Ray Data's actor pools default to
         # max_restarts=-1 and max_task_retries=-1 (tests/test_pipeline_run.py crashes one).
         # Idle OpenMP threads sleep instead of spinning: on a CPU shared with the read/write
-        # tasks and Ray's own processes, spinning threads made decoding steps >10x slower.
+        # tasks and Ray's own processes, spinning threads take the cores the decoding needs.
         runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
     )
     ds = ds.map_batches(write_rows, fn_kwargs={"output_url": cfg.output.url, "run_id": resolved["run_id"],

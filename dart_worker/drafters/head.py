@@ -37,8 +37,8 @@ from ngram_native.trees import SOURCE_HEAD, DraftTree
 NGRAM_CONTEXT_TOKENS = 8
 # A head resuming after a pause reads at most this many of a sequence's latest unread rows; older
 # ones are skipped (positions kept, `DraftKVCache.skip`). Reading them all made a probe's cost grow
-# with the pause before it (batch 16, T=1, 2-core EPYC: 328 ms after 32 rounds, a 380 ms step, and
-# ~400 ms for the prompts of sequences that joined while it was paused), so no back-off could
+# with the pause before it (after a long pause, nearly a whole target step, plus the prompts of the
+# sequences that joined meanwhile; docs/benchmarks.md), so no back-off could
 # bound what probing a head that never pays costs. A head that runs every round reads everything,
 # joiners' whole prompts included: that is the context it was trained to see.
 CATCH_UP_ROWS = 32
