@@ -35,13 +35,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from dart_worker.draft_head import (
-    DartDraftHead,
-    DraftHeadConfig,
-    DraftHeadConfigError,
-    check_d2t,
-    target_text_config,
-)
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.draft_head_config import DraftHeadConfig, DraftHeadConfigError, target_text_config
+from dart_worker.draft_vocab import check_d2t
 from dart_worker.target import default_tap_layers
 from dart_worker.target_store import fetch_model_dir, is_remote_url, local_path_of
 

@@ -15,25 +15,24 @@ Architecture (checkpoint-compatible with the published DART heads, which extend 
 "Shifted logits": prefix row j pairs the features of position j with the embedding of token j+1.
 After a round that committed positions ..p (the bonus token is token p+1), row 0 is the last real
 row (features of p, embedding of the bonus token) and predicts token p+2; MASK row i (positions
-p+i) predicts token p+2+i. The head keeps its own one-layer KV cache of committed rows only;
-MASK rows are recomputed every round and never cached.
+p+i) predicts token p+2+i. The head keeps its own one-layer KV cache of committed rows only
+(`draft_kv_cache.DraftKVCache`); MASK rows are recomputed every round and never cached.
 
 The layer code is split into small pieces (`DartAttention`, `DartMidLayer`) so that the training
-job can run the same layer over whole sequences with its own attention masks.
+job can run the same layer over whole sequences with its own attention masks. The head's config
+(`draft_head_config`), its reduced vocabulary's map into the target's (`draft_vocab`) and its KV
+cache (`draft_kv_cache`) are modules of their own; checkpoints are `draft_checkpoint`'s job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
-from transformers.activations import ACT2FN
+from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -42,157 +41,13 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from dart_worker.draft_head_config import DraftHeadConfig, DraftHeadConfigError, target_text_config
+from dart_worker.draft_kv_cache import DraftKVCache
+from dart_worker.draft_vocab import check_d2t, make_d2t, make_t2d
 from dart_worker.projection import project
 from dart_worker.shape_buckets import context_bucket, rows_bucket
 from dart_worker.target import default_tap_layers
-from dart_worker.transfer import to_device, to_device_packed
-
-
-class DraftHeadConfigError(ValueError):
-    """A draft-head config.json that is incomplete or inconsistent."""
-
-
-# Fields a published config may omit, with the value the reference DART/EAGLE-3 loaders then use.
-_DEFAULTS_FROM_REFERENCE = {
-    "rope_theta": 10000.0,  # reference: getattr(config, "rope_theta", 10000)
-    "rope_scaling": None,
-    "hidden_act": "silu",  # LlamaConfig default
-}
-
-
-# Fields a config.json may omit without a reference default (None = "as the reference").
-_OPTIONAL_FIELDS = ("tap_layers",)
-
-
-@dataclass
-class DraftHeadConfig:
-    """Shape and hyper-parameters of a DART draft head, stored as the checkpoint's config.json.
-
-    `extras` keeps keys of a published config that this code does not use (architectures,
-    torch_dtype, ...), so that load -> save round-trips them; it is not part of the architecture.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float
-    rope_scaling: dict | None
-    rms_norm_eps: float
-    hidden_act: str
-    max_position_embeddings: int
-    draft_length: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    # Target layers whose inputs the head reads (low, mid, high). Published heads omit it: they
-    # were trained on the reference taps (`default_tap_layers`), which is what None means.
-    tap_layers: list[int] | None = None
-    extras: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "draft_length",
-                     "draft_vocab_size", "target_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise DraftHeadConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise DraftHeadConfigError(f"{name} must be a positive number, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise DraftHeadConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise DraftHeadConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.draft_vocab_size > self.vocab_size:
-            raise DraftHeadConfigError(
-                f"draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})")
-        if self.hidden_act not in ACT2FN:
-            raise DraftHeadConfigError(f"unknown hidden_act {self.hidden_act!r}")
-        if self.tap_layers is not None:
-            taps = self.tap_layers
-            if (not isinstance(taps, (list, tuple)) or len(taps) != 3
-                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in taps)):
-                raise DraftHeadConfigError(f"tap_layers must list 3 layer indices >= 0, got {taps!r}")
-            self.tap_layers = list(taps)
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            raise DraftHeadConfigError(f"rope_scaling must be null or an object, got {self.rope_scaling!r}")
-
-    @property
-    def num_rows(self) -> int:
-        """D = draft_length + 1 rows of logits per proposal."""
-        return self.draft_length + 1
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DraftHeadConfig:
-        """Parse a config.json object. Unknown keys go to `extras`; a missing required key is an error.
-
-        Optional keys follow the reference loaders: head_dim = hidden_size // num_attention_heads,
-        num_key_value_heads = num_attention_heads, target_hidden_size = hidden_size, rope_theta =
-        10000, rope_scaling = null, hidden_act = silu. A transformers>=5 style `rope_parameters`
-        object is read when `rope_theta` is absent.
-        """
-        if not isinstance(data, dict):
-            raise DraftHeadConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        names = [f.name for f in fields(cls) if f.name != "extras"]
-        values = {name: data[name] for name in names if name in data}
-        values.update({k: v for k, v in _DEFAULTS_FROM_REFERENCE.items() if k not in values})
-        rope_parameters = data.get("rope_parameters")
-        if "rope_theta" not in data and isinstance(rope_parameters, dict):
-            params = dict(rope_parameters)
-            values["rope_theta"] = params.pop("rope_theta", _DEFAULTS_FROM_REFERENCE["rope_theta"])
-            if "rope_scaling" not in data and params.get("rope_type", "default") != "default":
-                values["rope_scaling"] = params
-        if "num_attention_heads" in values:
-            values.setdefault("num_key_value_heads", values["num_attention_heads"])
-            if "hidden_size" in values and "head_dim" not in values:
-                heads, hidden = values["num_attention_heads"], values["hidden_size"]
-                if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-                    values["head_dim"] = hidden // heads
-        if "hidden_size" in values:
-            values.setdefault("target_hidden_size", values["hidden_size"])
-        missing = [name for name in names if name not in values and name not in _OPTIONAL_FIELDS]
-        if missing:
-            raise DraftHeadConfigError(f"config is missing required field(s) {missing}")
-        extras = {k: v for k, v in data.items() if k not in names}
-        return cls(**values, extras=extras)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config.json object: kept unknown keys first, then every field of the architecture."""
-        data = dict(self.extras)
-        data.update({k: v for k, v in asdict(self).items()
-                     if k != "extras" and not (k in _OPTIONAL_FIELDS and v is None)})
-        return data
-
-    def llama_config(self) -> LlamaConfig:
-        """A LlamaConfig of the draft layer, so transformers' RoPE variants and MLP apply unchanged."""
-        try:
-            return LlamaConfig(
-                vocab_size=self.vocab_size,
-                hidden_size=self.hidden_size,
-                intermediate_size=self.intermediate_size,
-                num_hidden_layers=1,
-                num_attention_heads=self.num_attention_heads,
-                num_key_value_heads=self.num_key_value_heads,
-                head_dim=self.head_dim,
-                hidden_act=self.hidden_act,
-                max_position_embeddings=self.max_position_embeddings,
-                rms_norm_eps=self.rms_norm_eps,
-                rope_theta=float(self.rope_theta),
-                rope_scaling=dict(self.rope_scaling) if self.rope_scaling is not None else None,
-            )
-        except Exception as exc:  # transformers raises several types for a bad rope dict
-            raise DraftHeadConfigError(f"transformers rejects this draft config: {exc}") from exc
-
-
-def target_text_config(target_config: PretrainedConfig) -> PretrainedConfig:
-    """The decoder text config of a target (itself for text-only models)."""
-    get_text_config = getattr(target_config, "get_text_config", None)
-    return get_text_config() if get_text_config is not None else target_config
+from dart_worker.transfer import to_device_packed
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -284,174 +139,6 @@ class DartMidLayer(nn.Module):
         keys, values = attn.keys_values(attn_in, cos, sin)
         return self.feed_forward(attn.attend(attn.queries(attn_in, cos, sin), keys, values, allowed),
                                  residual)
-
-
-class DraftKVCache:
-    """The head's one-layer KV cache of committed rows, ragged over the batch.
-
-    Sequence b owns slots 0..lengths[b]-1 of `keys[b]`/`values[b]` ([B, kv_heads, T, hd] with
-    T = max(lengths)); slots past its length are stale and always masked out. `keys`/`values` are
-    views of buffers with spare capacity, so appending is amortised O(new rows); an append
-    invalidates views taken before it. `lengths` is host data (numpy int64): where rows go is
-    decided on the host, so appending and selecting never wait for the device.
-
-    `skipped[b]`: committed rows of sequence b that were never read into the cache (a head paused
-    for long reads only the latest rows when it resumes, `HeadDrafter.catch_up`); the next row's
-    absolute position is `lengths + skipped` (`next_positions`), so RoPE distances stay true.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths, skipped=None) -> None:
-        if isinstance(lengths, torch.Tensor):
-            lengths = lengths.detach().cpu().numpy()
-        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        if keys.shape != values.shape or keys.dim() != 4 or lengths.shape != (keys.shape[0],):
-            raise ValueError(f"inconsistent cache shapes: keys {tuple(keys.shape)}, values "
-                             f"{tuple(values.shape)}, lengths {tuple(lengths.shape)}")
-        self._key_buffer, self._value_buffer = keys, values
-        self._used = keys.shape[2]
-        self.lengths = lengths
-        self.skipped = np.zeros_like(lengths) if skipped is None else np.asarray(skipped, dtype=np.int64).copy()
-        if self.skipped.shape != lengths.shape:
-            raise ValueError(f"skipped {self.skipped.shape} must match lengths {lengths.shape}")
-
-    def next_positions(self) -> np.ndarray:
-        """Per sequence, the absolute position of its next committed row."""
-        return self.lengths + self.skipped
-
-    def skip(self, rows) -> None:
-        """Sequence b's next `rows[b]` committed rows will never be read (see the class doc)."""
-        self.skipped = self.skipped + np.asarray(rows, dtype=np.int64)
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self._key_buffer[:, :, : self._used]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self._value_buffer[:, :, : self._used]
-
-    def __len__(self) -> int:
-        return self.lengths.shape[0]
-
-    @torch.inference_mode()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, num_new: np.ndarray,
-               index: torch.Tensor | None = None) -> None:
-        """Write row i < num_new[b] of keys/values [B, kv_heads, n, hd] to slot lengths[b] + i.
-
-        `index`: `self.append_index(num_new)` already on the device (the head uploads it with its
-        other inputs); made here when not given.
-        """
-        num_new = np.asarray(num_new, dtype=np.int64)
-        new_max_length = int((self.lengths + num_new).max(initial=0))
-        capacity = self._key_buffer.shape[2]
-        if new_max_length > capacity:
-            self._grow(max(new_max_length, 2 * capacity, 16))
-        if index is None:
-            index = to_device(self.append_index(num_new), keys.device)
-        batch_idx, row_idx, slots = index.unbind(0)
-        self._key_buffer[batch_idx, :, slots] = keys[batch_idx, :, row_idx]
-        self._value_buffer[batch_idx, :, slots] = values[batch_idx, :, row_idx]
-        self._used = max(self._used, new_max_length)
-        self.lengths = self.lengths + num_new
-
-    def widened(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys and values over the first `slots` slots (>= the used ones), the buffers grown if
-        needed: a bucketed read-out attends over a bucket's slots, the ones past a sequence's
-        length masked out as stale slots always are."""
-        if slots < self._used:
-            raise ValueError(f"cannot view {slots} slots of a cache using {self._used}")
-        if slots > self._key_buffer.shape[2]:
-            self._grow(slots)
-        return self._key_buffer[:, :, :slots], self._value_buffer[:, :, :slots]
-
-    def _grow(self, capacity: int) -> None:
-        """New zeroed buffers of `capacity` slots holding the used ones (stale slots stay masked)."""
-        grown_keys = self._key_buffer.new_zeros(*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[3])
-        grown_values = torch.zeros_like(grown_keys)
-        grown_keys[:, :, : self._used] = self.keys
-        grown_values[:, :, : self._used] = self.values
-        self._key_buffer, self._value_buffer = grown_keys, grown_values
-
-    def append_index(self, num_new: np.ndarray) -> np.ndarray:
-        """[3, sum(num_new)] int64: (sequence, row of the new block, destination slot) per new row."""
-        num_new = np.asarray(num_new, dtype=np.int64)
-        batch_idx = np.repeat(np.arange(len(num_new)), num_new)
-        row_idx = np.arange(batch_idx.shape[0]) - np.repeat(np.cumsum(num_new) - num_new, num_new)
-        return np.stack([batch_idx, row_idx, self.lengths[batch_idx] + row_idx])
-
-    @torch.inference_mode()
-    def select(self, index: torch.Tensor | Sequence[int]) -> None:
-        """Keep only sequences `index` (in that order), in place, cropped to their longest length.
-
-        For batch bookkeeping alongside the target's state: drop finished sequences, reorder.
-        """
-        if isinstance(index, torch.Tensor):
-            index = index.tolist()
-        order = np.asarray(index, dtype=np.int64).reshape(-1)
-        lengths = self.lengths[order]
-        length = int(lengths.max(initial=0))
-        device_index = to_device(order, self._key_buffer.device)
-        self._key_buffer = self.keys[device_index, :, :length].contiguous()
-        self._value_buffer = self.values[device_index, :, :length].contiguous()
-        self._used = length
-        self.lengths = lengths
-        self.skipped = self.skipped[order]
-
-    @staticmethod
-    @torch.inference_mode()
-    def concat(caches: Sequence[DraftKVCache]) -> DraftKVCache:
-        """One cache holding the sequences of `caches` in order (e.g. to add newly prefilled ones)."""
-        if not caches:
-            raise ValueError("concat needs at least one cache")
-        length = max(c.keys.shape[2] for c in caches)
-
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            return F.pad(t, (0, 0, 0, length - t.shape[2]))
-
-        return DraftKVCache(torch.cat([padded(c.keys) for c in caches]),
-                            torch.cat([padded(c.values) for c in caches]),
-                            np.concatenate([c.lengths for c in caches]), np.concatenate([c.skipped for c in caches]))
-
-
-def make_d2t(kept_target_ids: Sequence[int] | torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """d2t for a reduced draft vocabulary: target_id = draft_id + d2t[draft_id].
-
-    `kept_target_ids` are the target ids the draft vocabulary keeps (typically the most frequent
-    ones, in any order). As in EAGLE-3/DART, draft ids follow ascending target id, so d2t[i] =
-    sorted(kept)[i] - i.
-    """
-    kept = torch.as_tensor(kept_target_ids, dtype=torch.long).flatten()
-    if kept.numel() == 0:
-        raise ValueError("kept_target_ids is empty")
-    kept = kept.sort().values
-    if bool((kept[1:] == kept[:-1]).any()):
-        raise ValueError("kept_target_ids contains duplicates")
-    if int(kept[0]) < 0 or (vocab_size is not None and int(kept[-1]) >= vocab_size):
-        raise ValueError(f"kept_target_ids must lie in [0, {vocab_size}), got {int(kept[0])}..{int(kept[-1])}")
-    return kept - torch.arange(kept.numel())
-
-
-def make_t2d(kept_target_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """t2d: a bool mask over the target vocabulary, True for ids the draft vocabulary keeps."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.as_tensor(kept_target_ids, dtype=torch.long)] = True
-    return t2d
-
-
-def check_d2t(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> str | None:
-    """Why `d2t` is not a valid injective map of the draft vocabulary into the target's, or None."""
-    if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
-        return f"d2t must hold integers, found dtype {d2t.dtype}"
-    if tuple(d2t.shape) != (draft_vocab_size,):
-        return f"d2t must have shape ({draft_vocab_size},), found {tuple(d2t.shape)}"
-    target_ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t.long()
-    low, high = int(target_ids.min()), int(target_ids.max())
-    if low < 0 or high >= vocab_size:
-        return (f"d2t maps draft ids to target ids {low}..{high}, outside the target vocabulary "
-                f"[0, {vocab_size})")
-    if target_ids.unique().numel() != draft_vocab_size:
-        return "d2t maps two draft ids to the same target id"
-    return None
 
 
 class DartDraftHead(nn.Module):

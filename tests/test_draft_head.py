@@ -24,13 +24,10 @@ from dart_worker.draft_checkpoint import (
     read_draft_config,
     save_draft_head,
 )
-from dart_worker.draft_head import (
-    DartDraftHead,
-    DraftHeadConfig,
-    DraftHeadConfigError,
-    DraftKVCache,
-    make_d2t,
-)
+from dart_worker.draft_head import DartDraftHead
+from dart_worker.draft_head_config import DraftHeadConfig, DraftHeadConfigError
+from dart_worker.draft_kv_cache import DraftKVCache
+from dart_worker.draft_vocab import make_d2t
 from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dart_worker.draft_head import DraftKVCache
+from dart_worker.draft_kv_cache import DraftKVCache
 from dart_worker.drafters.base import (
     CommittedBlock,
     Finished,
