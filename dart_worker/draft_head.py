@@ -274,8 +274,8 @@ class DartDraftHead(nn.Module):
         return DraftKVCache(keys, keys.clone(), np.zeros(batch_size, dtype=np.int64))
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor, next_tokens, num_new, cache: DraftKVCache,
-                bucketed: bool = False) -> torch.Tensor:
+    def draft_logits(self, features: torch.Tensor, next_tokens, num_new, cache: DraftKVCache,
+                     bucketed: bool = False) -> torch.Tensor:
         """Commit new rows to the cache and return float32 draft logits [B, D, draft_vocab_size].
 
         features [B, n, 3*H_t] and next_tokens [B, n] hold, for sequence b, num_new[b] real rows

@@ -2,7 +2,7 @@
 
 The central check is `reference_logits`: a plain float64 re-implementation of the architecture
 text (full causal attention over the whole committed prefix + MASK block, no cache, no batching),
-against which the cached, ragged-batched `propose` must agree round after round.
+against which the cached, ragged-batched `draft_logits` must agree round after round.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def reference_logits(head: DartDraftHead, features: torch.Tensor, tokens: torch.
 
 
 def run_batched(head: DartDraftHead, streams, schedule, pad_with_garbage: bool = True, bucketed: bool = False):
-    """Run `propose` round by round; schedule[r][b] = rows sequence b commits in round r.
+    """Run `draft_logits` round by round; schedule[r][b] = rows sequence b commits in round r.
 
     Padding rows get NaN features and token -1: they must be ignored, not merely down-weighted.
     Returns per round the logits [B, D, V] and the cache.
@@ -138,7 +138,7 @@ def run_batched(head: DartDraftHead, streams, schedule, pad_with_garbage: bool =
             features[b, :count] = streams[b][0][done[b] : done[b] + count]
             tokens[b, :count] = streams[b][1][done[b] : done[b] + count]
             done[b] += count
-        results.append(head.propose(features, tokens, torch.tensor(counts), cache, bucketed=bucketed))
+        results.append(head.draft_logits(features, tokens, torch.tensor(counts), cache, bucketed=bucketed))
     return results, cache
 
 
@@ -171,7 +171,7 @@ def test_bucketed_shapes_give_the_exact_logits(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_incremental_propose_matches_full_reference(family):
+def test_incremental_draft_logits_matches_full_reference(family):
     head = make_head(family)
     counts = [7, 1, 4, 2, 3, 1]
     stream = random_stream(head, sum(counts), seed=1)
@@ -193,9 +193,9 @@ def test_skipped_rows_keep_the_positions_of_the_rows_after_them(family):
     head = make_head(family)
     features, tokens = random_stream(head, 20, seed=4)
     cache = head.new_cache(1)
-    head.propose(features[None, :6], tokens[None, :6], [6], cache)
+    head.draft_logits(features[None, :6], tokens[None, :6], [6], cache)
     cache.skip([9])  # rows 6..14 are never read
-    logits = head.propose(features[None, 15:], tokens[None, 15:], [5], cache)
+    logits = head.draft_logits(features[None, 15:], tokens[None, 15:], [5], cache)
     kept = torch.cat((torch.arange(6), torch.arange(15, 20)))
     expected = reference_logits(head, features[kept], tokens[kept], positions=kept)
     torch.testing.assert_close(logits[0].double(), expected, atol=ATOL, rtol=0)
@@ -285,7 +285,7 @@ def test_cache_select_and_concat_keep_sequences_exact():
     done = {2: 8, 1: 7}
     features = torch.stack([streams[2][0][8:10], streams[1][0][7:9]])
     tokens = torch.stack([streams[2][1][8:10], streams[1][1][7:9]])
-    logits = head.propose(features, tokens, torch.tensor([2, 1]), cache)
+    logits = head.draft_logits(features, tokens, torch.tensor([2, 1]), cache)
     for row, (b, extra) in enumerate([(2, 2), (1, 1)]):
         total = done[b] + extra
         expected = reference_logits(head, streams[b][0][:total], streams[b][1][:total])
@@ -338,7 +338,7 @@ def test_mask_block_is_causal(perturbed, monkeypatch):
     head = make_head("llama")
     stream = random_stream(head, 6, seed=50)
     features, tokens = stream[0][None], stream[1][None]
-    baseline = head.propose(features, tokens, torch.tensor([6]), head.new_cache(1))
+    baseline = head.draft_logits(features, tokens, torch.tensor([6]), head.new_cache(1))
 
     original = head.midlayer.mask_rows
 
@@ -349,7 +349,7 @@ def test_mask_block_is_causal(perturbed, monkeypatch):
         return attn_in, residual
 
     monkeypatch.setattr(head.midlayer, "mask_rows", perturbed_rows)
-    changed = head.propose(features, tokens, torch.tensor([6]), head.new_cache(1))
+    changed = head.draft_logits(features, tokens, torch.tensor([6]), head.new_cache(1))
     torch.testing.assert_close(changed[:, :perturbed], baseline[:, :perturbed], atol=0, rtol=0)
     for row in range(perturbed, DRAFT_LENGTH + 1):
         assert not torch.allclose(changed[:, row], baseline[:, row], atol=1e-4), row
@@ -359,24 +359,24 @@ def test_mask_block_is_causal(perturbed, monkeypatch):
 # Inputs, vocab maps, config.
 
 
-def test_propose_rejects_bad_inputs():
+def test_draft_logits_rejects_bad_inputs():
     head = make_head("llama", max_position_embeddings=12)
     features, tokens = random_stream(head, 10, seed=60)
     with pytest.raises(ValueError, match=r"num_new must lie in \[1, n=4\]"):
-        head.propose(features[None, :4], tokens[None, :4], torch.tensor([0]), head.new_cache(1))
+        head.draft_logits(features[None, :4], tokens[None, :4], torch.tensor([0]), head.new_cache(1))
     with pytest.raises(ValueError, match=r"num_new must lie"):
-        head.propose(features[None, :4], tokens[None, :4], torch.tensor([5]), head.new_cache(1))
+        head.draft_logits(features[None, :4], tokens[None, :4], torch.tensor([5]), head.new_cache(1))
     with pytest.raises(ValueError, match=r"features must have shape \[B=1, n, 3\*H_t=192\]"):
-        head.propose(features[None, :4, :64], tokens[None, :4], torch.tensor([4]), head.new_cache(1))
+        head.draft_logits(features[None, :4, :64], tokens[None, :4], torch.tensor([4]), head.new_cache(1))
     with pytest.raises(ValueError, match=r"next_tokens must be an integer array of shape \(1, 4\)"):
-        head.propose(features[None, :4], tokens[None, :3], torch.tensor([4]), head.new_cache(1))
+        head.draft_logits(features[None, :4], tokens[None, :3], torch.tensor([4]), head.new_cache(1))
     bad_tokens = tokens[None, :4].clone()
     bad_tokens[0, 1] = TINY_VOCAB
     with pytest.raises(ValueError, match=r"next_tokens of real rows must lie in \[0, 96\)"):
-        head.propose(features[None, :4], bad_tokens, torch.tensor([4]), head.new_cache(1))
+        head.draft_logits(features[None, :4], bad_tokens, torch.tensor([4]), head.new_cache(1))
     # Running past max_position_embeddings (10 + 3 MASK rows > 12) is allowed: RoPE extends,
     # and the engine never verifies drafts past the target's context limit.
-    logits = head.propose(features[None, :10], tokens[None, :10], torch.tensor([10]), head.new_cache(1))
+    logits = head.draft_logits(features[None, :10], tokens[None, :10], torch.tensor([10]), head.new_cache(1))
     assert torch.isfinite(logits).all()
 
 
@@ -387,7 +387,7 @@ def test_reduced_draft_vocabulary_maps_to_target_ids():
     head = make_head("llama", kept_target_ids=kept)
     assert head.to_target_ids(torch.tensor([[0, 4], [2, 1]])).tolist() == [[3, 90], [17, 5]]
     assert head.t2d.nonzero().flatten().tolist() == sorted(kept)
-    logits = head.propose(*(t[None] for t in random_stream(head, 4, seed=61)), torch.tensor([4]),
+    logits = head.draft_logits(*(t[None] for t in random_stream(head, 4, seed=61)), torch.tensor([4]),
                           head.new_cache(1))
     assert logits.shape == (1, DRAFT_LENGTH + 1, len(kept))
     with pytest.raises(ValueError, match="duplicates"):
@@ -405,7 +405,7 @@ def test_full_vocabulary_head_is_identity_map():
 def test_bfloat16_head_returns_float32_logits():
     head = make_head("llama", dtype=torch.bfloat16)
     features, tokens = random_stream(head, 6, seed=62)
-    logits = head.propose(features[None].bfloat16(), tokens[None], torch.tensor([6]), head.new_cache(1))
+    logits = head.draft_logits(features[None].bfloat16(), tokens[None], torch.tensor([6]), head.new_cache(1))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     expected = reference_logits(head, features.bfloat16().float(), tokens)
     assert (logits[0].double() - expected).abs().max() < 0.25  # bf16 rounding only
@@ -465,7 +465,7 @@ def test_config_rejects_bad_values(changes, message):
 # Checkpoints.
 
 
-def propose_rounds(head, seed=70):
+def draft_logits_rounds(head, seed=70):
     streams = [random_stream(head, 12, seed=seed + b) for b in range(2)]
     return run_batched(head, streams, [[5, 7], [3, 1], [2, 4]])[0]
 
@@ -480,7 +480,7 @@ def test_checkpoint_round_trip_gives_identical_outputs(family, tmp_path):
     loaded = load_draft_head(tmp_path, model.config, model.get_input_embeddings(), "cpu", torch.float32)
     assert loaded.config == head.config and loaded.config.extras == head.config.extras
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
-    for ours, theirs in zip(propose_rounds(head), propose_rounds(loaded), strict=True):
+    for ours, theirs in zip(draft_logits_rounds(head), draft_logits_rounds(loaded), strict=True):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 

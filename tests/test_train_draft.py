@@ -130,7 +130,7 @@ def test_sample_anchors_range_and_distinct():
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_training_forward_equals_propose(family):
+def test_training_forward_equals_draft_logits(family):
     model = tiny_model(family, num_layers=4)
     head = make_head(model).eval()
     torch.manual_seed(3)
@@ -149,12 +149,12 @@ def test_training_forward_equals_propose(family):
         real, masked = draft_training_logits(head, out.taps, ids, anchors)
     for k, p in enumerate(anchors[0].tolist()):
         cache = head.new_cache(1)
-        proposed = head.propose(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), cache)
+        proposed = head.draft_logits(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), cache)
         torch.testing.assert_close(real[0, p], proposed[0, 0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(masked[0, k], proposed[0, 1:], rtol=1e-4, atol=1e-4)
     # Every real row is row 0 of its own anchor.
     for p in range(seq - 1):
-        proposed = head.propose(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), head.new_cache(1))
+        proposed = head.draft_logits(out.taps[:, : p + 1], ids[:, 1 : p + 2], torch.tensor([p + 1]), head.new_cache(1))
         torch.testing.assert_close(real[0, p], proposed[0, 0], rtol=1e-4, atol=1e-4)
 
 

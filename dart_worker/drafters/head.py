@@ -130,7 +130,8 @@ class HeadDrafter(ModelDrafter):
         flat = torch.cat([f for u in self.unread for f in u.features])
         padded = flat.new_zeros(batch, width, flat.shape[-1])
         padded[where[0], where[1]] = flat
-        self.logits = self.head.propose(padded, next_tokens, np.asarray(counts), self.cache, bucketed=self.bucketed)
+        self.logits = self.head.draft_logits(padded, next_tokens, np.asarray(counts), self.cache,
+                                             bucketed=self.bucketed)
         self.unread[:] = [_Unread() for _ in range(batch)]
 
     def _skip_oldest(self, over: np.ndarray) -> None:
