@@ -35,7 +35,8 @@ from dart_worker.kernels import GQAS, forced
 from dart_worker.kv_cache import GrowingCache
 from dart_worker.projection import project
 from dart_worker.random_models import random_model
-from dart_worker.target import TargetAdapter, TargetState
+from dart_worker.target import TargetAdapter
+from dart_worker.target_state import TargetState
 
 
 @dataclass
