@@ -1,6 +1,6 @@
 """Verify-forward cost by batch shape: `python -m jobs.bench verify_shapes [key=value ...]`.
 
-The cost model (dart_worker/cost_model.py) keeps one latency curve per live batch size because
+The cost model (dart_worker/sizing/verify_costs.py) keeps one latency curve per live batch size because
 rows cost differently in different shapes: one sequence carrying a 17-row tree is not 16
 sequences carrying 2 rows each, although both are "more rows". This prints, for each batch size,
 the milliseconds of one `TargetAdapter.verify` forward (deferred logits, one row projected per

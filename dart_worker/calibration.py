@@ -1,6 +1,6 @@
 """Measured verify-forward costs per live batch size, cached on disk per machine and model shape.
 
-The tree sizer (`dart_worker.cost_model`) needs what a verify forward of R rows costs at the batch
+The tree sizer (`dart_worker.sizing`) needs what a verify forward of R rows costs at the batch
 the worker actually runs: rows of 16 sequences do not cost what rows of one sequence do (attention
 reads one cache per sequence; on a GPU a batch-1 curve is flat and would make 64 x 60 rows look
 free). So each live batch size gets its own measured curve. Measuring them costs seconds at every
@@ -27,10 +27,11 @@ import transformers
 
 from dart_worker.cache_dir import cache_dir, write_text_atomically
 from dart_worker.contention import ContentionMeter
-from dart_worker.cost_model import LatencyModel, TreeSizer
 from dart_worker.device import cpu_model_name
 from dart_worker.drafters.registry import SIZING_MODES
 from dart_worker.kernels import describe
+from dart_worker.sizing.latency import LatencyModel
+from dart_worker.sizing.sizer import TreeSizer
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     none is loaded. A trie is looked up by jobs (`needs_trie`), but an engine may be built without
     one: DART then scores its beam with the draft head alone (the tests use that). `defer_logits`:
     see `DecodingEngine` (None = where it pays, on a CPU). `sizing`: "auto" sizes every round's
-    trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.cost_model`; its
+    trees (up to `tree.budget` nodes) with a measured cost model (`dart_worker.sizing`; its
     verify costs are measured at build for each live batch size in `batches`, once per machine and
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,

@@ -93,6 +93,23 @@ class Acceptance:
         return int(self.accepted[-1]) + 1 if self.num_accepted else 0
 
 
+@dataclass(frozen=True)
+class VerifyRow:
+    """One request's part of a verify forward: its tree, what changes its logits (`controls`, which
+    hold its sampling settings) and, for a sampling request, its uniform key
+    (`sampling.request_key`) and the generated-token index its root row predicts (`position`: how
+    many tokens it has generated so far)."""
+
+    tree: TreeLike
+    controls: RowControls
+    key: int | None = None
+    position: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.controls.params
+
+
 def _acceptance(tree: TreeLike, path: list[int], bonus: int) -> Acceptance:
     nodes = np.asarray(path, dtype=np.int64)
     return Acceptance(nodes, np.asarray(tree.tokens, dtype=np.int64)[nodes], int(bonus))
@@ -217,18 +234,15 @@ def _warp_chunks(requests: Sequence[int], rows: Sequence[int], params: Sequence[
     return chunks
 
 
-def _verify_sampled(
-    trees: Sequence[TreeLike],
-    logits: torch.Tensor,
-    batch_index: Sequence[int],
-    params: Sequence[SamplingParams],
-    keys: Sequence[int],
-    positions: Sequence[int],
-    controls: Sequence[RowControls],
-) -> list[Acceptance]:
+def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
+                    batch_index: Sequence[int]) -> list[Acceptance]:
     """Coupled verification (module doc) of the sampling requests k, whose rows are
-    logits[batch_index[k]] and whose root row predicts generated index positions[k]; each row is
-    changed by request k's logits processors by its own path (`controls[k]`)."""
+    logits[batch_index[k]]; each row is changed by request k's logits processors by its own path."""
+    trees = [r.tree for r in requests]
+    params = [r.params for r in requests]
+    keys = [int(r.key) for r in requests]  # type: ignore[arg-type]  # checked by verify_batch
+    positions = [int(r.position) for r in requests]
+    controls = [r.controls for r in requests]
     device = logits.device
     count = len(trees)
     vocab = int(logits.shape[-1])
@@ -331,41 +345,23 @@ def _raise_bad_row(request: int, row: int, total: float) -> None:
 # ---------------------------------------------------------------------------- batched
 
 
-def verify_batch(
-    trees: Sequence[TreeLike],
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    keys: Sequence[int | None] | None = None,
-    positions: Sequence[int] | None = None,
-    controls: Sequence[RowControls | None] | None = None,
-) -> list[Acceptance]:
-    """Verify B trees against the target logits of one verify forward.
+def verify_batch(rows: Sequence[VerifyRow], logits: torch.Tensor) -> list[Acceptance]:
+    """Verify B trees against the target logits of one verify forward (`rows[b]`: request b's tree,
+    controls, key and position: `VerifyRow`); one Acceptance per tree.
 
     The trees must be well-formed (`check_tree`); the engine checks them once, when it builds
     the verify block from them (`TreeBatch.from_trees`), and they are not checked again here.
 
     logits: [B, S, V] (S >= 1 + N_b, padded; any float dtype, computed in float32), row 0 = root.
-    params[b] / keys[b]: request b's sampling parameters and uniform key (`sampling.request_key`;
-    None is allowed for greedy requests); positions[b]: the generated-token index its root row
-    predicts (how many tokens it has generated so far). Both may be omitted when every request is
-    greedy. controls[b]: what changes request b's logits (its penalties' history, its grammar's
-    masks: `logits_processors.RowControls`), applied to every row by its own path; None (or
-    omitted) for a request whose logits are used as they are. Returns one Acceptance per tree.
+    Every row of request b is changed by its controls (its penalties' history, its grammar's masks:
+    `logits_processors.RowControls`) by its own path. A sampling request needs its key.
     """
-    batch = len(trees)
-    keys = [None] * batch if keys is None else keys
-    controls = [c or RowControls(p) for c, p in zip([None] * batch if controls is None else controls, params)]
-    if positions is None:
-        if not all(p.is_greedy for p in params):
-            raise ValueError("sampling requests need their keys and positions")
-        positions = [0] * batch
+    batch = len(rows)
+    trees = [r.tree for r in rows]
     if logits.dim() != 3:
         raise ValueError(f"logits must be [batch, rows, vocab], got shape {tuple(logits.shape)}")
-    if logits.shape[0] != batch or len(params) != batch or len(keys) != batch or len(positions) != batch:
-        raise ValueError(
-            f"batch sizes differ: {batch} trees, logits batch {logits.shape[0]}, "
-            f"{len(params)} params, {len(keys)} keys, {len(positions)} positions"
-        )
+    if logits.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: {batch} trees, logits batch {logits.shape[0]}")
     width = int(logits.shape[1])
     sizes = [int(np.shape(t.tokens)[0]) for t in trees]  # trees were checked where they entered
     for b, n in enumerate(sizes):
@@ -373,38 +369,30 @@ def verify_batch(
             raise ValueError(f"trees[{b}] has {n} nodes but logits have only {width} rows (need N + 1)")
     results: list[Acceptance | None] = [None] * batch
 
-    greedy = [b for b in range(batch) if params[b].is_greedy]
+    greedy = [b for b in range(batch) if rows[b].params.is_greedy]
     if greedy:
         # max().indices is argmax with the same tie rule (first maximum) and about twice as fast
         # on CPU over a 262k vocabulary, where this is the largest cost of a round after verify.
         # A request with penalties or a grammar takes the argmax of each row's changed logits.
         argmaxes = []
         for b in greedy:
-            rows = controlled_logits(logits[b, : sizes[b] + 1], [(trees[b], controls[b], np.arange(-1, sizes[b]))])
-            argmaxes.append(rows.max(dim=-1).indices)
+            row_logits = controlled_logits(logits[b, : sizes[b] + 1], [(trees[b], rows[b].controls,
+                                                                         np.arange(-1, sizes[b]))])
+            argmaxes.append(row_logits.max(dim=-1).indices)
         (argmax,) = to_host(torch.cat(argmaxes))
         offset = 0
         for b in greedy:
             results[b] = _greedy_walk(trees[b], argmax[offset : offset + sizes[b] + 1])
             offset += sizes[b] + 1
 
-    sampled = [b for b in range(batch) if not params[b].is_greedy]
+    sampled = [b for b in range(batch) if not rows[b].params.is_greedy]
+    for b in sampled:
+        if rows[b].key is None:
+            raise ValueError(f"request {b} samples (temperature {rows[b].params.temperature}) but has no key")
+        if rows[b].position < 0:
+            raise ValueError(f"request {b}: position {rows[b].position} < 0")
     if sampled:
-        for b in sampled:
-            if keys[b] is None:
-                raise ValueError(f"request {b} samples (temperature {params[b].temperature}) but has no key")
-            if positions[b] < 0:
-                raise ValueError(f"request {b}: position {positions[b]} < 0")
-        accepted = _verify_sampled(
-            [trees[b] for b in sampled],
-            logits,
-            sampled,
-            [params[b] for b in sampled],
-            [keys[b] for b in sampled],  # type: ignore[misc]
-            [int(positions[b]) for b in sampled],
-            [controls[b] for b in sampled],
-        )
-        for b, acceptance in zip(sampled, accepted, strict=True):
+        for b, acceptance in zip(sampled, _verify_sampled([rows[b] for b in sampled], logits, sampled), strict=True):
             results[b] = acceptance
     return results  # type: ignore[return-value]
 
@@ -413,7 +401,7 @@ def verify_sampling(
     tree: TreeLike, logits: torch.Tensor, params: SamplingParams, key: int, position: int = 0
 ) -> Acceptance:
     """Single-request form of `verify_batch` (logits [S, V], S >= N + 1)."""
-    return verify_batch([tree], logits[None], [params], [key], [position])[0]
+    return verify_batch([VerifyRow(tree, RowControls(params), key, position)], logits[None])[0]
 
 
 # ---------------------------------------------------------------------------- logprobs
@@ -439,28 +427,23 @@ def sampling_log_probs(row_logits: torch.Tensor, params: SamplingParams) -> torc
     return warp_logits_to_probs(row_logits, params).log()
 
 
-def committed_logprobs(
-    trees: Sequence[TreeLike],
-    logits: torch.Tensor,
-    acceptances: Sequence[Acceptance],
-    params: Sequence[SamplingParams],
-    controls: Sequence[RowControls | None] | None = None,
-) -> list[TokenLogprobs | None]:
+def committed_logprobs(rows: Sequence[VerifyRow], logits: torch.Tensor,
+                       acceptances: Sequence[Acceptance]) -> list[TokenLogprobs | None]:
     """Per request with `params.logprobs` > 0, the logprobs of the tokens it committed this round
     (`Acceptance.tokens`), read from the rows of the verify forward that decided them (the root's
     and the accepted nodes': `Acceptance.committed_rows`) - no extra forward. Each row is changed
     by the request's logits processors by its own path, as verification saw it (a grammar's
     forbidden tokens have log-probability -inf). One transfer for the batch."""
-    controls = [c or RowControls(p) for c, p in zip([None] * len(params) if controls is None else controls, params)]
     device = logits.device
     parts, shapes = [], []
-    for b, (tree, acc, p) in enumerate(zip(trees, acceptances, params, strict=True)):
+    for b, (row, acc) in enumerate(zip(rows, acceptances, strict=True)):
+        p = row.params
         if not p.logprobs:
             shapes.append(None)
             continue
-        rows = to_device(acc.committed_rows, device)
+        committed = to_device(acc.committed_rows, device)
         nodes = np.concatenate([[-1], acc.accepted]).astype(np.int64)
-        row_logits = controlled_logits(logits[b, rows], [(tree, controls[b], nodes)])
+        row_logits = controlled_logits(logits[b, committed], [(row.tree, row.controls, nodes)])
         logp = sampling_log_probs(row_logits, p)
         chosen = logp.gather(-1, to_device(acc.tokens, device)[:, None])
         k = min(p.logprobs, logp.shape[-1])

@@ -114,7 +114,7 @@ class DecodingConfig:
     tree: TreeParams = field(default_factory=TreeParams)
     # "auto": a measured cost model cuts every round's trees to the size that maximises expected
     # tokens per second (0 included: a plain step), up to tree.budget nodes, and pauses the draft
-    # head while it does not pay (dart_worker/cost_model.py); "fixed": every tree as built.
+    # head while it does not pay (dart_worker/sizing/); "fixed": every tree as built.
     sizing: str = "auto"
     # An earlier run's output URL (same target): its generated rows warm every worker's job-level
     # drafting state (the job cache and the job n-gram, decoding.tree) before the first row, so a

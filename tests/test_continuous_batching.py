@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dart_worker.decode_round import StageClock
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
@@ -123,9 +124,11 @@ def test_stage_clocks_synchronise_a_gpu_only_when_asked(engines, monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
     engine = engines["dart", "fixed"]
-    monkeypatch.setattr(engine, "device", torch.device("cuda", 0))  # only the clock reads it here
-    engine._now()
+    monkeypatch.setattr(engine.clock, "device", torch.device("cuda", 0))  # only the clock reads it here
+    engine.clock.now()
     assert calls == []
-    monkeypatch.setattr(engine, "sync_timing", True)
-    engine._now()
+    monkeypatch.setattr(engine, "sync_timing", True)  # what a benchmark sets on a built engine
+    engine.clock.now()
     assert calls == [torch.device("cuda", 0)]
+    StageClock(torch.device("cpu"), sync=True).now()  # nothing to synchronise on a CPU
+    assert len(calls) == 1

@@ -15,27 +15,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker import cost_model
 from dart_worker.calibration import make_sizer
-from dart_worker.cost_model import (
-    BIAS_RANGE,
-    PROBE_DOUBLINGS,
-    PROBE_SHARE,
-    SCORE_EDGES,
-    AcceptanceModel,
-    Drain,
-    LatencyModel,
-    OnlineBias,
-    RowAcceptance,
-    TreeSizer,
-    depth_survival,
-    row_pace,
-)
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import GREEDY, SamplingParams, temperature_band
+from dart_worker.sizing import acceptance, latency, pacing
+from dart_worker.sizing.acceptance import SCORE_EDGES, AcceptanceModel, RowAcceptance
+from dart_worker.sizing.bias import BIAS_RANGE, OnlineBias
+from dart_worker.sizing.drain import Drain, depth_survival, row_pace
+from dart_worker.sizing.latency import LatencyModel
+from dart_worker.sizing.pacing import PROBE_DOUBLINGS, PROBE_SHARE
+from dart_worker.sizing.sizer import TreeSizer
 from dart_worker.target import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, subtree
@@ -97,8 +89,8 @@ def test_cut_trees_are_the_best_prefix_closed_nodes(tree, size, data):
     probs = sizer.acceptance.probabilities(tree)
     assert all(probs[i] <= probs[p] for i, p in enumerate(tree.parents) if p >= 0)
     # Brute force: the product of the calibrated step rates along each node's path.
-    bins = np.searchsorted(SCORE_EDGES, np.minimum(cost_model.step_scores(tree), 0.0))
-    sources = cost_model._sources(tree)
+    bins = np.searchsorted(SCORE_EDGES, np.minimum(acceptance.step_scores(tree), 0.0))
+    sources = acceptance.node_sources(tree)
     for i in range(tree.size):
         path, node = 1.0, i
         while node >= 0:
@@ -234,7 +226,7 @@ def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
     (a curve that has not learnt it yet: its online step is switched off here): the bias learns
     the ratio (capped at BIAS_RANGE) and a tree that would pay at the predicted price, not at
     the real one, is no longer verified; with the bias held at 1 it still is."""
-    monkeypatch.setattr(cost_model, "LATENCY_STEP", 0.0)
+    monkeypatch.setattr(latency, "LATENCY_STEP", 0.0)
 
     def trained() -> TreeSizer:
         curve = LatencyModel([1, 2, 4, 8], [0.1, 0.11, 0.12, 0.14])
@@ -369,7 +361,7 @@ def test_a_row_whose_trees_were_not_accepted_gets_none_where_the_table_would_giv
     record = RowAcceptance()
     assert record.scale == 1.0
     record.add(0, 6.0)
-    assert record.scale == pytest.approx(cost_model.ROW_PRIOR_NODES / (6.0 + cost_model.ROW_PRIOR_NODES))
+    assert record.scale == pytest.approx(acceptance.ROW_PRIOR_NODES / (6.0 + acceptance.ROW_PRIOR_NODES))
     for _ in range(200):
         record.add(1, 1.0)
     assert record.scale == pytest.approx(1.0, abs=1e-6)
@@ -432,10 +424,10 @@ def test_drafting_pauses_after_sampled_rounds_that_keep_nothing_and_resumes_at_a
         return skipped
 
     idle = [hopeless, hopeless]
-    assert [pauses(idle, sampled) for _ in range(cost_model.DRAFT_IDLE_ROUNDS + 4)] == [0] * (
-        cost_model.DRAFT_IDLE_ROUNDS - 1) + [1, 2, 4, 4, cost_model.DRAFT_PAUSE_MAX]
+    assert [pauses(idle, sampled) for _ in range(pacing.DRAFT_IDLE_ROUNDS + 4)] == [0] * (
+        pacing.DRAFT_IDLE_ROUNDS - 1) + [1, 2, 4, 4, pacing.DRAFT_PAUSE_MAX]
     assert pauses([confident, confident], sampled) == 0
-    assert [pauses(idle, sampled) for _ in range(cost_model.DRAFT_IDLE_ROUNDS)][-1] == 1  # counted afresh
+    assert [pauses(idle, sampled) for _ in range(pacing.DRAFT_IDLE_ROUNDS)][-1] == 1  # counted afresh
     assert all(pauses(idle, [GREEDY, GREEDY]) == 0 for _ in range(8))
     assert all(pauses([hopeless], sampled[:1]) == 0 for _ in range(8))
 
@@ -444,7 +436,7 @@ def test_drafting_pauses_after_sampled_rounds_that_keep_nothing_and_resumes_at_a
 def test_a_batch_that_pauses_drafting_still_commits_the_tokens_of_plain_sampling(model, monkeypatch, mode):
     """With drafting paused after every drafted round (1-4 plain steps), seeded sampled rows commit
     exactly what `ar` samples, and rounds both with and without trees ran."""
-    monkeypatch.setattr(cost_model, "DRAFT_IDLE_ROUNDS", 0)
+    monkeypatch.setattr(pacing, "DRAFT_IDLE_ROUNDS", 0)
     prompts = [[5, 6, 7, 8] * 3, [9, 3, 4] * 4, [4, 4, 5] * 4]
     params = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=24) for s in range(3)]
     expected = [r.token_ids for r in build_engine(_parts(model, with_head=False), "ar").generate(prompts, params)]
@@ -545,10 +537,10 @@ def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of
     cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
     for _ in range(2):
         cheap.record_model_seconds(3 * step)
-    cheap._failed_probes, cheap._pause_length = 5, 8
+    cheap.model_pacing.failed_probes, cheap.model_pacing.pause_length = 5, 8
     sized = cheap.fit(confident, model_ran=True, bands=["1.0"])  # free rows: the model's deep tree pays
     cheap.observe(sized.trees, [np.arange(4)], rows=17, verify_seconds=step, bands=["1.0"])  # and it did
-    assert cheap.model_wanted() and cheap._failed_probes == 0 and cheap._pause_length == 1
+    assert cheap.model_wanted() and cheap.model_pacing.failed_probes == 0 and cheap.model_pacing.pause_length == 1
 
 
 def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_were_accepted():
@@ -562,7 +554,7 @@ def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_
         sizer = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
         for _ in range(2):
             sizer.record_model_seconds(step)  # the model costs a plain step
-        sizer._failed_probes, sizer._pause_length = 1, 4
+        sizer.model_pacing.failed_probes, sizer.model_pacing.pause_length = 1, 4
         tree = _chain([-0.05 * (d + 1) for d in range(16)], sources)
         sized = sizer.fit([tree], model_ran=True, bands=[band])
         assert sized.trees[0].size == 16  # the table expects the deep head tree to pay
@@ -571,17 +563,18 @@ def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_
 
     # One head node accepted: 2 tokens in 2 steps' time against 1 token in 1 step: not worth it.
     missed = sizer_after_probe(SOURCE_HEAD, accepted=1)
-    assert not missed.model_wanted() and missed._failed_probes == 2
-    assert missed._pause_left + 1 >= 0.9 * missed.probe_pause(1) > 32  # the second failure: the probing floor
+    assert not missed.model_wanted() and missed.model_pacing.failed_probes == 2
+    # The second failure: the probing floor.
+    assert missed.model_pacing.pause_left + 1 >= 0.9 * missed.probe_pause(1) > 32
     # Three: 4 tokens in 2 steps against 1 in 1: it paid, the back-off resets.
     paid = sizer_after_probe(SOURCE_HEAD, accepted=3)
-    assert paid.model_wanted() and paid._failed_probes == 0 and paid._pause_length == 1
+    assert paid.model_wanted() and paid.model_pacing.failed_probes == 0 and paid.model_pacing.pause_length == 1
     # The same three nodes, also proposed by the context lookup: the model added nothing.
     shared = sizer_after_probe(SOURCE_HEAD | SOURCE_CONTEXT, accepted=3)
-    assert not shared.model_wanted() and shared._failed_probes == 2
+    assert not shared.model_wanted() and shared.model_pacing.failed_probes == 2
     # Greedy rows keep the table's verdict (and their short back-off).
     greedy = sizer_after_probe(SOURCE_HEAD, accepted=0, band=GREEDY)
-    assert greedy.model_wanted() and greedy._pause_length == 1
+    assert greedy.model_wanted() and greedy.model_pacing.pause_length == 1
 
 
 def test_the_models_first_call_is_left_out_of_its_seconds():

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from dart_worker import kernels, shape_buckets
-from dart_worker.cost_model import LatencyModel, TreeSizer
 from dart_worker.sampling import SamplingParams
 from dart_worker.shape_buckets import batch_bucket, context_bucket, rows_bucket, rows_buckets
+from dart_worker.sizing.latency import LatencyModel
+from dart_worker.sizing.sizer import TreeSizer
 from dart_worker.target import TargetAdapter
 from ngram_native.trees import DraftTree
 from tests.test_engine import greedy, make_engine, random_prompts

@@ -26,9 +26,11 @@ from scipy import stats
 
 import dart_worker.verification as verification
 from dart_worker import sampling
+from dart_worker.logits_processors import RowControls
 from dart_worker.sampling import SamplingParams, request_key, warp_logits_to_probs
 from dart_worker.verification import (
     Acceptance,
+    VerifyRow,
     verify_batch,
     verify_greedy,
     verify_sampling,
@@ -44,6 +46,15 @@ ALPHA = 1e-4  # significance level of every chi-square test
 MIN_EXPECTED = 5.0  # cells expected below this are pooled, as chi-square requires
 
 # ------------------------------------------------------------------------ greedy
+
+
+def verify_requests(trees, logits, params, keys=None, positions=None):
+    """`verify_batch` of requests given as parallel lists (tree b with params[b], keys[b] and
+    positions[b]; None: greedy requests at position 0)."""
+    keys = [None] * len(trees) if keys is None else keys
+    positions = [0] * len(trees) if positions is None else positions
+    return verify_batch([VerifyRow(tree, RowControls(p), key, position)
+                         for tree, p, key, position in zip(trees, params, keys, positions, strict=True)], logits)
 
 
 def brute_force_greedy(tree, argmax):
@@ -100,7 +111,7 @@ def test_greedy_walk_by_rows_projects_each_row_once_and_equals_full_verification
         dtype=np.uint8)) for t in batch_trees]
     lazy = verification.verify_greedy_by_rows(marked, row_logits)
     greedy = SamplingParams(temperature=0.0)
-    full = verify_batch(batch_trees, logits, [greedy] * len(batch_trees), [None] * len(batch_trees))
+    full = verify_requests(batch_trees, logits, [greedy] * len(batch_trees), [None] * len(batch_trees))
     for a, b in zip(lazy, full):
         assert a.accepted.tolist() == b.accepted.tolist() and a.bonus == b.bonus
     visited = {pair for call in asked for pair in call}
@@ -125,7 +136,7 @@ def test_batch_greedy_uses_argmax_of_logits_next_to_sampled_requests(dtype):
     logits = logits.to(dtype)
     params = [SamplingParams(temperature=0 if b % 2 == 0 else 1.0) for b in range(6)]
     keys = [None if p.is_greedy else request_key(SamplingParams(seed=b)) for b, p in enumerate(params)]
-    results = verify_batch(batch_trees, logits, params, keys, [0] * 6)
+    results = verify_requests(batch_trees, logits, params, keys, [0] * 6)
     lengths = []
     for b in range(0, 6, 2):
         n = len(batch_trees[b].tokens)
@@ -240,7 +251,7 @@ def run_chains(target: ToyTarget, case: Case, chains: int, seed: int, horizon: i
         for k, (_, rows) in enumerate(drafted):
             table[k, : len(rows)] = torch.from_numpy(rows)
         which = [contexts[tuple(committed[c])] for c in active]
-        results = verify_batch(
+        results = verify_requests(
             [drafted[k][0] for k in which],
             table[torch.tensor(which)],
             [case.params] * len(active),
@@ -386,7 +397,7 @@ def test_seeded_request_is_independent_of_its_batch():
         outputs = []
         for position in range(0, 60, 3):  # several rounds at later and later positions
             if alone:
-                outputs.append(verify_batch([tree], rows[None], [params], [key], [position])[0].tokens.tolist())
+                outputs.append(verify_requests([tree], rows[None], [params], [key], [position])[0].tokens.tolist())
                 continue
             batch_trees = [others[0][0], tree, others[1][0], others[2][0]]
             width = 1 + max(len(t.tokens) for t in batch_trees)
@@ -395,7 +406,7 @@ def test_seeded_request_is_independent_of_its_batch():
                 logits[b, : len(r)] = r
             batch_params = [other_params[0], params, other_params[1], other_params[2]]
             batch_keys = [other_keys[0], key, other_keys[1], other_keys[2]]
-            outputs.append(verify_batch(batch_trees, logits, batch_params, batch_keys, [5, position, 0, 9])[1]
+            outputs.append(verify_requests(batch_trees, logits, batch_params, batch_keys, [5, position, 0, 9])[1]
                            .tokens.tolist())
         return outputs
 
@@ -482,7 +493,7 @@ def test_empty_trees_commit_one_token():
     empty = make_tree([], [])
     logits = torch.tensor([[[0.0, 5.0, 0.0]], [[-1.0, 0.0, 3.0]]])
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
-    results = verify_batch([empty, empty], logits, params, [None, request_key(SamplingParams(seed=0))], [0, 3])
+    results = verify_requests([empty, empty], logits, params, [None, request_key(SamplingParams(seed=0))], [0, 3])
     assert [r.tokens.tolist() for r in results] == [[1], [2]]
     assert all(r.committed_rows.tolist() == [0] for r in results)
 
@@ -497,34 +508,34 @@ def test_errors_name_what_differs():
     with pytest.raises(ValueError, match="argmax_tokens has 2 entries, tree needs N \\+ 1 = 3"):
         verify_greedy(tree, np.array([1, 2]))
     with pytest.raises(ValueError, match="logits must be"):
-        verify_batch([tree], torch.zeros(3, 4), [sample], [key], [0])
+        verify_requests([tree], torch.zeros(3, 4), [sample], [key], [0])
     with pytest.raises(ValueError, match="batch sizes differ: 1 trees, logits batch 2"):
-        verify_batch([tree], torch.zeros(2, 3, 4), [sample], [key], [0])
+        verify_requests([tree], torch.zeros(2, 3, 4), [sample], [key], [0])
     with pytest.raises(ValueError, match="only 2 rows"):
-        verify_batch([tree], torch.zeros(1, 2, 4), [sample], [key], [0])
+        verify_requests([tree], torch.zeros(1, 2, 4), [sample], [key], [0])
     # Tree contents (token ids within the vocabulary, ...) are checked once, where trees enter the
     # engine: TreeBatch.from_trees (tests/test_tree_batch.py), not again here.
     with pytest.raises(ValueError, match=r"request 0 samples .* but has no key"):
-        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [None], [0])
+        verify_requests([tree], torch.zeros(1, 3, 4), [sample], [None], [0])
     with pytest.raises(ValueError, match="request 0: position -1 < 0"):
-        verify_batch([tree], torch.zeros(1, 3, 4), [sample], [key], [-1])
+        verify_requests([tree], torch.zeros(1, 3, 4), [sample], [key], [-1])
     bad = torch.zeros(1, 3, 4)
     bad[0, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="request 0: warped probabilities of row 1 sum to nan"):
-        verify_batch([tree], bad, [sample], [key], [0])
+        verify_requests([tree], bad, [sample], [key], [0])
     # the culprit is named in a mixed batch too (greedy, and two different warps) ...
     mixed = [SamplingParams(temperature=0), SamplingParams(top_k=2), sample]
     batch = torch.zeros(3, 3, 4)
     batch[2, 0, 1] = float("inf")
     with pytest.raises(ValueError, match="request 2: warped probabilities of row 0 sum to nan"):
-        verify_batch([tree] * 3, batch, mixed, [None, key, key], [0, 0, 0])
+        verify_requests([tree] * 3, batch, mixed, [None, key, key], [0, 0, 0])
     # ... and when the broken row is a leaf that becomes the bonus row (node 0 is certain)
     leaf = make_tree([1], [-1])
     batch = torch.zeros(3, 2, 4)
     batch[:, 0, 1] = 100.0
     batch[2, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="request 2: warped probabilities of row 1 sum to nan"):
-        verify_batch([leaf] * 3, batch, mixed, [None, key, key], [0, 0, 0])
+        verify_requests([leaf] * 3, batch, mixed, [None, key, key], [0, 0, 0])
 
 
 def test_acceptance_of_empty_path():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # How the engine sizes the trees of a drafter that builds them (`decoding.sizing`): "auto" by a
-# measured cost model (dart_worker.cost_model), "fixed" as the drafter builds them. Here, not in
+# measured cost model (dart_worker.sizing), "fixed" as the drafter builds them. Here, not in
 # the cost model, so that the config schema checks it without importing torch.
 SIZING_MODES = ("auto", "fixed")
 

@@ -1,0 +1,120 @@
+"""When the drafter's model and drafting itself run: back-offs for the rounds where they do not pay.
+
+Two paces, each with its own state, both driven by the tree sizer (`TreeSizer.plan` asks whether
+to draft and whether to run the model; `fit` and `observe` report whether they paid):
+
+- `ModelPacing`: the drafter's model forward (the draft head) pauses for 1, 2, 4 ... rounds after
+  a round where trees without its nodes would have committed tokens as fast; on a batch of sampled
+  rows (where a head's nodes are seldom accepted) its probes are also spaced so that they take at
+  most PROBE_SHARE of the decoding time (`probe_pause`), and a probe is judged from what its nodes
+  did, not from what the acceptance table expected (`ModelPacing.judge`).
+- `DraftingPacing`: a sampled batch whose trees keep being cut to nothing skips drafting for a
+  few rounds (plain steps): proposing, pricing and cutting trees nobody keeps costs time too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dart_worker.sizing.acceptance import node_sources
+from ngram_native.trees import SOURCE_HEAD, DraftTree
+
+MAX_PAUSE_ROUNDS = 32
+# Probing a model that keeps failing (the draft head at T=1, where its nodes are rarely accepted)
+# costs its forward every probe. From its second failure in a row, a model pauses at least long
+# enough that its probes take at most this share of the decoding time; and each failure after that
+# halves the share, down to PROBE_SHARE / 2**PROBE_DOUBLINGS: at T=1 a head that failed its first
+# probes keeps failing (docs/benchmarks.md, "The cost model's pacing").
+PROBE_SHARE = 0.01
+PROBE_DOUBLINGS = 3
+# Drafting itself (proposals, the sizer's pricing, the lookup's bookkeeping) costs a sampled batch
+# time in rounds whose trees are nearly always cut to nothing. After this many such rounds in a
+# row, a sampled batch of two or more rows skips drafting for 1, 2, 4 ... DRAFT_PAUSE_MAX rounds
+# (plain steps), then drafts again; one round that keeps a node ends the back-off.
+DRAFT_IDLE_ROUNDS = 2
+DRAFT_PAUSE_MAX = 4
+
+
+def probe_pause(model_seconds: float, step_seconds: float) -> int:
+    """Rounds of plain steps of `step_seconds` over which one probe of the model (`model_seconds`)
+    is PROBE_SHARE of the time."""
+    return int(np.ceil(model_seconds / (PROBE_SHARE * max(step_seconds, 1e-9))))
+
+
+@dataclass
+class ModelPacing:
+    """Whether the drafter's model runs this round (see the module doc)."""
+
+    pause_left: int = 0
+    pause_length: int = 1
+    failed_probes: int = 0  # the model's failures in a row on sampled rows
+    judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`judge`)
+
+    def wanted(self) -> bool:
+        """Run the model this round? False while paused."""
+        if self.pause_left > 0:
+            self.pause_left -= 1
+            return False
+        return True
+
+    def failed(self, sampled: bool, probe_rounds: int) -> None:
+        """The model did not pay this round: pause it for the back-off, and from the second failure
+        in a row on sampled rows for at least `probe_rounds` (`probe_pause`), doubled at each
+        further failure up to PROBE_DOUBLINGS times."""
+        self.failed_probes = self.failed_probes + 1 if sampled else 0
+        floor = 0
+        if self.failed_probes >= 2:
+            floor = probe_rounds << min(self.failed_probes - 2, PROBE_DOUBLINGS)
+        self.pause_left = max(self.pause_length, floor)
+        self.pause_length = min(2 * self.pause_length, max(MAX_PAUSE_ROUNDS, floor))
+
+    def paid(self) -> None:
+        self.pause_length, self.failed_probes = 1, 0
+
+    def judge(self, trees: list[DraftTree], accepted: list, round_seconds: float, model_seconds: float,
+              probe_rounds: int) -> None:
+        """On a batch of sampled rows, whether the model paid is judged from what its nodes did, not
+        from what the acceptance table expected of them.
+
+        The table is least sure exactly where this matters: at T=1 the head's nodes are seldom
+        accepted and the head mostly paused, so its bins hold few observations and lean on a prior.
+        A probe the table wrongly thought paying reset the back-off to one round, and the next
+        probes followed within a few rounds. Here the round's accepted head-only nodes (which no
+        other source proposed: without the model, the accepted path would have stopped before each
+        of them) must be worth the model's seconds: h tokens more in (S + m) seconds beats the
+        T - h tokens the round would have committed in S seconds without it, i.e. h (S + m) > T m
+        (S: `round_seconds`, the verify forward and the round's overhead; m: `model_seconds`).
+        """
+        head_only = sum(int(np.count_nonzero(node_sources(tree)[nodes] == SOURCE_HEAD))
+                        for tree, nodes in zip(trees, accepted, strict=True))
+        committed = len(trees) + sum(len(nodes) for nodes in accepted)
+        if head_only * (round_seconds + model_seconds) > committed * model_seconds:
+            self.paid()
+        else:
+            self.failed(sampled=True, probe_rounds=probe_rounds)
+
+
+@dataclass
+class DraftingPacing:
+    """Whether the drafter drafts this round (see the module doc)."""
+
+    idle_rounds: int = 0  # fitted rounds in a row of a sampled batch whose trees were all cut to nothing
+    pause_left: int = 0  # rounds left without drafting
+
+    def wanted(self) -> bool:
+        """Draft this round? False while drafting pauses: the round is a plain step, and nothing is
+        proposed, priced or cut. The drafter still observes every committed row, so a round after
+        the pause drafts from the whole text, as if it had never paused."""
+        if self.pause_left > 0:
+            self.pause_left -= 1
+            return False
+        return True
+
+    def note(self, idle: bool) -> None:
+        """Count a fitted round whose trees were all cut to nothing (`idle`) on a sampled batch of
+        two or more rows, and pause drafting after DRAFT_IDLE_ROUNDS of them in a row."""
+        self.idle_rounds = self.idle_rounds + 1 if idle else 0
+        if self.idle_rounds >= DRAFT_IDLE_ROUNDS:
+            self.pause_left = min(1 << (self.idle_rounds - DRAFT_IDLE_ROUNDS), DRAFT_PAUSE_MAX)
