@@ -430,12 +430,14 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     block = torch.minimum(torch.searchsorted(block_cdf, target, right=True),
                           torch.searchsorted(block_cdf, total, right=False)).clamp(max=block_cdf.shape[-1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    columns = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=device)
+    # A vocabulary within one block is scanned at its own width, not padded out to a whole block.
+    width = min(_CDF_BLOCK, vocab)
+    columns = block * _CDF_BLOCK + torch.arange(width, device=device)
     inside = torch.where(columns < vocab, weights.gather(1, columns.clamp(max=vocab - 1)), 0.0)
     cdf = before + inside.double().cumsum(dim=-1)
     # Rounding between the two levels can leave u * total past the block's own cumulative end:
     # then the block's last token of positive weight, as at the end of the row.
     offset = torch.minimum(torch.searchsorted(cdf, target, right=True),
-                           torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)).clamp(max=_CDF_BLOCK - 1)
+                           torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)).clamp(max=width - 1)
     return (columns.gather(1, offset))[:, 0]
 
