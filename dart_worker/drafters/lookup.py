@@ -18,7 +18,6 @@ hybrid drafters (`hybrid.py`); one drafter serves one engine, so the cache is pe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from dart_worker.drafters.base import CommittedBlock, Composite, Finished, Part, PerSequence, add_documents
@@ -46,9 +45,6 @@ class ContextIndexes(Part):
         if tree.lookup_cache_tokens:
             self.job_cache = JobCache(max_tokens=int(tree.lookup_cache_tokens), min_match=tree.lookup_min_match,
                                       max_match=max(tree.lookup_min_match, DEFAULT_JOB_MAX_MATCH))
-        # Set to a list to record, per `propose`, {"batch", "context_s", "job_cache_s", "graft_s"}
-        # (jobs.bench templated reads it); None: nothing recorded.
-        self.profile: list[dict] | None = None
 
     def job_stores(self) -> dict[str, JobCache]:
         return {} if self.job_cache is None else {"job_cache": self.job_cache}
@@ -66,36 +62,42 @@ class ContextIndexes(Part):
                 index.append(tokens[len(index):])
 
     def retire(self, finished: Finished, keep: Sequence[int]) -> None:
-        """Finished sequences go into the job cache: their outputs (tokens after the first
-        num_prompt[b]), or prompt + output with `lookup_cache_prompts` (one document, so a later
-        row whose prompt ends alike drafts the start of this row's output)."""
+        """Finished sequences go into the job cache (`cache_finished`), then leave the batch."""
         if self.job_cache is not None and len(finished.tokens):
-            start = time.perf_counter()
-            add_documents(self.job_cache, finished.tokens if self.tree.lookup_cache_prompts else finished.outputs())
-            if self.profile is not None:
-                self.profile.append({"finished": len(finished.tokens), "add_s": time.perf_counter() - start})
+            self.cache_finished(finished)
         self.indexes.retire(finished, keep)
 
+    def cache_finished(self, finished: Finished) -> None:
+        """Add finished rows to the job cache: their outputs (tokens after the first num_prompt[b]),
+        or prompt + output with `lookup_cache_prompts` (one document, so a later row whose prompt
+        ends alike drafts the start of this row's output)."""
+        add_documents(self.job_cache, finished.tokens if self.tree.lookup_cache_prompts else finished.outputs())
+
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        """Each sequence's context tree, with the job cache's tree grafted in when the cache holds
+        anything."""
         cap = self.tree.max_depth
         caps = [min(c, cap) if cap else c for c in max_depths]
-        knobs = dict(budget=self.tree.budget, eos_ids=self.eos_ids, depth_factor=self.tree.lookup_depth_factor,
-                     max_occurrences=self.tree.lookup_max_occurrences)
-        t0 = time.perf_counter()
-        trees = [t.from_source(SOURCE_CONTEXT) for t in build_lookup_trees(self.indexes, caps, **knobs)]
-        t1 = time.perf_counter()
+        trees = self.context_trees(caps)
         if self.job_cache is None or not len(self.job_cache):
-            if self.profile is not None:
-                self.profile.append({"batch": len(trees), "context_s": t1 - t0, "job_cache_s": 0.0, "graft_s": 0.0})
             return trees
-        cached = build_job_cache_trees(self.job_cache, self.indexes, caps, **knobs)
-        t2 = time.perf_counter()
+        return self.graft_job_cache(trees, self.job_cache_trees(caps))
+
+    def context_trees(self, caps: Sequence[int]) -> list[DraftTree]:
+        """Per sequence, the continuation trie of the longest earlier match of its suffix in its own text."""
+        return [t.from_source(SOURCE_CONTEXT) for t in build_lookup_trees(self.indexes, caps, **self._knobs())]
+
+    def job_cache_trees(self, caps: Sequence[int]) -> list[DraftTree]:
+        """Per sequence, the continuation trie of its suffix's matches in earlier rows (the job cache)."""
+        return build_job_cache_trees(self.job_cache, self.indexes, caps, **self._knobs())
+
+    def graft_job_cache(self, trees: list[DraftTree], cached: list[DraftTree]) -> list[DraftTree]:
         budget = self.tree.budget
-        trees = [graft(t, c.from_source(SOURCE_JOB_CACHE), budget) for t, c in zip(trees, cached, strict=True)]
-        if self.profile is not None:
-            self.profile.append({"batch": len(trees), "context_s": t1 - t0, "job_cache_s": t2 - t1,
-                                 "graft_s": time.perf_counter() - t2})
-        return trees
+        return [graft(t, c.from_source(SOURCE_JOB_CACHE), budget) for t, c in zip(trees, cached, strict=True)]
+
+    def _knobs(self) -> dict:
+        return dict(budget=self.tree.budget, eos_ids=self.eos_ids, depth_factor=self.tree.lookup_depth_factor,
+                    max_occurrences=self.tree.lookup_max_occurrences)
 
 
 class LookupDrafter(Composite):
