@@ -69,7 +69,7 @@ class StageClock:
             seconds[name] += elapsed
 
 
-@dataclass
+@dataclass(eq=False)  # one round's record: equal only to itself
 class RoundRecord:
     """What one round did, in the order it did it (see the module doc)."""
 

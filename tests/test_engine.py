@@ -15,10 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_bench.gpu_acceptance.correctness import first_two_tokens_p_value
+from dart_worker.decode_round import RoundRecord
 from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine import DecodingEngine
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.sampling import SamplingParams
+from dart_worker.sizing.policy import FixedSizing
 from dart_worker.target import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.hypothesis_budget import examples
@@ -105,6 +107,52 @@ def test_deferred_and_full_logits_decode_alike(models, self_trie, family):
     full = make_engine(model, "dart", trie=self_trie, defer_logits=False)
     assert [r.token_ids for r in deferred.generate(prompts, greedy(30))] == \
         [r.token_ids for r in full.generate(prompts, greedy(30))]
+
+
+class RecordingPolicy(FixedSizing):
+    """The fixed sizing policy, keeping what each call was handed."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, RoundRecord]] = []
+
+    def plan(self, record, draft):
+        self.calls.append(("plan", record))
+        assert not record.trees and not record.acceptances  # planned before anything is verified
+        return super().plan(record, draft)
+
+    def learn(self, record):
+        self.calls.append(("learn", record))
+
+
+def test_a_round_plans_its_trees_once_and_hands_its_policy_one_filled_record(models, self_trie):
+    """The engine asks its sizing policy two things a round, in order: plan the trees (while
+    drafting), then learn from the round's record once it has committed; the record holds what
+    the round did: the trees verified, one acceptance and committed rows per live sequence, the
+    stage times (the verify forward's among them), the model's run."""
+    model = models["llama"]
+    prompts = random_prompts(4, seed=8)
+    expected = [r.token_ids for r in make_engine(model, "dart", trie=self_trie).generate(prompts, greedy(12),
+                                                                                       max_live=3)]
+    engine = make_engine(model, "dart", trie=self_trie)
+    policy = engine.sizer = RecordingPolicy()
+    results = engine.generate(prompts, greedy(12), max_live=3)
+    assert [r.token_ids for r in results] == expected  # the recording policy is the fixed one
+    learnt = [record for kind, record in policy.calls if kind == "learn"]
+    # One record per round: every request was live in len(its rounds) of them.
+    assert sum(len(record.live) for record in learnt) == sum(r.stats.rounds for r in results)
+    planned = iter(policy.calls)
+    for kind, record in planned:  # each plan is followed by the learn of the same round
+        if kind == "plan":
+            assert next(planned) == ("learn", record)
+    drafted = [record for kind, record in policy.calls if kind == "plan"]
+    for record in learnt:
+        live = len(record.live)
+        assert len(record.trees) == len(record.acceptances) == len(record.committed_rows) == len(record.rows) == live
+        assert record.batch.batch_size == live and record.out.taps.shape[0] == live
+        assert record.verified_seconds >= record.seconds["verify"] > 0
+        assert all(rows[0] == 0 and len(rows) == acc.num_accepted + 1
+                   for rows, acc in zip(record.committed_rows, record.acceptances))
+        assert record.model_ran == (record in drafted) == (record.model_seconds > 0)
 
 
 def test_a_block_of_unequal_trees_runs_its_real_rows_only(models, self_trie):

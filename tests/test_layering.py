@@ -284,3 +284,59 @@ self.drafter.propose(tokens)
 drafter.job_ngram
 """
     assert sorted(line for line, _ in _part_accesses(source)) == [2, 3, 4, 5]
+
+
+# The cost model (dart_worker/sizing/) is numpy over trees: it never imports torch, the engine or
+# the drafters, only these (dart_worker.decode_round for the round record's type).
+SIZING_PACKAGE = "dart_worker.sizing"
+SIZING_MAY_IMPORT = ("dart_worker.sizing", "dart_worker.sampling", "dart_worker.decode_round", "ngram_native")
+
+
+def test_the_sizing_package_sits_below_the_engine():
+    assert {f"{SIZING_PACKAGE}.{m}" for m in ("latency", "verify_costs", "acceptance", "bias", "drain", "pacing",
+                                               "sizer", "policy")} <= set(MODULES)
+    bad = []
+    for name, path in MODULES.items():
+        if not name.startswith(SIZING_PACKAGE):
+            continue
+        for imported, line in _imports(name, path):
+            target = _project_module(imported)
+            allowed = any(target == m or (target or "").startswith(m + ".") for m in SIZING_MAY_IMPORT)
+            if (target is not None and not allowed) or imported.split(".")[0] in HEAVY_PACKAGES:
+                bad.append(f"{path.relative_to(REPO_ROOT)}:{line}: {imported}")
+    assert not bad, f"{SIZING_PACKAGE} may import only {SIZING_MAY_IMPORT} and numpy:\n" + "\n".join(bad)
+
+
+def _attributes_used_on(source: str, owner: str) -> dict[str, set[str]]:
+    """Per method of the module's classes, the attributes read on `self.<owner>` in it."""
+    used: dict[str, set[str]] = {}
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                        isinstance(node.value.value, ast.Name) and node.value.value.id == "self" and \
+                        node.value.attr == owner:
+                    used.setdefault(fn.name, set()).add(node.attr)
+    return used
+
+
+def test_the_engine_asks_its_sizing_policy_two_things():
+    """A round plans its trees and hands the policy its record (docs/DESIGN.md); the sizer itself
+    is reached only by the engine's reports (the calibration line and the cost model's state)."""
+    source = MODULES["dart_worker.engine"].read_text(encoding="utf-8")
+    policy_calls = set().union(*_attributes_used_on(source, "_policy").values())
+    assert policy_calls == {"plan", "learn"}
+    assert set(_attributes_used_on(source, "sizer")) <= {"sizing_calibration", "cost_model"}
+
+
+def test_the_attribute_finder_sees_calls_on_a_part():
+    source = """
+class E:
+    def round(self):
+        self._policy.plan(record, draft)
+        self._policy.learn(record)
+    def report(self):
+        return self.sizer.describe()
+"""
+    assert _attributes_used_on(source, "_policy") == {"round": {"plan", "learn"}}
+    assert _attributes_used_on(source, "sizer") == {"report": {"describe"}}
