@@ -35,11 +35,10 @@ class AcceptanceModel:
     Conditional, not marginal: the bin is the node's own step, its path score less its parent's
     (a head's log-probability of its token given the path; 0 for each node of a context-lookup
     continuation that occurred once, whose path score stays ln(1/1) = 0 however deep). Keyed by path
-    score, a 24-node lookup chain sat in the top bin at every depth and every node got the bin's
-    rate: ShareGPT dev, T=1, batch 4, fp32 EPYC, verified lookup nodes expected to bring 24.7 tokens
-    brought 7, and one 100-row forward (five plain steps) expected 13.8 and committed none. Only
-    nodes whose parent was accepted (or is the root) teach the table: the others' fate says nothing
-    about their own step.
+    score, a long lookup chain sat in the top bin at every depth and every node got the bin's rate,
+    so deep chains were priced far above what they brought (docs/benchmarks.md). Only nodes whose
+    parent was accepted (or is the root) teach the table: the others' fate says nothing about their
+    own step.
 
     Greedy verification accepts a node when it is the target's argmax, sampled verification when
     it is the target's draw: the same drafter score means a much higher rate greedy than at T=1,
@@ -49,9 +48,8 @@ class AcceptanceModel:
     A bin with few observations leans on its prior, exp(step score) scaled by what the source's
     observed nodes of all bins say about its scores (accepted / the prior's expectation over
     them). Unscaled, the prior made sampled rounds pick exactly the bins nobody had observed yet
-    (the head's most confident ones, prior 0.9-0.975): a winner's curse. At T=1 (ShareGPT dev,
-    batch 4, fp32 EPYC) the sizer expected 34.5 accepted nodes on its tree rounds and got 12,
-    and ran 0.89x `ar`; the scale learns a source's overconfidence from its first few rounds."""
+    (the head's most confident ones): a winner's curse, which cost sampled batches against `ar`;
+    the scale learns a source's overconfidence from its first few rounds."""
 
     def __init__(self):
         self.accepted: dict[tuple[str, int], np.ndarray] = {}
@@ -154,10 +152,9 @@ class RowAcceptance:
 
     The table is shared by every row of a temperature band and source, and rows differ: at T=0.7
     the context lookup of a row that repeats its prompt is right nearly every time, that of a row
-    that does not nearly never, and the table's rate is their mix. Priced by it, 8 lookup nodes of a
-    row with nothing to repeat were expected to bring 6.4 tokens, and again a few rounds later
-    after bringing none (ShareGPT dev, T=0.7, batch 4, fp32 EPYC: trees of 8-16 nodes cost a
-    batch of 4 two to three plain steps each, and brought 0, 0 and 1 tokens)."""
+    that does not nearly never, and the table's rate is their mix. Priced by it, the lookup nodes of
+    a row with nothing to repeat kept being expected to bring tokens after bringing none, and such
+    trees cost a small batch several plain steps each (docs/benchmarks.md)."""
 
     accepted: float = 0.0
     expected: float = 0.0

@@ -19,11 +19,10 @@ class OnlineBias:
 
     Both sides are biased exactly where the sizer acts, and neither table sees it alone. A sizer
     verifies the trees it rates highest, so its acceptance estimates on them are too high (a
-    winner's curse over bins: ShareGPT dev, T=1, batch 4, fp32 EPYC, 22.5 accepted nodes expected,
-    13 accepted). And a tree's extra rows are priced on grid points that only tree rounds correct,
-    and those are rare where trees seldom pay: the same run's 16- to 32-row forwards cost 2.6-3.1x
-    the extra over a plain step that the curve predicted. One ratio per side carries what every
-    tree round shows to every size and bin."""
+    winner's curse over bins). And a tree's extra rows are priced on grid points that only tree
+    rounds correct, and those are rare where trees seldom pay, so their extra cost over a plain
+    step can be several times what the curve predicts (docs/benchmarks.md). One ratio per side
+    carries what every tree round shows to every size and bin."""
 
     observed: float = 0.0
     predicted: float = 0.0

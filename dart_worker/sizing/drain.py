@@ -2,11 +2,12 @@
 
 When no request waits for a slot, every token is no longer worth the same: tokens of the row with
 the most rounds left bring the end of the batch nearer, tokens of the others only free their
-places sooner (`TreeSizer.drain` builds the outlook, `Drain.saved_seconds` prices a tree size).
+places sooner (`draining_outlook` builds the outlook, `Drain.saved_seconds` prices a tree size).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -19,12 +20,12 @@ PACE_PRIOR_ROUNDS = 4.0
 
 
 class Drain(NamedTuple):
-    """A draining batch's outlook (`TreeSizer.drain`): what its rows' tokens this round save."""
+    """A draining batch's outlook (`draining_outlook`): what its rows' tokens this round save."""
 
     rounds: np.ndarray  # [B] each row's rounds left: tokens left over its pace
     paces: np.ndarray  # [B] each row's tokens per round (>= 1)
     end_round: float  # seconds of a round at the end, which runs the longest rows alone
-    row: float  # seconds a place saves a round when a row finishes sooner (`TreeSizer.drain`)
+    row: float  # seconds a place saves a round when a row finishes sooner (`draining_outlook`)
 
     def saved_seconds(self, survival: np.ndarray) -> np.ndarray:
         """Expected seconds saved, per candidate size, by trees under which each row accepts at
@@ -42,10 +43,10 @@ class Drain(NamedTuple):
         Rows level with the longest move the end only as far as the least of them gains, and the
         least of several chances is below the least of their expectations: two level rows, each
         accepting a node with probability 1/2, bring the end a quarter of a round nearer, not half.
-        Priced at the least expectation, four level rows of a T=0.7 batch of 4 bought 13-node
-        trees expecting 8 nodes each; three rows took 6-13 and the fourth, the end, 1 (ShareGPT
-        dev, fp32 EPYC). Rows whose rounds left are below what the longest row keeps whatever it
-        accepts (`floor`) cannot end the batch and are left out, which keeps this cheap."""
+        Priced at the least expectation, level rows bought big trees for an end that one row's
+        miss kept where it was (docs/benchmarks.md). Rows whose rounds left are below what the
+        longest row keeps whatever it accepts (`floor`) cannot end the batch and are left out,
+        which keeps this cheap."""
         _, sizes, depth = survival.shape
         reach = np.count_nonzero(survival.max(axis=1, initial=0.0) > 0, axis=1)  # the most nodes a row can accept
         floor = float((self.rounds - reach / self.paces).max())
@@ -62,6 +63,35 @@ class Drain(NamedTuple):
         at_most = np.take_along_axis(padded, np.broadcast_to(k[:, None, :], (len(rivals), sizes, len(values))), axis=2)
         cdf = at_most.prod(axis=0)  # [sizes, values]: P(the longest row's end <= v)
         return (np.diff(cdf, axis=1, prepend=0.0) * values).sum(axis=1)
+
+
+def draining_outlook(remaining: list[int] | None, batch: int, plain_seconds: Callable[[int], float],
+                     overhead: float, paces: list[float] | None = None) -> Drain | None:
+    """What a round's tokens are worth in a batch of `batch` rows that drains (`remaining`: each
+    row's tokens left; None: rows wait to take a finished row's slot, every token is worth the
+    same, and this returns None). `paces`: each row's tokens per round so far (`row_pace`;
+    None: 1 each), so a row's rounds left are its tokens left over its pace. `plain_seconds(k)`:
+    the verify forward of a plain step of k rows; `overhead`: a round's time outside it.
+
+    A draining batch ends with its longest row, the one with the most rounds left, and tokens
+    are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
+    end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
+    place in later rounds sooner (a place: its share of the round's time outside the forward,
+    sampling and committing its row). Tokens of a row level with the longest do not bring the
+    end nearer unless the longest's do too.
+
+    A place's share of the forward is one row, which is what the tree node that frees it costs
+    (packed) or less than that (bucketed), so a node of a row that does not end the batch nets
+    at most that place's share of the time outside the forward: only that is counted. Priced
+    at the forward's share too, the nodes a table was too hopeful about lost more than the rest
+    saved, and sampled batches ran slower than with no trees at all (docs/benchmarks.md)."""
+    if remaining is None or len(remaining) < 2:
+        return None
+    pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
+    rounds = np.asarray(remaining, dtype=np.float64) / pace
+    k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
+    end_round = plain_seconds(k) + overhead
+    return Drain(rounds, pace, end_round, overhead / batch)  # a place: see above
 
 
 def depth_survival(depths: np.ndarray, probs: np.ndarray, sizes: np.ndarray, depth: int) -> np.ndarray:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dart_worker.sizing.acceptance import node_sources
-from ngram_native.trees import SOURCE_HEAD, DraftTree
+from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
 
 MAX_PAUSE_ROUNDS = 32
 # Probing a model that keeps failing (the draft head at T=1, where its nodes are rarely accepted)
 # costs its forward every probe. From its second failure in a row, a model pauses at least long
 # enough that its probes take at most this share of the decoding time; and each failure after that
 # halves the share, down to PROBE_SHARE / 2**PROBE_DOUBLINGS: at T=1 a head that failed its first
-# probes keeps failing (docs/benchmarks.md, "The cost model's pacing").
+# probes keeps failing (docs/benchmarks.md).
 PROBE_SHARE = 0.01
 PROBE_DOUBLINGS = 3
 # Drafting itself (proposals, the sizer's pricing, the lookup's bookkeeping) costs a sampled batch
@@ -118,3 +118,14 @@ class DraftingPacing:
         self.idle_rounds = self.idle_rounds + 1 if idle else 0
         if self.idle_rounds >= DRAFT_IDLE_ROUNDS:
             self.pause_left = min(1 << (self.idle_rounds - DRAFT_IDLE_ROUNDS), DRAFT_PAUSE_MAX)
+
+
+def without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.ndarray]:
+    """The part of `tree` a drafter proposes without its model: nodes some other source proposed
+    (context lookup, the job cache); nothing for a tree of head nodes only."""
+    if tree.sources is None:
+        return DraftTree(tree.tokens[:0], tree.parents[:0], tree.depths[:0]), p[:0]
+    keep = (tree.sources & ~np.uint8(SOURCE_HEAD)) != 0
+    # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
+    # the kept set is a tree.
+    return subtree(tree, keep), p[keep]

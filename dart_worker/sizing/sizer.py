@@ -18,10 +18,10 @@ import numpy as np
 from dart_worker.sampling import GREEDY
 from dart_worker.sizing.acceptance import AcceptanceModel, RowAcceptance, cut_first_level, node_sources, step_scores
 from dart_worker.sizing.bias import OnlineBias
-from dart_worker.sizing.drain import STRAGGLER_SLACK, Drain, depth_survival
-from dart_worker.sizing.pacing import DraftingPacing, ModelPacing, probe_pause
+from dart_worker.sizing.drain import Drain, depth_survival, draining_outlook
+from dart_worker.sizing.pacing import DraftingPacing, ModelPacing, probe_pause, without_model_nodes
 from dart_worker.sizing.verify_costs import VerifyCosts
-from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
+from ngram_native.trees import DraftTree, subtree
 
 if TYPE_CHECKING:
     from dart_worker.decode_round import Draft, RoundRecord
@@ -100,8 +100,8 @@ class TreeSizer(VerifyCosts):
 
     def record_model_seconds(self, seconds: float) -> None:
         """The model's seconds this round, into the EMA; its first call is left out: it pays one-time
-        costs (a 2-core EPYC under load: 727 ms where later calls took a fraction), and an EMA
-        starting there made a head that pays look dear for its first dozen rounds."""
+        costs (many times a later call's), and an EMA starting there made a head that pays look
+        dear for its first dozen rounds."""
         self._model_calls += 1
         if self._model_calls == 1:
             return
@@ -170,32 +170,10 @@ class TreeSizer(VerifyCosts):
 
     def drain(self, remaining: list[int] | None, batch: int, full_logits: bool = False,
               paces: list[float] | None = None) -> Drain | None:
-        """What a round's tokens are worth in a batch that drains (`remaining`: each row's tokens left;
-        None: rows wait to take a finished row's slot, every token is worth the same, and this
-        returns None). `paces`: each row's tokens per round so far (`row_pace`; None: 1 each), so a
-        row's rounds left are its tokens left over its pace.
-
-        A draining batch ends with its longest row, the one with the most rounds left, and tokens
-        are worth the seconds they save (`Drain.saved_seconds`): tokens of the longest row bring the
-        end nearer, a round at the end each (its k longest rows alone); tokens of any row free its
-        place in later rounds sooner (a place: its share of the round's time outside the forward,
-        sampling and committing its row). Tokens of a row level with the longest do not bring the
-        end nearer unless the longest's do too.
-
-        A place's share of the forward is one row, which is what the tree node that frees it costs
-        (packed) or less than that (bucketed), so a node of a row that does not end the batch nets
-        at most that place's share of the time outside the forward: only that is counted. Priced
-        at the forward's share too (from plain steps of the batch against one sequence, 13.5 ms at
-        batch 16, or at the slope of the batch's curve, 8-19 ms), the nodes a table was too hopeful
-        about lost more than the rest saved: T=0.7, 0.944-0.959x `ar` at batch 4 and 0.957-0.978x
-        at batch 16 (ShareGPT dev, fp32 EPYC), where the same batches with no trees ran at 0.98-1.0x."""
-        if remaining is None or len(remaining) < 2:
-            return None
-        pace = np.ones(len(remaining)) if paces is None else np.maximum(np.asarray(paces, dtype=np.float64), 1.0)
-        rounds = np.asarray(remaining, dtype=np.float64) / pace
-        k = int(np.count_nonzero(rounds > rounds.max() - STRAGGLER_SLACK))
-        end_round = self._plain_seconds(k, full_logits) + self.overhead_seconds
-        return Drain(rounds, pace, end_round, self.overhead_seconds / batch)  # a place: see above
+        """What a round's tokens are worth in a batch that drains (`draining_outlook`, with a round
+        at the end priced at this sizer's plain steps; None when rows wait for a slot)."""
+        return draining_outlook(remaining, batch, lambda k: self._plain_seconds(k, full_logits),
+                                self.overhead_seconds, paces)
 
     @staticmethod
     def _bias(biases: dict[bool, OnlineBias], key: bool) -> OnlineBias:
@@ -249,7 +227,7 @@ class TreeSizer(VerifyCosts):
         without = 0.0
         if model_ran:
             with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, drain).rate
-            others = [_without_model_nodes(t, p) for t, p in zip(trees, probs)]
+            others = [without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled, drain).rate
             # Only sampled rows: greedy text is where a head is usually right and a miss is a
             # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
@@ -279,8 +257,7 @@ class TreeSizer(VerifyCosts):
         first-level node would have been accepted exactly when its token is that one. Learning only
         from verified nodes made a winner's curse: the nodes a table is too hopeful about are the
         ones it keeps verifying, but the nodes it is too gloomy about, or has hardly seen (a head
-        that is mostly paused, at T=1), are cut and never corrected (ShareGPT dev, T=1, batch 16,
-        fp32 EPYC: a probe's 16 head nodes expected to bring 7.7 tokens, 4 accepted in 190 rounds).
+        that is mostly paused, at T=1), are cut and never corrected (docs/benchmarks.md).
         Deeper cut nodes are not graded: whether one would have been accepted needs tokens that
         only later rounds commit, and rounds that commit more are those whose trees were right."""
         if self.model_pacing.judge_after_verify:
@@ -330,14 +307,3 @@ class TreeSizer(VerifyCosts):
                                             for k, b in self._gain_bias.items()},
                          "tree_seconds": {("full_logits" if k else "deferred"): round(b.ratio, 3)
                                           for k, b in self._tree_seconds_bias.items()}}}
-
-
-def _without_model_nodes(tree: DraftTree, p: np.ndarray) -> tuple[DraftTree, np.ndarray]:
-    """The part of `tree` a drafter proposes without its model: nodes some other source proposed
-    (context lookup, the job cache); nothing for a tree of head nodes only."""
-    if tree.sources is None:
-        return DraftTree(tree.tokens[:0], tree.parents[:0], tree.depths[:0]), p[:0]
-    keep = (tree.sources & ~np.uint8(SOURCE_HEAD)) != 0
-    # A kept node's ancestors were proposed by the same source (sources are prefix-closed), so
-    # the kept set is a tree.
-    return subtree(tree, keep), p[keep]
