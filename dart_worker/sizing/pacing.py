@@ -44,20 +44,26 @@ def probe_pause(model_seconds: float, step_seconds: float) -> int:
 
 
 @dataclass
-class ModelPacing:
-    """Whether the drafter's model runs this round (see the module doc)."""
+class Pause:
+    """Rounds left of a back-off; each round asks `wanted` once."""
 
     pause_left: int = 0
-    pause_length: int = 1
-    failed_probes: int = 0  # the model's failures in a row on sampled rows
-    judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`judge`)
 
     def wanted(self) -> bool:
-        """Run the model this round? False while paused."""
+        """Run this round? False (and one round fewer left) while paused."""
         if self.pause_left > 0:
             self.pause_left -= 1
             return False
         return True
+
+
+@dataclass
+class ModelPacing(Pause):
+    """Whether the drafter's model runs this round (`wanted`; see the module doc)."""
+
+    pause_length: int = 1
+    failed_probes: int = 0  # the model's failures in a row on sampled rows
+    judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`judge`)
 
     def failed(self, sampled: bool, probe_rounds: int) -> None:
         """The model did not pay this round: pause it for the back-off, and from the second failure
@@ -97,20 +103,13 @@ class ModelPacing:
 
 
 @dataclass
-class DraftingPacing:
-    """Whether the drafter drafts this round (see the module doc)."""
+class DraftingPacing(Pause):
+    """Whether the drafter drafts this round (`wanted`; see the module doc). While drafting pauses
+    the round is a plain step, and nothing is proposed, priced or cut. The drafter still observes
+    every committed row, so a round after the pause drafts from the whole text, as if it had never
+    paused."""
 
     idle_rounds: int = 0  # fitted rounds in a row of a sampled batch whose trees were all cut to nothing
-    pause_left: int = 0  # rounds left without drafting
-
-    def wanted(self) -> bool:
-        """Draft this round? False while drafting pauses: the round is a plain step, and nothing is
-        proposed, priced or cut. The drafter still observes every committed row, so a round after
-        the pause drafts from the whole text, as if it had never paused."""
-        if self.pause_left > 0:
-            self.pause_left -= 1
-            return False
-        return True
 
     def note(self, idle: bool) -> None:
         """Count a fitted round whose trees were all cut to nothing (`idle`) on a sampled batch of
