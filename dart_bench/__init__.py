@@ -9,6 +9,8 @@
 - `ngram`: the N-gram trie's queries, tree builders and memory on the real corpus;
 - `replay`, `tune_tree`, `job_ngram`, `context_bound`: tau by replay, without verify forwards;
 - `compare_heads`, `teacher_cache`: draft heads side by side; training from the teacher cache.
+- `equivalence`: the engine's before/after equality check (`python -m dart_bench.equivalence`): every
+  mode, fixed and auto sizing under a synthetic clock, on tiny models; for refactors, not speed.
 
 May import ngram_native, dart_worker, dart_train and pipeline (never jobs).
 """
