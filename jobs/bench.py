@@ -41,6 +41,7 @@ KINDS = {
     "teacher_cache": ("teacher_cache", "training throughput live vs from the teacher cache"),
     "tree_merge": ("tree_merge", "the per-round tree merge (hybrid modes): C++ vs its Python definition"),
     "coupling": ("coupling", "draft/target agreement of sampled tokens per coupling of the randomness, by replay"),
+    "equivalence": ("equivalence", "the engine before/after a change: every mode's outputs and sizing on tiny models"),
 }
 
 
