@@ -13,12 +13,17 @@ their stage seconds) and the cost model's final state to one JSON file:
     python -m dart_bench.equivalence --out after.json      # at the new one
     python -m dart_bench.equivalence --compare before.json after.json
 
+`--default-target` adds the default target (Gemma-3-270M, fp32 on the CPU, its shipped head and
+the default trie, loaded or built and cached as every job does) decoding a few prompts with
+fixed trees, `dart_lookup` and `ar`: the real model's fixed-size decode, not only tiny ones.
+
 The sizer decides from measured seconds, so with a real clock two runs of the same code differ.
 Here time is synthetic (`SyntheticClock`): `time.perf_counter` and `time.time` read a clock that
-moves only when the target, the drafter or its model does work, by a fixed cost per row, token or
-node (a `Profile`), and the sizer's start-up curves are that profile's (not measured). Every
-duration the engine records, and so every decision the sizer takes from them, is then a function
-of the work alone, however often and wherever the code reads the clock.
+moves only when the target, the drafter or its model does work, or the engine verifies on the
+host, by a fixed cost per row, token, node or request (a `Profile`); the sizer's start-up curves
+are that profile's (not measured). Every duration the engine records, and so every decision the
+sizer takes from them, is then a function of the work alone and of the stage it falls in, however
+often and wherever the code reads the clock.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class Profile:
     model: float  # one run of the drafter's model
     propose_node: float  # per proposed node (plus propose_base per call)
     propose_base: float
+    verdict: float  # host-side verification per request (`verify_batch`), plus per accepted node
+    commit_row: float  # per committed row: the target's KV compaction (`commit`)
+    observe_row: float  # per committed row the drafter reads (`observe`)
     start_up_error: float  # the sizer's start-up curves are the true costs times this
 
     def verify_seconds(self, rows: int, full_logits: bool) -> float:
@@ -67,15 +75,15 @@ PROFILES = {
     # Trees are nearly free (a GPU or a CPU with matrix units): sizing keeps big trees.
     "cheap": Profile(verify_base=0.020, verify_row=0.0002, full_logits_row=0.0001, projection_row=0.0001,
                      prefill_token=0.0005, model=0.004, propose_node=0.00002, propose_base=0.0005,
-                     start_up_error=0.8),
+                     verdict=0.0004, commit_row=0.00002, observe_row=0.00003, start_up_error=0.8),
     # Rows and the model cost next to nothing: trees pay whenever a node may be accepted.
     "free": Profile(verify_base=0.020, verify_row=0.00001, full_logits_row=0.00001, projection_row=0.00001,
                     prefill_token=0.0002, model=0.0003, propose_node=0.000001, propose_base=0.0001,
-                    start_up_error=1.0),
+                    verdict=0.0001, commit_row=0.00001, observe_row=0.00001, start_up_error=1.0),
     # Every row costs (a CPU without matrix units), the model is dear: trees are cut, the model pauses.
     "dear": Profile(verify_base=0.020, verify_row=0.006, full_logits_row=0.004, projection_row=0.002,
                     prefill_token=0.001, model=0.030, propose_node=0.0001, propose_base=0.002,
-                    start_up_error=1.3),
+                    verdict=0.002, commit_row=0.0001, observe_row=0.0002, start_up_error=1.3),
 }
 
 
@@ -136,7 +144,14 @@ def _timed_target(target, clock: SyntheticClock):
         clock.advance(clock.profile.projection_row * int(np.prod(hidden.shape[:-1])))
         return out
 
+    commit = target.commit
+
+    def timed_commit(state, block_start, accepted_rows):
+        commit(state, block_start, accepted_rows)
+        clock.advance(clock.profile.commit_row * sum(len(rows) for rows in accepted_rows))
+
     target.verify, target.prefill, target.logits_at = timed_verify, timed_prefill, timed_logits_at
+    target.commit = timed_commit
     return target
 
 
@@ -148,7 +163,13 @@ def _timed_drafter(drafter, clock: SyntheticClock):
         clock.advance(clock.profile.propose_base + clock.profile.propose_node * sum(t.size for t in trees))
         return trees
 
-    drafter.propose = timed_propose
+    observe = drafter.observe
+
+    def timed_observe(block):
+        observe(block)
+        clock.advance(clock.profile.observe_row * sum(len(rows) for rows in block.rows))
+
+    drafter.propose, drafter.observe = timed_propose, timed_observe
     if drafter.has_model:
         run_model = drafter.run_model
 
@@ -159,6 +180,24 @@ def _timed_drafter(drafter, clock: SyntheticClock):
 
         drafter.run_model = timed_run_model
     return drafter
+
+
+@contextmanager
+def timed_verdicts(clock: SyntheticClock) -> Iterator[None]:
+    """The engine's host-side verification (`verify_batch`, whatever its arguments) advances the
+    clock by what it decided; patched where the engine looks it up (an engine that no longer
+    imports it fails here, loudly)."""
+    from dart_worker import engine
+
+    verify_batch = engine.verify_batch
+
+    def timed(*args, **kwargs):
+        acceptances = verify_batch(*args, **kwargs)
+        clock.advance(clock.profile.verdict * (len(acceptances) + sum(a.num_accepted for a in acceptances)))
+        return acceptances
+
+    with mock.patch.object(engine, "verify_batch", timed):
+        yield
 
 
 def _synthetic_curves(clock: SyntheticClock):
@@ -307,7 +346,7 @@ class Runner:
 
         tree = TreeParams(budget=12, lookup_cache_tokens=4096)
         self.clock.reset(PROFILES[case.profile])
-        with synthetic_time(self.clock), \
+        with synthetic_time(self.clock), timed_verdicts(self.clock), \
                 mock.patch.object(calibration, "latency_curves", _synthetic_curves(self.clock)):
             drafter = _timed_drafter(build_drafter(self.parts, case.mode, tree), self.clock)
             engine = build_engine(self.parts, case.mode, tree, defer_logits=case.defer_logits, sizing=case.sizing,
@@ -316,6 +355,36 @@ class Runner:
             results = engine.generate_samples(req["prompts"], req["samples"], max_live=req["max_live"])
             return {"results": [[_result(r) for r in per_prompt] for per_prompt in results],
                     "cost_model": engine.cost_model(), "clock_end": self.clock.now()}
+
+
+DEFAULT_PROMPTS = ("Write a short poem about the sea.", "List three uses of a paperclip.",
+                   "Explain what a hash map is.")
+
+
+def run_default_target(modes: tuple[str, ...] = ("dart_lookup", "ar")) -> dict[str, Any]:
+    """The default target's fixed-size decode of DEFAULT_PROMPTS (two greedy, one seeded), per mode."""
+    from dart_bench.common import TargetBenchConfig, load_parts
+    from dart_worker.engine_factory import build_drafter, build_engine
+    from dart_worker.sampling import SamplingParams
+    from ngram_native import TreeParams
+
+    torch.set_num_threads(1)
+    clock = SyntheticClock()
+    parts = load_parts(TargetBenchConfig(dtype="fp32", device="cpu"), list(modes))
+    _timed_target(parts.target, clock)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24)] * 2 + [
+        SamplingParams(temperature=0.8, seed=7, max_new_tokens=24)]
+    tree = TreeParams(budget=16)
+    out = {}
+    for mode in modes:
+        clock.reset(PROFILES["dear"])
+        with synthetic_time(clock), timed_verdicts(clock):
+            drafter = _timed_drafter(build_drafter(parts, mode, tree), clock)
+            engine = build_engine(parts, mode, tree, defer_logits=False, sizing="fixed", drafter=drafter)
+            results = engine.generate(list(DEFAULT_PROMPTS), params, max_live=2)
+        out[f"default_target/{mode}/fixed"] = {"results": [[_result(r)] for r in results], "cost_model": None,
+                                               "clock_end": clock.now()}
+    return out
 
 
 def run_all(modes: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -349,10 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
                        help="compare two results files; exit 1 when they differ")
     parser.add_argument("--modes", nargs="*", help="only these drafter modes (default: every registered one)")
+    parser.add_argument("--default-target", action="store_true",
+                        help="also decode with the default target (fixed trees; loads it, see the module doc)")
     args = parser.parse_args(argv)
     if args.out:
         started = time.perf_counter()
         data = run_all(tuple(args.modes) if args.modes else None)
+        if args.default_target:
+            data |= run_default_target()
         args.out.write_text(json.dumps(data, indent=1, sort_keys=True))
         print(f"{len(data)} cases in {time.perf_counter() - started:.0f} s -> {args.out}")
         return 0
