@@ -24,7 +24,8 @@ from dart_worker.live_sequence import LiveSequence
 from dart_worker.sizing.acceptance import RowAcceptance
 from dart_worker.sizing.drain import row_pace
 from dart_worker.stats import STAGES
-from dart_worker.target import ForwardOutput, TargetState
+from dart_worker.target import ForwardOutput
+from dart_worker.target_state import TargetState
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import Acceptance, VerifyRow
 from ngram_native.trees import DraftTree

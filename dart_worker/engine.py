@@ -41,7 +41,8 @@ from dart_worker.shape_buckets import batch_bucket, rows_bucket
 from dart_worker.sizing.policy import FIXED_SIZING, SizingPolicy
 from dart_worker.sizing.sizer import TreeSizer
 from dart_worker.stats import RequestStats
-from dart_worker.target import ForwardOutput, TargetAdapter, TargetState
+from dart_worker.target import ForwardOutput, TargetAdapter
+from dart_worker.target_state import TargetState
 from dart_worker.transfer import move_to, to_device
 from dart_worker.tree_batch import TreeBatch
 from dart_worker.verification import (
