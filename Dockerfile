@@ -63,10 +63,10 @@ RUN python -m pip install "$(ls /tmp/wheels/dart_batch-*.whl)[default]" \
         "ray[default,data,train]==${RAY_VERSION}" "torch==${TORCH_VERSION}" \
     && rm -rf /tmp/wheels \
     && test "$(python -c 'import ray; print(ray.__version__)')" = "${RAY_VERSION}" \
-    && python -c "import torch, ngram_native._core, dart_worker.engine, dart_train.ngram_build, pipeline.config, jobs.nightly_submit"
+    && python -c "import torch, ngram_native._core, dart_worker.engine, dart_train.ngram_build, pipeline.settings.config, jobs.nightly_submit"
 
 RUN if [ "${WARM_DEFAULT_MODEL}" = "1" ]; then \
-        python -c "from dart_worker.default_target import default_target_dir; print(default_target_dir())"; \
+        python -c "from dart_worker.artifacts.default_target import default_target_dir; print(default_target_dir())"; \
     fi
 
 # Only the configs live in the working directory (the code is installed in site-packages):

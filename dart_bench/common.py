@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dart_worker.defaults import DEFAULT_DTYPE
-from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
 from dart_worker.drafters import drafter_names, drafter_spec
+from dart_worker.hardware.device import cpu_model_name, resolve_device, resolve_dtype
 from dart_worker.stats import STAGES
 from ngram_native.trees import SOURCE_NAMES
 
@@ -66,8 +66,8 @@ class CellsBenchConfig(TargetBenchConfig):
 def load_parts(cfg, modes) -> EngineParts:
     """The target of `cfg` (target, dtype, device, head, trie), with the head and the trie loaded
     only if one of `modes` needs them."""
+    from dart_worker.artifacts.loading import load_target
     from dart_worker.engine_factory import EngineParts
-    from dart_worker.loading import load_target
 
     device = resolve_device(cfg.device)
     model, tokenizer = load_target(cfg.target, dtype=resolve_dtype(cfg.dtype, device), device=device)
@@ -79,8 +79,8 @@ def load_parts(cfg, modes) -> EngineParts:
 
 def head_of(cfg, model):
     """The head directory to load: cfg.head, else the shipped default; else an untrained head."""
-    from dart_worker import default_head
-    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.artifacts import default_head
+    from dart_worker.head.draft_head import DartDraftHead
 
     path = cfg.head or default_head.default_head_dir()
     if path is not None:

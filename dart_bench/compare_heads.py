@@ -51,7 +51,7 @@ def head_dir(name: str) -> str:
         if not (Path(name) / "config.json").is_file():
             raise BenchConfigError(f"heads: {name!r} is not a draft head directory (no config.json)")
         return name
-    from dart_worker import default_head
+    from dart_worker.artifacts import default_head
 
     path = default_head.default_head_dir()
     if path is None:
@@ -72,8 +72,8 @@ def dev_accuracy(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, dict]:
 
     from dart_train.draft_training import TeacherPass
     from dart_train.trainer import EvalConfig, TrainConfig, evaluate_dev, head_vocab
-    from dart_worker.draft_checkpoint import load_draft_head
-    from dart_worker.loading import load_target
+    from dart_worker.artifacts.loading import load_target
+    from dart_worker.head.draft_checkpoint import load_draft_head
 
     model, tokenizer = load_target(cfg.target, dtype="fp32", device="cpu")
     examples = dev_examples(tokenizer, cfg.dev_source, cfg.dev_fraction, cfg.dev_sequences)
@@ -101,9 +101,9 @@ def replay_taus(cfg: CompareHeadsConfig, heads: list[str]) -> dict[str, Any]:
     from dart_bench.common import load_parts, select_prompts
     from dart_bench.matrix import cells_of
     from dart_train.replay import paired_difference, replay, target_references
-    from dart_worker.draft_checkpoint import load_draft_head
     from dart_worker.engine_factory import build_drafter
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.head.draft_checkpoint import load_draft_head
+    from dart_worker.sampling.params import SamplingParams
     from ngram_native.builders import TreeParams
 
     cells = [c for c in cells_of(cfg) if c.budget is not None]

@@ -1,7 +1,7 @@
 """Drafts that know the dice (issue #48): `python -m jobs.bench coupling [config.yaml] [key=value ...]`.
 
 A sampled token is a fixed function of the request's key, its position and the target's
-distribution there (dart_worker.sampling), so a drafter may read the same randomness without
+distribution there (dart_worker.sampling.params), so a drafter may read the same randomness without
 changing a committed token. How much that is worth depends on how the draw uses it. Along the
 target's own sampled replies to ShareGPT dev prompts (replay: the target's taps fed to the draft
 head one committed token a round, no verification forwards), for every reply position and draft
@@ -147,7 +147,7 @@ def tally_group(parts, drafter, refs, params, key: int, noise: torch.Tensor, tal
 def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, temperature) -> None:
     """Tally the rows `picks` ((reference, its batch row, depth)) of round i."""
     from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_SINGLES, coupled_candidates, gumbel_sample, row_seeds
-    from dart_worker.sampling import inverse_cdf_sample, position_uniforms, warp_logits_to_probs
+    from dart_worker.sampling.params import inverse_cdf_sample, position_uniforms, warp_logits_to_probs
 
     positions = np.asarray([i + d for _, _, d in picks], dtype=np.int64)
     target_logits = torch.stack([rows[b][i + d] for b, _, d in picks])
@@ -194,7 +194,7 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
 def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
     """What `noise_costs` times, over `rows` rows of `vocab` tokens."""
     from dart_bench.gumbel import BLOCK_STREAM, gumbel_noise, gumbel_sample, row_seeds
-    from dart_worker.sampling import inverse_cdf_sample
+    from dart_worker.sampling.params import inverse_cdf_sample
 
     logits = torch.randn(rows, vocab, device=device) * 3
     probs = logits.softmax(dim=-1)
@@ -233,9 +233,9 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     from dart_bench.common import load_parts, machine_conditions, select_prompts
     from dart_bench.gumbel import gumbel_noise, row_seeds
     from dart_bench.replay import references, reply_sampling
-    from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_drafter
-    from dart_worker.sampling import request_key
+    from dart_worker.hardware.device import configure_cpu_threads
+    from dart_worker.sampling.params import request_key
     from ngram_native.builders import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)

@@ -31,11 +31,11 @@ from dart_bench.common import (
     write_report,
 )
 from dart_worker.defaults import DEFAULT_BUDGET
-from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_engine
-from dart_worker.kernels import shapes_for
-from dart_worker.sampling import SamplingParams, for_sample
+from dart_worker.hardware.device import configure_cpu_threads
+from dart_worker.hardware.kernels import shapes_for
+from dart_worker.sampling.params import SamplingParams, for_sample
 from ngram_native.builders import TreeParams
 from ngram_native.trees import SOURCE_NAMES
 
@@ -62,7 +62,7 @@ class EngineBenchConfig(CellsBenchConfig):
     # the default (on a CPU: deferred, only the rows the greedy walk reads).
     full_logits_modes: list[str] = field(default_factory=list)
     # Modes also run with the other verify-shape strategy (label "<mode>+bucketed" or "<mode>+exact":
-    # dart_worker.kernels.shapes_for; bucketed on CUDA, exact on a CPU), side by side with the default.
+    # dart_worker.hardware.kernels.shapes_for; bucketed on CUDA, exact on a CPU), side by side with the default.
     bucketed_modes: list[str] = field(default_factory=list)
     # Tree sizing of the engine modes: "auto" (the measured cost model, the pipeline's default)
     # or "fixed" (every tree at `budget`); `fixed_modes` also run fixed, labelled "<mode>+fixed".
@@ -74,7 +74,7 @@ class EngineBenchConfig(CellsBenchConfig):
     # A batch sweep in one process (same engines, same prompts): every cell at each batch size,
     # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
     batch_sizes: list[int] = field(default_factory=list)
-    # Sampling filters and penalties of every cell (vLLM's meanings; dart_worker.sampling).
+    # Sampling filters and penalties of every cell (vLLM's meanings; dart_worker.sampling.params).
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     # n completions per prompt (decoding.n): > 1 decodes each batch of prompts with

@@ -230,7 +230,7 @@ def _prompts(seed: int, count: int, repeat: bool) -> list[list[int]]:
 
 def request_sets() -> dict[str, dict[str, Any]]:
     """name -> {prompts, samples (per prompt, its completions' params), max_live}."""
-    from dart_worker.sampling import SamplingParams, for_sample
+    from dart_worker.sampling.params import SamplingParams, for_sample
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
     greedy_prompts = _prompts(1, 7, repeat=True)
@@ -310,10 +310,10 @@ class Runner:
     """The tiny target, head, trie and tokenizer every case shares; one fresh engine per case."""
 
     def __init__(self, workdir: Path):
-        from dart_worker.draft_head import DartDraftHead
+        from dart_worker.artifacts.random_models import random_model, tiny_config
         from dart_worker.engine_factory import EngineParts
-        from dart_worker.random_models import random_model, tiny_config
-        from dart_worker.target import TargetAdapter
+        from dart_worker.head.draft_head import DartDraftHead
+        from dart_worker.target.adapter import TargetAdapter
         from ngram_native import NgramTrie, build_trie
 
         self.clock = SyntheticClock()
@@ -331,7 +331,7 @@ class Runner:
 
     def _continuations(self) -> list[np.ndarray]:
         from dart_worker.engine_factory import build_engine
-        from dart_worker.sampling import SamplingParams
+        from dart_worker.sampling.params import SamplingParams
 
         prompts = [p for i in range(1, 4) for p in _prompts(i, 8, repeat=i == 1)]
         with synthetic_time(self.clock):
@@ -365,7 +365,7 @@ def run_default_target(modes: tuple[str, ...] = ("dart_lookup", "ar")) -> dict[s
     """The default target's fixed-size decode of DEFAULT_PROMPTS (two greedy, one seeded), per mode."""
     from dart_bench.common import TargetBenchConfig, load_parts
     from dart_worker.engine_factory import build_drafter, build_engine
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.sampling.params import SamplingParams
     from ngram_native import TreeParams
 
     torch.set_num_threads(1)

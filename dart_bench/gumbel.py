@@ -1,7 +1,7 @@
 """Gumbel-max noise and the partitioned Gumbel-max draw that `jobs.bench coupling` measures
 couplings with (issue #48). Not the engine's sampler: switching it was measured and reverted
 (docs/benchmarks.md), so this lives with the benchmark, over the engine's own counter-based
-generator (dart_worker.sampling's splitmix64)."""
+generator (dart_worker.sampling.params's splitmix64)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dart_worker.sampling import _GOLDEN, _U64, _splitmix64
+from dart_worker.sampling.params import _GOLDEN, _U64, _splitmix64
 
 # The same counter-based generator as `position_uniforms`, one level further: a row of the draw at
 # generated index t has a 64-bit seed per *stream* (`row_seeds`: splitmix64 of (key, t, stream)),

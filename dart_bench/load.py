@@ -239,7 +239,7 @@ def operator_figures(stats: str) -> list[dict[str, Any]]:
 
 
 def job_config(spec: dict[str, Any]):
-    from pipeline.config import load_config
+    from pipeline.settings.config import load_config
 
     a = spec["artifacts"]
     return load_config(None, [
@@ -259,7 +259,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     import pipeline.run as run_module
-    from pipeline.outputs import read_output
+    from pipeline.data.outputs import read_output
 
     cfg = job_config(spec)
     captured: dict[str, Any] = {}
@@ -342,7 +342,7 @@ def run_in_subprocess(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def check_exactly_once(output: str, lines: int) -> dict[str, int]:
     """Every input line has exactly one output row (ok or error)."""
-    from pipeline.outputs import read_output
+    from pipeline.data.outputs import read_output
 
     keys = read_output(output, ["row_key"])["row_key"]
     distinct = len(set(keys.to_pylist()))

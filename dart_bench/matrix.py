@@ -115,7 +115,7 @@ def load_bench_config(path: str | os.PathLike | None, overrides: list[str] | Non
                       schema: type[BenchReportConfig] = BenchReportConfig) -> BenchReportConfig:
     """YAML file (optional) + dotlist overrides -> a validated config; unknown keys are errors.
     `schema`: BenchReportConfig or a subclass that adds keys (dart_bench.compare_heads)."""
-    from pipeline.config import load_structured
+    from pipeline.settings.config import load_structured
 
     return validate_config(load_structured(schema, path, overrides, BenchConfigError))
 
@@ -192,9 +192,9 @@ def tokens_per_round_histogram(rows: list[dict]) -> list[int]:
 
 def _head_and_trie_conditions(cfg: BenchReportConfig, tokenizer) -> dict[str, Any]:
     from dart_train.ngram_build import default_trie_path
-    from dart_worker import default_head
-    from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
-    from pipeline.ngram_store import check_trie_url
+    from dart_worker.artifacts import default_head
+    from dart_worker.artifacts.fingerprint import file_fingerprint, tokenizer_fingerprint
+    from pipeline.cluster.ngram_store import check_trie_url
 
     out: dict[str, Any] = {}
     specs = [drafter_spec(m) for m in cfg.modes if m in drafter_names()]
@@ -223,9 +223,9 @@ def measure(cfg: BenchReportConfig) -> dict[str, Any]:
         else:
             os.environ["OMP_WAIT_POLICY"] = cfg.omp_wait_policy.upper()
 
-    from dart_worker.device import configure_cpu_threads
     from dart_worker.engine_factory import build_engine
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.hardware.device import configure_cpu_threads
+    from dart_worker.sampling.params import SamplingParams
     from ngram_native.builders import TreeParams
 
     threads = configure_cpu_threads(cfg.threads)

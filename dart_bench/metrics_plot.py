@@ -54,8 +54,8 @@ def scrape(port: int) -> dict[str, float]:
 def run_and_scrape(config: str, overrides: list[str], interval: float) -> tuple[list[dict[str, Any]], dict]:
     import ray
 
-    from pipeline.config import load_config
     from pipeline.run import run_pipeline
+    from pipeline.settings.config import load_config
 
     cfg = load_config(config, overrides)
     port = free_port()

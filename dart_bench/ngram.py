@@ -47,10 +47,10 @@ from dart_train.corpus import (
     tokenize_conversations,
 )
 from dart_train.ngram_build import count_documents, vocab_size_of
-from dart_worker.cache_dir import build_atomically, cache_dir
+from dart_worker.artifacts.cache_dir import build_atomically, cache_dir
+from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
+from dart_worker.artifacts.loading import load_tokenizer
 from dart_worker.defaults import DEFAULT_BUDGET
-from dart_worker.fingerprint import tokenizer_fingerprint
-from dart_worker.loading import load_tokenizer
 
 TOKEN_CACHE_FORMAT = "dart-batch/tokenized-corpus/v2"
 SHARD_TOKENS = 1 << 23  # 8M tokens (32 MB) per shard

@@ -43,11 +43,11 @@ from omegaconf import OmegaConf
 
 from dart_bench.common import machine_conditions, write_report
 from dart_train.corpus import sharegpt_dev_prompts, write_prompts_jsonl
-from dart_worker.device import resolve_device, resolve_dtype
-from pipeline.config import load_config
-from pipeline.ngram_store import trie_memory_usage
-from pipeline.outputs import read_output
+from dart_worker.hardware.device import resolve_device, resolve_dtype
+from pipeline.cluster.ngram_store import trie_memory_usage
+from pipeline.data.outputs import read_output
 from pipeline.run import run_pipeline
+from pipeline.settings.config import load_config
 
 
 @dataclass
@@ -114,8 +114,8 @@ def pipeline_config(work: Path, cell: str, cfg: PipelineBenchConfig, workers: in
 def engine_direct(pcfg, prompts_path: Path) -> dict:
     """The same work without Ray Data: one worker object (one engine) called on the same batches,
     so prompt formatting, decoding and row building are identical; only the dataflow is missing."""
-    from pipeline.config import to_dict
-    from pipeline.preflight import resolve_artifacts
+    from pipeline.settings.config import to_dict
+    from pipeline.startup.preflight import resolve_artifacts
     from pipeline.worker import GenerationWorker
 
     started = time.perf_counter()

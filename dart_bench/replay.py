@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_bench.common import TargetBenchConfig, load_parts, select_prompts
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling.params import SamplingParams
 from ngram_native.builders import InvalidTreeParams, TreeParams
 
 # The knobs the search may move, and their types (budget is swept, not searched).
@@ -48,8 +48,9 @@ class TuneConfigError(ValueError):
 
 
 def load_structured_config(schema: type, argv: list[str], error: type[Exception]):
-    """`[config.yaml] key=value ...` -> an instance of the dataclass `schema` (pipeline.config.load_structured)."""
-    from pipeline.config import load_structured
+    """`[config.yaml] key=value ...` -> an instance of the dataclass `schema`
+    (pipeline.settings.config.load_structured)."""
+    from pipeline.settings.config import load_structured
 
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
     return load_structured(schema, path, overrides, error)
@@ -104,7 +105,7 @@ def replay_setup(cfg: ReplayJobConfig, modes: list[str]):
     """A replay job's common start: torch threads, the output directory, the target with what
     `modes` need, the check + measured dev prompts ((id, token ids), in order) and their
     references (replies cached in output_dir). Returns (threads, parts, chosen, refs)."""
-    from dart_worker.device import configure_cpu_threads
+    from dart_worker.hardware.device import configure_cpu_threads
 
     threads = configure_cpu_threads(cfg.threads)
     out = Path(cfg.output_dir)

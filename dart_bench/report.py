@@ -456,10 +456,10 @@ def render_job_plots(summary_json_or_output_url: str, out_dir: str | os.PathLike
     """Plots of a real pipeline job: tau distribution and throughput over time.
 
     Accepts the job summary (`<output>/_job_summary.json`, whose config names the output) or the
-    output URL itself (any fsspec URL). Rows come from pipeline.outputs.read_output. Returns
+    output URL itself (any fsspec URL). Rows come from pipeline.data.outputs.read_output. Returns
     {"tau": png, "throughput": png}.
     """
-    from pipeline.outputs import read_output
+    from pipeline.data.outputs import read_output
 
     src = str(summary_json_or_output_url)
     summary = None

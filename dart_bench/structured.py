@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 from dart_bench.common import CellsBenchConfig, load_parts, machine_conditions, run_record, summarize, write_report
 from dart_bench.engine import cell_order, print_table
 from dart_worker.defaults import DEFAULT_BUDGET, DEFAULT_MODE
-from dart_worker.device import configure_cpu_threads
 from dart_worker.engine_factory import build_engine
-from dart_worker.sampling import SamplingParams
+from dart_worker.hardware.device import configure_cpu_threads
+from dart_worker.sampling.params import SamplingParams
 from ngram_native.builders import TreeParams
 
 # Strings and the array are bounded, as a real extraction schema's usually are, so that a record

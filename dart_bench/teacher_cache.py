@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from dart_train.teacher_cache_build import build_teacher_cache
 from dart_train.trainer import WorkerContext, parse_config, train_loop
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.hardware.device import configure_cpu_threads, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -99,7 +99,7 @@ def time_row_selection(cfg, model, device, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dart_worker.loading import load_target
+    from dart_worker.artifacts.loading import load_target
 
     bench, rest = split_args(list(sys.argv[1:] if argv is None else argv))
     cfg = parse_config(rest)

@@ -27,11 +27,11 @@ from omegaconf import OmegaConf
 
 from dart_bench.common import load_parts, write_report
 from dart_worker.defaults import DEFAULT_DTYPE
-from dart_worker.device import configure_cpu_threads
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import build_drafter, build_engine
+from dart_worker.hardware.device import configure_cpu_threads
 from dart_worker.prompt_format import format_user_prompt
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling.params import SamplingParams
 from ngram_native.builders import TreeParams
 from ngram_native.trees import SOURCE_NAMES
 

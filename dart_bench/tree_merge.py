@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import OmegaConf
 
-from dart_worker.device import cpu_model_name
+from dart_worker.hardware.device import cpu_model_name
 from ngram_native.builders import DEFAULT_BUDGET, build_dart_trees
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, DraftTree, merge_trees
 

@@ -14,7 +14,7 @@ states side by side, `cache_steps` one-row decoding steps (verify + commit) alte
 them, median ms per step, and whether their logits were identical. Keys: target, dtype, device,
 threads, context, passes, batch_sizes, rows_per_sequence, max_rows (skip shapes above it),
 projection_rows, draft_vocab, cache_batch_sizes, cache_steps, gqa_batch_sizes, gqa_rows_per_sequence,
-output. `target=random:<shape>` times a random-weight model of a shape in dart_worker.random_models.
+output. `target=random:<shape>` times a random-weight model of a shape in dart_worker.artifacts.random_models.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from dart_bench.common import write_report
+from dart_worker.artifacts.random_models import random_model
 from dart_worker.defaults import DEFAULT_DTYPE
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
 from dart_worker.engine_factory import EngineParts, load_engine_parts
-from dart_worker.kernels import GQAS, forced
-from dart_worker.kv_cache import GrowingCache
-from dart_worker.projection import project
-from dart_worker.random_models import random_model
-from dart_worker.target import TargetAdapter
-from dart_worker.target_state import TargetState
+from dart_worker.hardware.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.hardware.kernels import GQAS, forced
+from dart_worker.target.adapter import TargetAdapter
+from dart_worker.target.kv_cache import GrowingCache
+from dart_worker.target.projection import project
+from dart_worker.target.target_state import TargetState
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ShapesConfig:
     draft_vocab: int = 16384
     cache_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
     cache_steps: int = 30
-    # The `gqa` strategies of masked tree attention side by side (dart_worker.tree_attention):
+    # The `gqa` strategies of masked tree attention side by side (dart_worker.target.tree_attention):
     # verify ms per strategy, batch size and rows per sequence, strategies interleaved per pass.
     gqa_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     gqa_rows_per_sequence: list[int] = field(default_factory=lambda: [1, 5, 17])
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                             OmegaConf.from_cli(argv)))
     if cfg.threads:
         configure_cpu_threads(cfg.threads)
-    if cfg.target.startswith("random:"):  # a random-weight model of a named shape (dart_worker.random_models)
+    if cfg.target.startswith("random:"):  # a random-weight model of a named shape (dart_worker.artifacts.random_models)
         device = resolve_device(cfg.device)
         model = random_model(cfg.target.removeprefix("random:"), device=device, dtype=resolve_dtype(cfg.dtype, device))
         parts = EngineParts(target=TargetAdapter(model))

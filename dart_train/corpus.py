@@ -270,7 +270,7 @@ def _format_of(path: str) -> str | None:
 
 def expand_source(source: str, storage_options: dict | None = None) -> tuple[Any, list[str]]:
     """A path, directory, glob or URL -> (filesystem, sorted file paths). Missing input is an error."""
-    from dart_worker.url_filesystem import url_filesystem
+    from dart_worker.artifacts.url_filesystem import url_filesystem
 
     fs, path = url_filesystem(source, storage_options)
     if any(ch in path for ch in "*?["):

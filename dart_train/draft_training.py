@@ -2,7 +2,7 @@
 
 Pure torch (no ray): `dart_train/trainer.py` drives these from a local loop or from Ray Train.
 
-Pairing (identical to `DartDraftHead.draft_logits`, see dart_worker/draft_head.py). A sequence has
+Pairing (identical to `DartDraftHead.draft_logits`, see dart_worker/head/draft_head.py). A sequence has
 tokens x_0..x_{L-1}; the target's taps f_j and logits l_j (l_j is the distribution of x_{j+1}).
 Real draft row j (j = 0..L-2) pairs f_j with the embedding of x_{j+1} at position j. For an
 anchor p (the last committed position of a decoding round; x_{p+1} is the bonus token):
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.target import default_tap_layers
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.target.adapter import default_tap_layers
 
 # ------------------------------------------------------------------------------------ teacher
 

@@ -36,10 +36,10 @@ from dart_train.corpus import (
     iter_conversations,
     tokenize_conversations,
 )
-from dart_worker.cache_dir import announce, build_atomically, cache_dir, write_text_atomically
-from dart_worker.default_target import default_tokenizer
-from dart_worker.fingerprint import cached_tokenizer_fingerprint, file_fingerprint, tokenizer_fingerprint
-from dart_worker.loading import load_tokenizer
+from dart_worker.artifacts.cache_dir import announce, build_atomically, cache_dir, write_text_atomically
+from dart_worker.artifacts.default_target import default_tokenizer
+from dart_worker.artifacts.fingerprint import cached_tokenizer_fingerprint, file_fingerprint, tokenizer_fingerprint
+from dart_worker.artifacts.loading import load_tokenizer
 from ngram_native.trie import TrieBuilder
 
 SIDECAR_FORMAT = "dart-batch/ngram-sidecar/v1"
@@ -223,7 +223,7 @@ def build_ngram(cfg: BuildNgramConfig, tokenizer: Any = None) -> dict[str, Any]:
         return _build(cfg, tokenizer, tokenizer_name, fingerprint, local_trie, tokenizer_seconds, started)
     # A remote output is built in a local scratch directory, then uploaded: trie first, so
     # that a sidecar never describes a trie that is not there yet.
-    from dart_worker.url_filesystem import url_filesystem
+    from dart_worker.artifacts.url_filesystem import url_filesystem
 
     fs, remote_path = url_filesystem(cfg.output, cfg.storage_options)
     with tempfile.TemporaryDirectory(prefix="build_ngram-", dir=cfg.tmp_dir) as work_dir:

@@ -20,8 +20,8 @@ head's logits; bf16: more often, see docs/DESIGN.md); tests/test_replay.py check
 engine round by round.
 
 Sampled decoding replays the same way. Every sampled token is the inverse-CDF draw of the request's
-uniform for its position (dart_worker.sampling), and verification walks the tree by those draws
-(dart_worker.verification), so a request with a given key commits the same reply under every
+uniform for its position (dart_worker.sampling.params), and verification walks the tree by those draws
+(dart_worker.sampling.verification), so a request with a given key commits the same reply under every
 drafter - the reply `ar` samples - and a round accepts exactly the deepest tree path that spells
 its next tokens, as under greedy decoding. `target_references(..., params=SamplingParams(
 temperature=1.0, seed=...))` samples the replies once; replaying them measures the drafter's
@@ -43,7 +43,7 @@ import torch
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished
 from dart_worker.engine import accepted_sources
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling.params import SamplingParams
 from dart_worker.stats import RequestStats
 from ngram_native.trees import DraftTree
 

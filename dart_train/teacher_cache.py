@@ -42,7 +42,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from dart_train.draft_training import TopKTeacher
-from dart_worker.url_filesystem import StorageError, describe_error, filesystem_for, is_local
+from dart_worker.artifacts.url_filesystem import StorageError, describe_error, filesystem_for, is_local
 
 FORMAT = "dart-batch/teacher-cache/v1"
 MANIFEST_NAME = "manifest.json"

@@ -54,7 +54,7 @@ from dart_train.trainer import (
     head_vocab,
     make_head,
 )
-from dart_worker.device import resolve_device, resolve_dtype
+from dart_worker.hardware.device import resolve_device, resolve_dtype
 
 _DATA_KEYS = ("source", "source_weights", "format", "text_field", "id_field", "dev_fraction", "max_prompt_tokens",
               "max_seq_len", "shuffle_buffer")
@@ -93,8 +93,8 @@ def build_teacher_cache(cfg: TrainConfig, model=None, tokenizer=None,
     `model`/`tokenizer` may be given (already loaded); `target_fingerprint` defaults to the files
     behind `cfg.target`. `stop_after_shards` stops after writing that many new shards (tests).
     """
-    from dart_worker.fingerprint import tokenizer_fingerprint
-    from dart_worker.loading import load_target, model_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.loading import load_target, model_fingerprint
 
     url = cfg.data.teacher_cache
     if not url:

@@ -54,9 +54,9 @@ from dart_train.draft_training import (
 )
 from dart_train.teacher_cache import CacheConfig, CachedExample, CachedExampleStream, TeacherCache, collate_teacher
 from dart_worker.defaults import DEFAULT_DTYPE
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
-from dart_worker.draft_head import DartDraftHead
+from dart_worker.hardware.device import configure_cpu_threads, resolve_device, resolve_dtype
+from dart_worker.head.draft_checkpoint import load_draft_head, save_draft_head
+from dart_worker.head.draft_head import DartDraftHead
 from dart_worker.prompt_format import format_user_prompt
 
 TRAINER_STATE_NAME = "trainer_state.pt"
@@ -154,7 +154,7 @@ class TrainerConfig:
 class TrainConfig:
     target: str = "default"
     output_dir: str = "runs/draft_head"
-    export_dir: str | None = None  # final head (save_dtype) also written here, e.g. dart_worker/default_head
+    export_dir: str | None = None  # final head (save_dtype) also written here, e.g. dart_worker/artifacts/default_head
     save_dtype: str = "bf16"
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -583,7 +583,7 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
     target (it is still loaded: the head uses its input embeddings, and the dev and tau
     evaluations run it); the cache must match the target, tokenizer, tap layers and draft vocabulary.
     """
-    from dart_worker.loading import load_target
+    from dart_worker.artifacts.loading import load_target
 
     tc = cfg.trainer
     device = ctx.device
@@ -778,8 +778,8 @@ def train_loop(cfg: TrainConfig, ctx: WorkerContext, model=None, tokenizer=None,
 def check_teacher_cache(cache: TeacherCache, cfg: TrainConfig, tokenizer, teacher: TeacherPass) -> None:
     """Refuse a cache built for another target, tokenizer, tap layers or draft vocabulary."""
     from dart_train.teacher_cache import cache_fingerprint
-    from dart_worker.fingerprint import tokenizer_fingerprint
-    from dart_worker.loading import model_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.loading import model_fingerprint
 
     cache.check(cache_fingerprint(model_fingerprint(cfg.target), tokenizer_fingerprint(tokenizer),
                                   teacher.tap_layers, teacher.kept.cpu()))

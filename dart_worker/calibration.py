@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import transformers
 
-from dart_worker.cache_dir import cache_dir, write_text_atomically
-from dart_worker.contention import ContentionMeter
-from dart_worker.device import cpu_model_name
+from dart_worker.artifacts.cache_dir import cache_dir, write_text_atomically
 from dart_worker.drafters.registry import SIZING_MODES
-from dart_worker.kernels import describe
+from dart_worker.hardware.contention import ContentionMeter
+from dart_worker.hardware.device import cpu_model_name
+from dart_worker.hardware.kernels import describe
 from dart_worker.sizing.latency import LatencyModel
 from dart_worker.sizing.sizer import TreeSizer
 

@@ -21,13 +21,13 @@ import torch
 
 from dart_worker.drafters.base import empty_tree
 from dart_worker.live_sequence import LiveSequence
+from dart_worker.sampling.verification import Acceptance, VerifyRow
 from dart_worker.sizing.acceptance import RowAcceptance
 from dart_worker.sizing.drain import row_pace
 from dart_worker.stats import STAGES
-from dart_worker.target import ForwardOutput
-from dart_worker.target_state import TargetState
-from dart_worker.tree_batch import TreeBatch
-from dart_worker.verification import Acceptance, VerifyRow
+from dart_worker.target.adapter import ForwardOutput
+from dart_worker.target.target_state import TargetState
+from dart_worker.target.tree_batch import TreeBatch
 from ngram_native.trees import DraftTree
 
 # How the engine drafts for the policy (`SizingPolicy.plan`): called with whether to run the

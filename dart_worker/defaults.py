@@ -15,7 +15,7 @@ from ngram_native.builders import DEFAULT_BUDGET
 # with the request's own text grafted in, the fastest mode measured (docs/benchmarks.md).
 DEFAULT_MODE = "dart_lookup"
 # "auto": bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or
-# AMX), else fp32 (dart_worker.device.resolve_dtype). A figure measured in bf16 names dtype=bf16.
+# AMX), else fp32 (dart_worker.hardware.device.resolve_dtype). A figure measured in bf16 names dtype=bf16.
 DEFAULT_DTYPE = "auto"
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_DTYPE", "DEFAULT_MODE"]

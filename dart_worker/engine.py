@@ -14,7 +14,7 @@ each request's stop rules are its `LiveSequence`'s (dart_worker/live_sequence.py
 `dart_worker.engine_factory.build_engine`, which picks the drafter by name from the registry.
 Every drafter is lossless: greedy output equals the target's greedy output, and a sampled
 request commits exactly the tokens plain sampling (`ar`) commits with the same key, whatever the
-trees hold (dart_worker/verification.py).
+trees hold (dart_worker/sampling/verification.py).
 """
 
 from __future__ import annotations
@@ -26,26 +26,16 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from dart_worker import shape_buckets
 from dart_worker.decode_round import RoundRecord, StageClock
 from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
 from dart_worker.drafters.grammar import constrain_trees
-from dart_worker.grammar import GrammarBook
-from dart_worker.kernels import logits_for, shapes_for
-from dart_worker.kv_cache import retire_order
+from dart_worker.hardware.kernels import logits_for, shapes_for
+from dart_worker.hardware.transfer import move_to, to_device
 from dart_worker.live_sequence import GenerationResult, LiveSequence, finish_at_context_limit, prompt_token_ids
-from dart_worker.logits_processors import RowControls, controlled_logits
-from dart_worker.packed_rows import PackedRows
-from dart_worker.sampling import SamplingParams, TokenHistory, request_key
-from dart_worker.shape_buckets import batch_bucket, rows_bucket
-from dart_worker.sizing.policy import FIXED_SIZING, SizingPolicy
-from dart_worker.sizing.sizer import TreeSizer
-from dart_worker.stats import RequestStats
-from dart_worker.target import ForwardOutput, TargetAdapter
-from dart_worker.target_state import TargetState
-from dart_worker.transfer import move_to, to_device
-from dart_worker.tree_batch import TreeBatch
-from dart_worker.verification import (
+from dart_worker.sampling.grammar import GrammarBook
+from dart_worker.sampling.logits_processors import RowControls, controlled_logits
+from dart_worker.sampling.params import SamplingParams, TokenHistory, request_key
+from dart_worker.sampling.verification import (
     TokenLogprobs,
     VerifyRow,
     committed_logprobs,
@@ -53,6 +43,16 @@ from dart_worker.verification import (
     verify_batch,
     verify_greedy_by_rows,
 )
+from dart_worker.sizing.policy import FIXED_SIZING, SizingPolicy
+from dart_worker.sizing.sizer import TreeSizer
+from dart_worker.stats import RequestStats
+from dart_worker.target import shape_buckets
+from dart_worker.target.adapter import ForwardOutput, TargetAdapter
+from dart_worker.target.kv_cache import retire_order
+from dart_worker.target.packed_rows import PackedRows
+from dart_worker.target.shape_buckets import batch_bucket, rows_bucket
+from dart_worker.target.target_state import TargetState
+from dart_worker.target.tree_batch import TreeBatch
 from ngram_native.trees import SOURCE_NAMES, DraftTree
 
 __all__ = ["DecodingEngine", "GenerationResult", "accepted_sources"]
@@ -79,13 +79,13 @@ class DecodingEngine:
 
         `defer_logits`: in rounds where every request is greedy, project to the vocabulary only
         the rows the verification walk reads (`verify_greedy_by_rows`). None = the `logits`
-        strategy of `dart_worker.kernels`: deferred on a CPU where a short measurement says it pays
+        strategy of `dart_worker.hardware.kernels`: deferred on a CPU where a short measurement says it pays
         (`TargetAdapter.deferred_logits_pay`: without matrix units the projection over every tree
         row is most of a verify forward); never on a GPU, where one batched projection is cheap
         and a walk would add a host round trip per tree level.
 
         `shapes`: the verify block's shapes, `bucketed` or `exact` (None = the `shapes` strategy
-        of `dart_worker.kernels`: bucketed on CUDA, for CUDA graphs; `dart_worker.shape_buckets`).
+        of `dart_worker.hardware.kernels`: bucketed on CUDA, for CUDA graphs; `dart_worker.target.shape_buckets`).
         Bucketed, the target's state holds `forward_batch(live)` sequences, padding after the live
         ones."""
         self.target = target

@@ -22,9 +22,9 @@ from dart_worker.defaults import DEFAULT_DTYPE
 from dart_worker.drafters import DrafterResources, drafter_spec
 from dart_worker.drafters.base import Drafter
 from dart_worker.engine import DecodingEngine
-from dart_worker.kernels import logits_for
-from dart_worker.shape_buckets import rows_buckets
-from dart_worker.target import TargetAdapter
+from dart_worker.hardware.kernels import logits_for
+from dart_worker.target.adapter import TargetAdapter
+from dart_worker.target.shape_buckets import rows_buckets
 from ngram_native.builders import TreeParams
 
 
@@ -61,9 +61,9 @@ class EngineParts:
 
 def load_engine_parts(target: str, *, dtype: str = DEFAULT_DTYPE, device: str = "auto", tap_layers=None,
                       head=None, trie=None) -> EngineParts:
-    """Load the target (`dart_worker.loading.load_target` spec) and wrap it with head and trie."""
-    from dart_worker.device import resolve_device, resolve_dtype
-    from dart_worker.loading import load_target
+    """Load the target (`dart_worker.artifacts.loading.load_target` spec) and wrap it with head and trie."""
+    from dart_worker.artifacts.loading import load_target
+    from dart_worker.hardware.device import resolve_device, resolve_dtype
 
     resolved = resolve_device(device)
     model, tokenizer = load_target(target, dtype=resolve_dtype(dtype, resolved), device=resolved)
@@ -81,7 +81,7 @@ def build_engine(parts: EngineParts, mode: str, tree: TreeParams | None = None,
     verify costs are measured at build for each live batch size in `batches`, once per machine and
     model shape: `dart_worker.calibration`), "fixed" verifies the trees as the drafter builds them.
     `shapes`: the verify block's shapes, "bucketed" or "exact" (None: the device's strategy,
-    `dart_worker.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows and
+    `dart_worker.hardware.kernels.shapes_for`); bucketed, the sizer prices a tree at its bucket's rows and
     a round at its batch bucket's sequences.
     `drafter`: one the caller built with `build_drafter(parts, mode, tree)` and keeps a hand on (a
     benchmark reading the drafter's own records; nothing reaches it through the engine); None:
@@ -116,11 +116,11 @@ def build_drafter(parts: EngineParts, mode: str, tree: TreeParams | None = None)
 def _head(head, target: TargetAdapter):
     if head is None or not isinstance(head, (str, os.PathLike)):
         if head is not None:
-            from dart_worker.draft_checkpoint import check_tap_layers
+            from dart_worker.head.draft_checkpoint import check_tap_layers
 
             check_tap_layers(head.config, target.tap_layers, target.num_layers, "draft head")
         return head
-    from dart_worker.draft_checkpoint import load_draft_head
+    from dart_worker.head.draft_checkpoint import load_draft_head
 
     model = target.model
     return load_draft_head(head, model.config, model.get_input_embeddings(), device=target.device,
@@ -130,7 +130,7 @@ def _head(head, target: TargetAdapter):
 def _trie(trie, tokenizer):
     if trie is None or not isinstance(trie, (str, os.PathLike)):
         return trie
-    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
     from ngram_native import NgramTrie
 
     expected = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dart_worker.grammar import GrammarState
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling.grammar import GrammarState
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.sampling.verification import TokenLogprobs
 from dart_worker.sizing.acceptance import RowAcceptance
 from dart_worker.stats import RequestStats
-from dart_worker.verification import TokenLogprobs
 
 
 @dataclass
@@ -31,7 +31,8 @@ class GenerationResult:
     stats: RequestStats = field(default_factory=RequestStats)
     finished_unix: float | None = None  # wall clock (time.time()) when its last token was decided
     # With SamplingParams.logprobs = k > 0: per generated token its log-probability, and the ids and
-    # log-probabilities of the k most likely tokens at its position (dart_worker.verification.committed_logprobs).
+    # log-probabilities of the k most likely tokens at its position
+    # (dart_worker.sampling.verification.committed_logprobs).
     logprobs: list[float] | None = None
     top_logprob_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
@@ -55,7 +56,7 @@ class LiveSequence:
     num_prompt: int
     params: SamplingParams
     stop_ids: frozenset[int]
-    key: int  # the uniform key of its sampled tokens (dart_worker.sampling.request_key)
+    key: int  # the uniform key of its sampled tokens (dart_worker.sampling.params.request_key)
     stats: RequestStats
     finish_reason: str = ""
     text_end: int | None = None  # where a stop string starts in the generated text

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dart_train.teacher_cache_build import build_teacher_cache
 from dart_train.trainer import parse_config
-from dart_worker.device import configure_cpu_threads
+from dart_worker.hardware.device import configure_cpu_threads
 
 
 def main(argv: list[str] | None = None) -> dict:

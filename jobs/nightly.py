@@ -19,7 +19,6 @@ import sys
 
 from omegaconf import OmegaConf
 
-from pipeline.config import ConfigError, to_dict
 from pipeline.nightly import (
     NightlyError,
     build_report,
@@ -29,6 +28,7 @@ from pipeline.nightly import (
     run_pipeline,
     write_report,
 )
+from pipeline.settings.config import ConfigError, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:

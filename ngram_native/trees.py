@@ -44,7 +44,7 @@ from ngram_native import _core
 SOURCE_HEAD = 1  # the draft head's distributions (chain, ddtree, dart)
 SOURCE_CONTEXT = 2  # the request's own text (context lookup)
 SOURCE_JOB_CACHE = 4  # earlier rows' finished outputs (the job-level cache of the lookup drafters)
-SOURCE_GRAMMAR = 8  # text a request's structured-output grammar allows alone (dart_worker/grammar.py)
+SOURCE_GRAMMAR = 8  # text a request's structured-output grammar allows alone (dart_worker/sampling/grammar.py)
 SOURCE_NAMES = {SOURCE_HEAD: "head", SOURCE_CONTEXT: "context", SOURCE_JOB_CACHE: "job_cache",
                 SOURCE_GRAMMAR: "grammar"}
 # Sources accepted in long runs, unlike a head's one-level-at-a-time drafts: copied earlier text, and
@@ -151,7 +151,7 @@ def check_tree(tree: TreeLike, *, canonical: bool = False, vocab_size: int | Non
     """Validate `tree` and return its node count N; raise ValueError naming the first offender.
 
     Always - the invariants masks, positions and verification walks rely on, which the engine
-    checks once per tree as it builds the verify block (`dart_worker.tree_batch`), so that a
+    checks once per tree as it builds the verify block (`dart_worker.target.tree_batch`), so that a
     broken drafter fails loudly there instead of yielding a silently wrong mask or walk:
     tokens, parents, depths are 1-D integer arrays of one length; parents[i] is -1 or an
     earlier index; depth = parent's depth + 1 (1 under the root); tokens lie in

@@ -27,9 +27,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dart_train.corpus import first_user_prompts, write_prompts_jsonl
-from pipeline.config import load_config
-from pipeline.outputs import read_output
+from pipeline.data.outputs import read_output
 from pipeline.run import run_pipeline
+from pipeline.settings.config import load_config
 
 
 @dataclass

@@ -11,7 +11,7 @@ rerun for the same date (a RayJob retry, a manual rerun after a crash) resumes: 
 only the rows not yet written, and a night that finished generates nothing and is judged again.
 That is the nightly's only output mode: the runner owns run.run_id, run.resume and
 output.if_exists (resume; any other value is refused), so a night never stops on, writes beside
-or replaces its own earlier attempt (pipeline/output_modes.py has the other modes).
+or replaces its own earlier attempt (pipeline/startup/output_modes.py has the other modes).
 
 Exit codes, so that a scheduler (RayJob, CronJob) sees a bad night as a failed job:
 0 the night passed; 1 the failed-row fraction over the whole night's output exceeded
@@ -33,8 +33,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dart_worker.url_filesystem import url_filesystem
-from pipeline.config import ConfigError, PipelineConfig, from_dict, validate
+from dart_worker.artifacts.url_filesystem import url_filesystem
+from pipeline.settings.config import ConfigError, PipelineConfig, from_dict, validate
 
 REPORT_JSON = "_nightly_report.json"
 REPORT_MD = "_nightly_report.md"
@@ -224,8 +224,8 @@ def apply_date(pipeline: dict[str, Any], day: dt.date) -> dict[str, Any]:
 def check_warm_start(night: Night) -> str:
     """Keep decoding.warm_from when that output holds rows; else drop it (the first night, or a
     night after a gap: the job starts cold). Returns the line to log."""
-    from pipeline.outputs import read_output  # imported here: it pulls in Ray
-    from pipeline.storage import StorageError
+    from pipeline.data.outputs import read_output  # imported here: it pulls in Ray
+    from pipeline.data.storage import StorageError
 
     url = night.config.decoding.warm_from
     if not url:
@@ -344,9 +344,9 @@ def write_report(report: dict[str, Any], output_url: str) -> list[str]:
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """The pipeline itself (imported here: it pulls in Ray). Tests replace this function."""
+    from pipeline.data.storage import StorageError
     from pipeline.run import JobFailed, StartupError
     from pipeline.run import run_pipeline as run
-    from pipeline.storage import StorageError
 
     try:
         return run(config)

@@ -45,8 +45,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import ConfigError
 from pipeline.nightly import NightlyError, load_night, parse_date
+from pipeline.settings.config import ConfigError
 
 GROUP_VERSION = "ray.io/v1"
 PART_OF_LABEL = "app.kubernetes.io/part-of"

@@ -92,7 +92,7 @@ class PrepareError(RuntimeError):
 
 def parse_config(argv: list[str] | None = None) -> PrepareConfig:
     """`TARGET [key=value ...]` (or target=... among the overrides) -> PrepareConfig."""
-    from pipeline.config import load_structured
+    from pipeline.settings.config import load_structured
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and "=" not in args[0]:
@@ -120,7 +120,7 @@ class State:
         return entry["result"] if entry and entry.get("inputs") == inputs else None
 
     def record(self, step: str, inputs: dict, result: dict, seconds: float) -> None:
-        from dart_worker.cache_dir import write_text_atomically
+        from dart_worker.artifacts.cache_dir import write_text_atomically
 
         self.steps[step] = {"inputs": inputs, "result": result, "seconds": round(seconds, 2)}
         write_text_atomically(self.path, json.dumps(self.steps, indent=1, sort_keys=True))
@@ -135,10 +135,10 @@ def _digest(value: Any) -> str:
 
 def step_check(cfg: PrepareConfig, ctx: dict) -> dict:
     """Load the target and decode a few tokens with the engine (`ar`)."""
+    from dart_worker.artifacts.loading import target_family
     from dart_worker.engine_factory import EngineParts, build_engine
-    from dart_worker.loading import target_family
     from dart_worker.prompt_format import format_user_prompt
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.sampling.params import SamplingParams
 
     model, tokenizer, load_seconds = _target(cfg, ctx)
     prompt = tokenizer(format_user_prompt(tokenizer, "Write one sentence about the sea."))["input_ids"]
@@ -176,7 +176,7 @@ def step_head(cfg: PrepareConfig, ctx: dict) -> dict:
     if source == "none":
         return {"path": None}
     if source != "train":
-        from dart_worker.draft_checkpoint import load_draft_head, resolve_head_dir
+        from dart_worker.head.draft_checkpoint import load_draft_head, resolve_head_dir
 
         model, _, _ = _target(cfg, ctx)
         local = resolve_head_dir(source)
@@ -207,7 +207,7 @@ def _train_head(cfg: PrepareConfig, ctx: dict, args: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     from dart_train import trainer
-    from dart_worker.device import resolve_device
+    from dart_worker.hardware.device import resolve_device
 
     tcfg = trainer.parse_config(args)
     if tcfg.trainer.backend != "local":
@@ -225,7 +225,7 @@ def step_bench(cfg: PrepareConfig, ctx: dict) -> dict:
     from dart_worker.drafters import drafter_spec
     from dart_worker.engine_factory import EngineParts, build_engine
     from dart_worker.prompt_format import format_user_prompt
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.sampling.params import SamplingParams
     from ngram_native import TreeParams
 
     model, tokenizer, _ = _target(cfg, ctx)
@@ -276,7 +276,7 @@ def step_bench(cfg: PrepareConfig, ctx: dict) -> dict:
 
 def step_config(cfg: PrepareConfig, ctx: dict) -> dict:
     """The block to paste into a pipeline config, checked by the pipeline's own schema."""
-    from pipeline.config import PipelineConfig, validate
+    from pipeline.settings.config import PipelineConfig, validate
 
     head, trie = ctx.get("head", {}).get("path"), ctx.get("trie", {}).get("path")
     mode = ctx.get("bench", {}).get("best_mode") or ("dart_lookup" if head and trie else "lookup")
@@ -296,7 +296,7 @@ def step_config(cfg: PrepareConfig, ctx: dict) -> dict:
 def _target(cfg: PrepareConfig, ctx: dict):
     """The target, loaded once per run of this job (the check, head import and bench share it)."""
     if "model" not in ctx:
-        from dart_worker.loading import load_target
+        from dart_worker.artifacts.loading import load_target
 
         started = time.perf_counter()
         ctx["model"], ctx["tokenizer"] = load_target(ctx["location"], dtype=cfg.dtype, device=cfg.device)
@@ -327,8 +327,8 @@ STEP_FUNCTIONS = {"check": step_check, "trie": step_trie, "head": step_head, "be
 
 def run(cfg: PrepareConfig) -> dict:
     """Run (or skip) every step in order; returns {step: {"status", "seconds", "result"}}."""
-    from dart_worker.device import configure_cpu_threads
-    from dart_worker.loading import model_fingerprint, resolve_source
+    from dart_worker.artifacts.loading import model_fingerprint, resolve_source
+    from dart_worker.hardware.device import configure_cpu_threads
 
     if cfg.threads:
         configure_cpu_threads(cfg.threads)

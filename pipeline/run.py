@@ -1,7 +1,7 @@
 """Batch generation job: `python -m pipeline.run config.yaml [key=value ...] [--dry-run]`.
 
 Without an address this starts a private Ray instance on 127.0.0.1; with `run.ray_address` or
-RAY_ADDRESS (as under `ray job submit`) it joins that cluster only (pipeline/ray_connection.py).
+RAY_ADDRESS (as under `ray job submit`) it joins that cluster only (pipeline/startup/ray_connection.py).
 The flow:
 
     inputs (fsspec: s3://, file://, ...) --Ray Data read--> prompt rows (bad rows -> error rows)
@@ -9,10 +9,10 @@ The flow:
       -> write tasks: one atomic Parquet part per group of rows -> per-row stats to the driver
       -> progress lines, then the job summary (printed and written next to the output)
 
-Everything that can be checked before work starts is checked first (pipeline/preflight.py): the
+Everything that can be checked before work starts is checked first (pipeline/startup/preflight.py): the
 config, the inputs, the output location, the target, the draft head and the N-gram trie.
 `--dry-run` runs those checks, prints the inputs (with a row estimate), the output and resume
-state and the worker plan, and exits 0 without starting Ray (pipeline/dry_run.py).
+state and the worker plan, and exits 0 without starting Ray (pipeline/startup/dry_run.py).
 
 Exit status: 0 when every input row has its output row (bad rows are error rows, not failures);
 2 for a problem found before any generation (config, artifacts, an input file that cannot be
@@ -35,29 +35,29 @@ from typing import Any
 
 import ray
 
-from dart_worker.device import DeviceUnavailable
-from pipeline import io_retry
-from pipeline.config import ConfigError, PipelineConfig, load_config, to_dict
-from pipeline.device_check import probe_workers, worker_failure
-from pipeline.inputs import InputError, PromptFields, scan_prompts
-from pipeline.ngram_store import shutdown_ngram_stores
-from pipeline.openai_batch import write_job_batch_output  # also registers the openai_batch reader
-from pipeline.output_modes import commit_output, open_output
-from pipeline.outputs import (
+from dart_worker.hardware.device import DeviceUnavailable
+from pipeline.cluster.device_check import probe_workers, worker_failure
+from pipeline.cluster.ngram_store import shutdown_ngram_stores
+from pipeline.cluster.remote_errors import exception_chain
+from pipeline.data import io_retry
+from pipeline.data.inputs import InputError, PromptFields, scan_prompts
+from pipeline.data.openai_batch import write_job_batch_output  # also registers the openai_batch reader
+from pipeline.data.outputs import (
     ResumeProgress,
     filter_done,
     remove_temp_files,
     resume_progress,
     written_rows,
 )
-from pipeline.preflight import StartupError, cpu_budget_problem, resolve_artifacts
-from pipeline.ray_connection import JobStopped, RayTarget, check_reachable, job_ray, ray_target, stop_on_signals
-from pipeline.remote_errors import exception_chain
-from pipeline.row_settings import settings_columns
-from pipeline.storage import StorageError, filesystem_for
-from pipeline.summary import SUMMARY_NAME, RunTally, build_summary, output_totals
+from pipeline.data.storage import StorageError, filesystem_for
+from pipeline.data.summary import SUMMARY_NAME, RunTally, build_summary, output_totals
+from pipeline.data.write_task import add_write_retries, write_rows
+from pipeline.settings.config import ConfigError, PipelineConfig, load_config, to_dict
+from pipeline.settings.row_settings import settings_columns
+from pipeline.startup.output_modes import commit_output, open_output
+from pipeline.startup.preflight import StartupError, cpu_budget_problem, resolve_artifacts
+from pipeline.startup.ray_connection import JobStopped, RayTarget, check_reachable, job_ray, ray_target, stop_on_signals
 from pipeline.worker import GenerationWorker, target_mismatch
-from pipeline.write_task import add_write_retries, write_rows
 
 log = logging.getLogger("pipeline")
 
@@ -71,7 +71,7 @@ class JobFailed(RuntimeError):
 
 
 # The line a remote traceback ends with, named from the classes (a class that moves modules must
-# still be found: StorageError moved to dart_worker.url_filesystem and this pattern, spelled out,
+# still be found: StorageError moved to dart_worker.artifacts.url_filesystem and this pattern, spelled out,
 # stopped matching).
 _REMOTE_FAILURE = re.compile(
     "^(?:" + "|".join(re.escape(f"{cls.__module__}.{cls.__qualname__}") for cls in (StorageError, InputError))
@@ -178,7 +178,7 @@ def stop_note(plan, tally: RunTally, progress: ResumeProgress, cause: str = "onc
 
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     """The job: every storage operation of the driver follows the job's retry policy
-    (run.io_retry_s, pipeline/io_retry.py), and the summary counts the retries of all of them."""
+    (run.io_retry_s, pipeline/data/io_retry.py), and the summary counts the retries of all of them."""
     with io_retry.using(io_retry.RetryPolicy(cfg.run.io_retry_s, ledger=io_retry.RetryLedger())) as policy:
         return _run_pipeline(cfg, policy)
 
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         with stop_on_signals():
             cfg = load_config(args.config, args.overrides)
             if args.dry_run:
-                from pipeline.dry_run import dry_run, format_report
+                from pipeline.startup.dry_run import dry_run, format_report
 
                 target = ray_target(cfg.run.ray_address)
                 check_reachable(target)

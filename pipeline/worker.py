@@ -22,22 +22,22 @@ from typing import Any
 
 import pyarrow as pa
 
-from dart_worker.device import configure_cpu_threads, resolve_dtype, resolve_worker_device, worker_devices
+from dart_worker.artifacts.fingerprint import cached_tokenizer_fingerprint
+from dart_worker.artifacts.loading import load_target
 from dart_worker.drafters import drafter_spec
 from dart_worker.engine import GenerationResult
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.fingerprint import cached_tokenizer_fingerprint
-from dart_worker.loading import load_target
+from dart_worker.hardware.device import configure_cpu_threads, resolve_dtype, resolve_worker_device, worker_devices
 from dart_worker.prompt_format import PromptEncoder
-from dart_worker.sampling import SamplingParams, for_sample
-from pipeline.config import PipelineConfig, from_dict
-from pipeline.device_check import assigned_gpus
-from pipeline.metrics import record_batch
-from pipeline.ngram_store import acquire_trie, start_store
-from pipeline.outputs import result_rows_to_table, sample_key, storable_text
-from pipeline.remote_errors import exception_chain
-from pipeline.row_settings import decode_settings, row_sample_count, row_sampling_params
-from pipeline.sampling_settings import PARAMS_SETTINGS, RECORDED_SETTINGS
+from dart_worker.sampling.params import SamplingParams, for_sample
+from pipeline.cluster.device_check import assigned_gpus
+from pipeline.cluster.metrics import record_batch
+from pipeline.cluster.ngram_store import acquire_trie, start_store
+from pipeline.cluster.remote_errors import exception_chain
+from pipeline.data.outputs import result_rows_to_table, sample_key, storable_text
+from pipeline.settings.config import PipelineConfig, from_dict
+from pipeline.settings.row_settings import decode_settings, row_sample_count, row_sampling_params
+from pipeline.settings.sampling_settings import PARAMS_SETTINGS, RECORDED_SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def check_target_fingerprint(spec: str, expected: str | None) -> str | None:
     per-file hashes are cached), which must be `expected`, the driver's: a re-upload under the
     same URL after the driver resolved it, or nodes holding different files at one path, would
     otherwise decode with another model than the one every output row names."""
-    from dart_worker.loading import model_fingerprint, resolve_source
+    from dart_worker.artifacts.loading import model_fingerprint, resolve_source
 
     if not expected:  # nothing to hold it to (a worker built outside a job)
         return None

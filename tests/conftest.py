@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Ray's single-machine mode for every Ray cluster of the run (what pipeline/ray_connection.py
+# Ray's single-machine mode for every Ray cluster of the run (what pipeline/startup/ray_connection.py
 # uses for a local job): the node's address is 127.0.0.1 and Ray's servers listen there only.
 # Set before anything imports Ray, so this process and every Ray process it starts agree on it
 # (a driver outside it would turn the address 127.0.0.1 into the machine's network address).
@@ -45,7 +45,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # test_penalties + test_continuous_batching took 501 s with 2 threads, 36 s with 2 threads and
 # OMP_WAIT_POLICY=PASSIVE (what pipeline/run.py gives a job's workers), 32 s with 1. Set before
 # torch is imported; the product's workers set their own count from their config
-# (dart_worker.device.configure_cpu_threads), passive where a test gives them two.
+# (dart_worker.hardware.device.configure_cpu_threads), passive where a test gives them two.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -79,7 +79,7 @@ def overlay_venv(venv: Path, python: str = sys.executable, parent_site_dirs: lis
 
 def floor_environment(floors: dict[str, tuple[str, str]]) -> Path:
     """The cached venv with the floors installed over this environment; returns its python."""
-    from dart_worker.cache_dir import cache_dir, file_lock
+    from dart_worker.artifacts.cache_dir import cache_dir, file_lock
 
     key_text = repr((sorted(floors.items()), sys.version, sys.prefix, site_dirs()))
     venv = cache_dir("floor-venvs") / hashlib.sha256(key_text.encode()).hexdigest()[:12]

@@ -8,7 +8,7 @@ manager, dashboard, dashboard agent, runtime-env agent, metrics, Ray client): Ra
 (8265, 52365, 10001, ...) collide with any other Ray cluster on the machine, and a head whose
 dashboard agent could not bind its port never registers it, so `ray job submit` answers "No
 available agent" until it gives up. Every head binds 127.0.0.1 only: Ray's single-machine mode
-(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as pipeline/ray_connection.py uses for a local job; without
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as pipeline/startup/ray_connection.py uses for a local job; without
 it Ray 2.60 turns `--node-ip-address=127.0.0.1` into the machine's network address and its
 servers listen on every interface), `--node-ip-address=127.0.0.1`, the dashboard on 127.0.0.1.
 Drivers that connect must be in the same mode (tests/conftest.py sets it for the test run).

@@ -2,7 +2,7 @@
 
 Summary math on synthetic records against hand-computed medians and ratios; plots and report.md
 from synthetic figures (non-empty PNGs, relative links that resolve); config validation; the
-pipeline job plots from a small output written with pipeline.outputs.
+pipeline job plots from a small output written with pipeline.data.outputs.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def test_throughput_timeline_on_the_jobs_clock_with_finished_at():
 def test_render_job_plots_from_output_url_and_from_summary_json(tmp_path):
     import json
 
-    from pipeline.outputs import read_output, rows_to_table, write_part
+    from pipeline.data.outputs import read_output, rows_to_table, write_part
 
     rows = [{"row_key": f"id:{i}", "id": str(i), "run_id": "r1", "mode": "dart", "worker": f"w{i % 2}",
              "num_generated_tokens": 32, "tau": 1.5 + 0.1 * i, "rounds": 10, "wall_s": 1.0 + (i // 4),
@@ -370,7 +370,7 @@ def test_templated_job_cache_bench_runs_both_arms_on_a_tiny_fp32_model(tiny_arti
 
 def test_verify_shapes_times_every_shape_within_the_row_limit():
     from dart_bench.verify_shapes import ShapesConfig, shape_table
-    from dart_worker.target import TargetAdapter
+    from dart_worker.target.adapter import TargetAdapter
     from tests.tiny_models import tiny_model
 
     cfg = ShapesConfig(context=12, passes=1, batch_sizes=[1, 3], rows_per_sequence=[1, 2, 5], max_rows=6)
@@ -381,7 +381,7 @@ def test_verify_shapes_times_every_shape_within_the_row_limit():
 
 def test_verify_shapes_times_the_projection_both_ways():
     from dart_bench.verify_shapes import ShapesConfig, projection_table
-    from dart_worker.target import TargetAdapter
+    from dart_worker.target.adapter import TargetAdapter
     from tests.tiny_models import tiny_model
 
     table = projection_table(TargetAdapter(tiny_model("llama", vocab_size=32)), ShapesConfig(passes=1,
@@ -393,7 +393,7 @@ def test_verify_shapes_times_the_projection_both_ways():
 
 def test_verify_shapes_times_both_kv_caches_on_identical_logits():
     from dart_bench.verify_shapes import ShapesConfig, cache_table
-    from dart_worker.target import TargetAdapter
+    from dart_worker.target.adapter import TargetAdapter
     from tests.tiny_models import tiny_model
 
     table = cache_table(TargetAdapter(tiny_model("gemma3", vocab_size=32)),
@@ -412,9 +412,9 @@ def test_compare_heads_scores_every_head_on_the_same_data(tiny_artifacts, tmp_pa
     from dart_bench.compare_heads import dev_examples
     from dart_train.draft_training import TeacherPass
     from dart_train.trainer import EvalConfig, TrainConfig, evaluate_dev, head_vocab
-    from dart_worker.draft_checkpoint import load_draft_head, save_draft_head
-    from dart_worker.draft_head import DartDraftHead
-    from dart_worker.loading import load_target
+    from dart_worker.artifacts.loading import load_target
+    from dart_worker.head.draft_checkpoint import load_draft_head, save_draft_head
+    from dart_worker.head.draft_head import DartDraftHead
     from tests.test_teacher_cache import write_chats
 
     model, tokenizer = load_target(tiny_artifacts["target"], dtype="fp32", device="cpu")

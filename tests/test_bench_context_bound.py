@@ -15,7 +15,7 @@ from dart_bench.context_bound import OracleContext, longest_copy, parse_config
 from dart_bench.replay import TuneConfigError
 from dart_train.replay import replay, target_references
 from dart_worker.engine_factory import build_drafter
-from dart_worker.sampling import SamplingParams
+from dart_worker.sampling.params import SamplingParams
 from jobs.bench import main as bench_main
 from ngram_native import TreeParams
 from tests.hypothesis_budget import examples

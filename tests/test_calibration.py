@@ -8,9 +8,9 @@ import pytest
 
 from dart_worker import calibration
 from dart_worker.calibration import calibration_key, grid, latency_curves, make_sizer
-from dart_worker.contention import ContentionMeter
+from dart_worker.hardware.contention import ContentionMeter
 from dart_worker.sizing.latency import LatencyModel
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from tests.tiny_models import tiny_model
 
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from dart_worker import contention
-from dart_worker.contention import MAX_QUIET_SHARE, ContentionMeter, run_queue_seconds
+from dart_worker.hardware import contention
+from dart_worker.hardware.contention import MAX_QUIET_SHARE, ContentionMeter, run_queue_seconds
 
 linux_only = pytest.mark.skipif(run_queue_seconds() is None, reason="no /proc/<pid>/task/*/schedstat here")
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dart_worker.decode_round import StageClock
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import TreeParams
 from tests.hypothesis_budget import examples
 from tests.tiny_models import tiny_model

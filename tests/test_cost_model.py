@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.calibration import make_sizer
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.base import CommittedBlock
 from dart_worker.drafters.head import CATCH_UP_ROWS, DDTreeDrafter
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import GREEDY, SamplingParams, temperature_band
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import GREEDY, SamplingParams, temperature_band
 from dart_worker.sizing import acceptance, latency, pacing
 from dart_worker.sizing.acceptance import SCORE_EDGES, AcceptanceModel, RowAcceptance
 from dart_worker.sizing.bias import BIAS_RANGE, OnlineBias
@@ -28,7 +28,7 @@ from dart_worker.sizing.drain import Drain, depth_survival, row_pace
 from dart_worker.sizing.latency import LatencyModel
 from dart_worker.sizing.pacing import PROBE_DOUBLINGS, PROBE_SHARE
 from dart_worker.sizing.sizer import TreeSizer
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, subtree
 from tests.hypothesis_budget import examples

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dart_worker.draft_checkpoint import (
+from dart_worker.engine_factory import EngineParts, build_engine
+from dart_worker.head.draft_checkpoint import (
     EMBEDDING_PROBE,
     EMBEDDING_PROBE_ROWS,
     IMPORT_STAMP,
@@ -22,9 +23,8 @@ from dart_worker.draft_checkpoint import (
     probe_rows,
     resolve_head_dir,
 )
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
 from ngram_native import TreeParams, build_trie
 from tests.tiny_models import save_tiny_target, tiny_model, tiny_tokenizer
 
@@ -102,7 +102,7 @@ def test_release_head_decodes_losslessly(tmp_path, target):
     expected = [r.token_ids for r in ar.generate(prompts, greedy)]
     # a trie over the target's own continuations, so that trees hold accepted paths
     tokenizer = tiny_tokenizer()
-    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
 
     build_trie([np.asarray(p + e, dtype=np.int32) for p, e in zip(prompts, expected, strict=True)],
                tmp_path / "self.ngram", order=3, vocab_size=96, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))

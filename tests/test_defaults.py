@@ -17,7 +17,7 @@ from dart_worker.defaults import DEFAULT_BUDGET, DEFAULT_DTYPE, DEFAULT_MODE
 from dart_worker.drafters import drafter_names, drafter_spec
 from ngram_native import TreeParams
 from ngram_native import _core as native
-from pipeline.config import DecodingConfig, ModelConfig, PipelineConfig
+from pipeline.settings.config import DecodingConfig, ModelConfig, PipelineConfig
 from tests.pyproject import pyproject
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def _schema_defaults() -> dict[str, object]:
 
 def test_the_config_reference_states_every_key_with_its_default():
     rows, schema = _reference_rows(), _schema_defaults()
-    assert sorted(set(schema) - set(rows)) == [], "keys of pipeline/config.py missing from docs/config.md"
+    assert sorted(set(schema) - set(rows)) == [], "keys of pipeline/settings/config.py missing from docs/config.md"
     assert sorted(set(rows) - set(schema)) == [], "docs/config.md lists keys the schema does not have"
     for key, cell in rows.items():
         if cell == "required":

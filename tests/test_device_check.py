@@ -11,11 +11,11 @@ import pytest
 import ray
 import torch
 
-from dart_worker import device as device_module
-from dart_worker.device import DeviceUnavailable, resolve_worker_device
-from pipeline.config import ConfigError, load_config
-from pipeline.device_check import planned_device, worker_failure
+from dart_worker.hardware import device as device_module
+from dart_worker.hardware.device import DeviceUnavailable, resolve_worker_device
+from pipeline.cluster.device_check import planned_device, worker_failure
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
+from pipeline.settings.config import ConfigError, load_config
 from tests.test_pipeline_run import config_file, write_inputs
 from tests.tiny_models import save_tiny_artifacts
 
@@ -105,7 +105,7 @@ def test_a_worker_that_fails_its_own_device_check_stops_the_job_with_its_line(
 def test_worker_failure_reads_the_line_from_remote_errors():
     line = "the cluster assigned this worker GPU(s) 0 (CUDA_VISIBLE_DEVICES=0), but torch x cannot use them"
     assert worker_failure(DeviceUnavailable(line)) == line
-    wrapped = RuntimeError(f"actor died\nTraceback ...\ndart_worker.device.DeviceUnavailable: {line}\n")
+    wrapped = RuntimeError(f"actor died\nTraceback ...\ndart_worker.hardware.device.DeviceUnavailable: {line}\n")
     assert worker_failure(wrapped) == line
     assert worker_failure(RuntimeError("something else")) is None
 
@@ -128,9 +128,9 @@ def test_a_worker_spreads_its_target_over_every_gpu_ray_assigned_it(monkeypatch,
     """num_gpus_per_worker=2: Ray assigns GPUs 3 and 5 and sets CUDA_VISIBLE_DEVICES=3,5, so torch
     sees them as cuda:0 and cuda:1; the worker loads its target over both (faked assignment: this
     machine has no GPU, so the load is stopped where it starts, with the arguments it got)."""
-    from dart_worker.device import worker_devices
+    from dart_worker.hardware.device import worker_devices
     from pipeline import worker as worker_module
-    from pipeline.config import to_dict
+    from pipeline.settings.config import to_dict
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert worker_devices(torch.device("cuda"), ["3", "5"]) == [torch.device("cuda", 0), torch.device("cuda", 1)]

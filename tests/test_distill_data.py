@@ -9,10 +9,10 @@ import pytest
 
 from dart_train.corpus import iter_conversations
 from dart_train.trainer import DataConfig, conversation_example
-from dart_worker.loading import load_target
+from dart_worker.artifacts.loading import load_target
 from jobs.distill_data import main as distill_main
+from pipeline.data.outputs import read_output
 from pipeline.distill import reply_text
-from pipeline.outputs import read_output
 from tests.tiny_models import TINY_VOCAB
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ def test_distilled_conversations_train_on_exactly_the_generated_tokens(tmp_path,
         assert example.ids[example.prompt_len:] == [*row["token_ids"], tokenizer.eos_token_id]
 
     # The trie over the same conversations, with the target's tokenizer: what model.trie accepts.
-    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
     from ngram_native import NgramTrie
 
     sidecar = json.loads((tmp_path / "self.ngram.json").read_text())

@@ -1,4 +1,4 @@
-"""Tests of the DART draft head (dart_worker/draft_head.py) and its checkpoints (draft_checkpoint.py).
+"""Tests of the DART draft head (dart_worker/head/draft_head.py) and its checkpoints (draft_checkpoint.py).
 
 The central check is `reference_logits`: a plain float64 re-implementation of the architecture
 text (full causal attention over the whole committed prefix + MASK block, no cache, no batching),
@@ -18,16 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from dart_worker.draft_checkpoint import (
+from dart_worker.head.draft_checkpoint import (
     DraftHeadLoadError,
     load_draft_head,
     read_draft_config,
     save_draft_head,
 )
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.draft_head_config import DraftHeadConfig, DraftHeadConfigError
-from dart_worker.draft_kv_cache import DraftKVCache
-from dart_worker.draft_vocab import make_d2t
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.head.draft_head_config import DraftHeadConfig, DraftHeadConfigError
+from dart_worker.head.draft_kv_cache import DraftKVCache
+from dart_worker.head.draft_vocab import make_d2t
 from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 

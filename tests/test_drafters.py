@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from dart_worker.draft_checkpoint import DraftHeadLoadError, load_draft_head, save_draft_head
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import DrafterSpec, drafter_names, drafter_spec, register_drafter, unregister_drafter
 from dart_worker.drafters.base import CommittedBlock, Drafter, Finished
 from dart_worker.engine_factory import EngineParts, build_engine, eos_ids_of
-from dart_worker.sampling import SamplingParams
+from dart_worker.head.draft_checkpoint import DraftHeadLoadError, load_draft_head, save_draft_head
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
 from dart_worker.stats import STAT_COLUMNS, RequestStats
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import DraftTree, InvalidTreeParams, TreeParams
 from ngram_native import _core as native
 from ngram_native import builders as builders_module
-from pipeline.config import ConfigError, load_config
-from pipeline.outputs import OUTPUT_SCHEMA
+from pipeline.data.outputs import OUTPUT_SCHEMA
+from pipeline.settings.config import ConfigError, load_config
 from tests.tiny_models import tiny_model
 
 VOCAB = 32

@@ -11,11 +11,11 @@ import pytest
 import ray
 import torch
 
-from dart_worker.draft_checkpoint import save_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.fingerprint import tokenizer_fingerprint
+from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
+from dart_worker.head.draft_checkpoint import save_draft_head
+from dart_worker.head.draft_head import DartDraftHead
 from ngram_native import build_trie
-from pipeline.outputs import rows_to_table, write_part
+from pipeline.data.outputs import rows_to_table, write_part
 from pipeline.run import main
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts, tiny_model, tiny_tokenizer
 
@@ -100,7 +100,7 @@ def test_dry_run_reports_resume_state(tmp_path, artifacts, capsys):
 ])
 def test_dry_run_failures_are_one_line_and_exit_2(tmp_path, artifacts, capsys, monkeypatch, overrides, where, detail):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("pipeline.dry_run.local_cpu_count", lambda: 2)
+    monkeypatch.setattr("pipeline.startup.dry_run.local_cpu_count", lambda: 2)
     path = write_config(tmp_path, artifacts)
     overrides = [o.replace("OTHER_HEAD", artifacts["other_head"]).replace("OTHER_TRIE", artifacts["other_trie"])
                  for o in overrides]
@@ -116,7 +116,7 @@ def test_dry_run_estimates_large_and_parquet_inputs(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline import dry_run
+    from pipeline.startup import dry_run
 
     pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"]}), tmp_path / "p.parquet")
     assert dry_run.estimate_rows(str(tmp_path / "p.parquet"), "parquet") == (3, True)

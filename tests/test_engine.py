@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 from dart_bench.gpu_acceptance.correctness import first_two_tokens_p_value
 from dart_worker.decode_round import RoundRecord
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine import DecodingEngine
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
 from dart_worker.sizing.policy import FixedSizing
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer
@@ -281,7 +281,7 @@ def test_bad_requests_get_an_error_and_the_rest_still_run(models):
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(models, self_trie):
     # The job n-gram is on: what the engine drafts depends on the rows it finished before, and
-    # still a seeded request's tokens do not (coupled sampling, dart_worker/verification.py).
+    # still a seeded request's tokens do not (coupled sampling, dart_worker/sampling/verification.py).
     engine = make_engine(models["gemma3"], "dart", trie=self_trie)
     prompts = random_prompts(3, seed=7)
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=20) for s in (11, 12, 13)]

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dart_worker import fingerprint
-from dart_worker.fingerprint import (
+from dart_worker.artifacts import fingerprint
+from dart_worker.artifacts.fingerprint import (
     FINGERPRINT_HEX_CHARS,
     cached_tokenizer_fingerprint,
     check_tokenizer_fingerprint,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import dart_train.ngram_build as ngram_build
-import dart_worker.default_target as default_target
-from dart_worker.cache_dir import CACHE_ENV_VAR
-from dart_worker.fingerprint import tokenizer_fingerprint
+import dart_worker.artifacts.default_target as default_target
+from dart_worker.artifacts.cache_dir import CACHE_ENV_VAR
+from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
 from ngram_native import build_trie
 from tests.tiny_models import TINY_VOCAB, tiny_model, tiny_tokenizer
 
@@ -132,8 +132,8 @@ def test_a_drafting_jobs_driver_loads_and_fingerprints_the_default_tokenizer_onc
     against an `ar` job (+14.9 s on a 2-core EPYC)."""
     from transformers import AutoTokenizer
 
-    import dart_worker.fingerprint as fingerprint
-    from pipeline import preflight
+    import dart_worker.artifacts.fingerprint as fingerprint
+    from pipeline.startup import preflight
 
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))  # from a directory, as the default's is

@@ -26,7 +26,7 @@ import ray
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.inputs import (
+from pipeline.data.inputs import (
     PARSED_SCHEMA,
     InputError,
     PromptFields,
@@ -404,7 +404,7 @@ def test_damaged_files_are_one_error_naming_the_file(datasources):
 
 
 def test_ray_reads_every_hostile_line(ray_session, tmp_path, monkeypatch):
-    from pipeline import inputs
+    from pipeline.data import inputs
 
     monkeypatch.setattr(inputs, "ROWS_PER_BLOCK", 5)
     corpus = [line for lines in HOSTILE_JSONL.values() for line in lines]

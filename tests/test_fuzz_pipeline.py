@@ -23,9 +23,9 @@ import pyarrow as pa
 import pytest
 import ray
 
-from pipeline.outputs import read_output, rows_to_table, write_part
+from pipeline.data.outputs import read_output, rows_to_table, write_part
+from pipeline.data.storage import StorageError
 from pipeline.run import SUMMARY_NAME, main, storage_failure
-from pipeline.storage import StorageError
 from tests.flaky_fs import FAIL_ENV
 from tests.hostile_inputs import HOSTILE_JSONL, good_line, nonblank_lines
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
@@ -188,7 +188,7 @@ def test_unreadable_input_is_a_startup_error(tmp_path, artifacts, flaky_ray, cap
 def test_remote_traceback_text_names_the_classes_where_they_live_now():
     """Ray's UserCodeException carries only the traceback's text, whose last line names the error
     class by module: found whatever module StorageError and InputError live in."""
-    from pipeline.inputs import InputError
+    from pipeline.data.inputs import InputError
 
     for cls in (StorageError, InputError):
         text = f"Traceback (most recent call last):\n  ...\n{cls.__module__}.{cls.__name__}: cannot read s3://b/x\n"

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from dart_worker.drafters import drafter_names
 from ngram_native import TreeParams
-from pipeline.config import PipelineConfig, to_dict
-from pipeline.inputs import INPUT_SCHEMA
-from pipeline.outputs import OUTPUT_SCHEMA, read_output, result_rows_to_table, storable_text, write_part
+from pipeline.data.inputs import INPUT_SCHEMA
+from pipeline.data.outputs import OUTPUT_SCHEMA, read_output, result_rows_to_table, storable_text, write_part
+from pipeline.settings.config import PipelineConfig, to_dict
 from pipeline.worker import GenerationWorker
 from tests.hostile_inputs import SPECIAL_TOKENS
 from tests.hypothesis_budget import examples

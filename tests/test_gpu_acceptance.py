@@ -31,12 +31,12 @@ from dart_bench.gpu_acceptance import plan, speed
 from dart_bench.gpu_acceptance.correctness import chi_square_p_value
 from dart_bench.gpu_acceptance.report import markdown
 from dart_bench.gpu_acceptance.runner import AcceptanceRun, Deadline, Section, process_started
-from dart_worker.tree_batch import TreeBatch
+from dart_worker.target.tree_batch import TreeBatch
 from jobs.gpu_acceptance.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_PLAN = ["kernels.shapes=bucketed", "kernels.gqa=pack", "kernels.logits=batched", "kernels.warp=dense",
-            "kernels.projection=linear"]  # what dart_worker.kernels picks on CUDA
+            "kernels.projection=linear"]  # what dart_worker.hardware.kernels picks on CUDA
 SMALL = ["device=cpu", "prompts=2", "new_tokens=12", "chi_square_draws=300", "shapes=[tiny-llama]", "context=24",
          "generate_tokens=6", "repeats=1", "verify_batches=[1,2]", "verify_rows=[1,4]", "gqa_batches=[1,2]",
          "gqa_rows=[1,4]", "drafting_tokens=6", "throughput_batch=2", "budget=8", "time_budget_s=1e9"]

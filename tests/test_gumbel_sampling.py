@@ -13,8 +13,8 @@ from scipy import stats
 
 from dart_bench import gumbel as sampling
 from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_BLOCK, gumbel_noise, gumbel_sample, noise_bits, row_seeds
-from dart_worker import sampling as engine_sampling
-from dart_worker.sampling import SamplingParams, request_key
+from dart_worker.sampling import params as engine_sampling
+from dart_worker.sampling.params import SamplingParams, request_key
 
 ALPHA = 1e-4
 VOCAB = 32

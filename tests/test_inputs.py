@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import inputs
-from pipeline.inputs import (
+from pipeline.data import inputs
+from pipeline.data.inputs import (
     INPUT_SCHEMA,
     InputError,
     PromptFields,
@@ -33,7 +33,7 @@ from pipeline.inputs import (
     read_prompts,
     read_prompts_with_report,
 )
-from pipeline.storage import StorageError, expand_inputs
+from pipeline.data.storage import StorageError, expand_inputs
 from tests.hostile_inputs import ShortReads, line_as_read
 from tests.hypothesis_budget import examples
 from tests.s3_server import local_ray_for, running_s3_server

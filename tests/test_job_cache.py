@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import ContextIndex, DraftTree, JobCache, TreeParams, build_job_cache_trees
 from ngram_native.trees import SOURCE_JOB_CACHE, SOURCE_NAMES
-from pipeline.config import ConfigError, load_config
+from pipeline.settings.config import ConfigError, load_config
 from tests.hypothesis_budget import examples
 from tests.test_context_index import assert_same_tree
 from tests.tiny_models import tiny_model
@@ -242,7 +242,7 @@ def test_job_cache_equals_ar_greedy_and_accepts_on_templated_rows(cache_prompts)
 
 
 def test_job_cache_spans_batches_and_continuous_batching_in_the_hybrid():
-    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.head.draft_head import DartDraftHead
 
     model = tiny_model("qwen3", vocab_size=VOCAB)
     torch.manual_seed(123)

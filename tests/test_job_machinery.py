@@ -22,11 +22,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pipeline.outputs as outputs_module
+import pipeline.data.outputs as outputs_module
 from dart_bench.load import growth, operator_figures, write_inputs
-from pipeline.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
-from pipeline.outputs import part_name, resume_progress, sample_key, split_sample_key
-from pipeline.summary import MAX_SETTING_GROUPS, RunTally, build_summary, tau_distribution
+from pipeline.data.inputs import ORDER_COLUMN, duplicate_key, merge_repeats, order_key, repeats_and_edges
+from pipeline.data.outputs import part_name, resume_progress, sample_key, split_sample_key
+from pipeline.data.summary import MAX_SETTING_GROUPS, RunTally, build_summary, tau_distribution
 from tests.hypothesis_budget import examples
 
 # ------------------------------------------------------------------------------ duplicate pass
@@ -239,9 +239,9 @@ def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path, tiny_
     import ray
     from ray.util.state import list_actors
 
-    from pipeline.config import load_config
-    from pipeline.outputs import read_output
+    from pipeline.data.outputs import read_output
     from pipeline.run import run_pipeline
+    from pipeline.settings.config import load_config
 
     artifacts = tiny_artifacts
     lines = [json.dumps({"id": f"r{k % 7}", "prompt": f"w{5 + k} w9"}) for k in range(9)]  # r0, r1 twice

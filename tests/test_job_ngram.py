@@ -176,7 +176,7 @@ def test_bad_documents_are_clear_errors_and_change_nothing():
     ("decoding.tree.job_ngram_prior=-0.5", r"decoding\.tree\.job_ngram_prior: must be >= 0"),
 ])
 def test_the_config_names_a_bad_job_ngram_setting(tmp_path, override, message):
-    from pipeline.config import ConfigError, load_config
+    from pipeline.settings.config import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("input:\n  urls: [prompts.jsonl]\noutput:\n  url: out/\n")

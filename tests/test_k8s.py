@@ -24,9 +24,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline.config import load_config
 from pipeline.nightly import load_night
 from pipeline.nightly_submit import render_rayjob
+from pipeline.settings.config import load_config
 from tests.test_layering import installed_packages
 
 REPO = Path(__file__).resolve().parent.parent
@@ -582,7 +582,7 @@ def test_podmonitor_scrapes_every_ray_pod_on_the_metrics_port():
 def test_grafana_dashboard_queries_only_exported_metrics_and_shows_all_of_them():
     import json
 
-    from pipeline.metrics import METRICS, exported_names
+    from pipeline.cluster.metrics import METRICS, exported_names
 
     dashboard = json.loads((K8S / "grafana" / "dart-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

@@ -1,7 +1,7 @@
 """Every kernel strategy computes the same result, on CPU tensors, whatever device would pick it.
 
 The GPU strategies (`linear` projection, `dense` warp, `batched` logits) never run on a CPU by
-themselves; here they are forced (`dart_worker.kernels.forced`) and compared with the CPU ones and
+themselves; here they are forced (`dart_worker.hardware.kernels.forced`) and compared with the CPU ones and
 with the model's own forward: prefill and verify logits for ragged batches, greedy and seeded
 sampled decoding. A model whose head slices `logits_to_keep` the transformers 4.x way (which the
 former GPU branch handed a [B, 1] tensor) must decode like any other.
@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dart_worker import kernels
-from dart_worker.target import TargetAdapter
+from dart_worker.hardware import kernels
+from dart_worker.target.adapter import TargetAdapter
 from tests.test_engine import greedy, make_engine, random_prompts
 from tests.test_target import random_tree, tree_tensors
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
@@ -143,7 +143,7 @@ def test_a_4x_style_head_decodes_like_its_weights_under_every_strategy():
 def test_engine_under_gpu_strategies_equals_cpu_strategies(family):
     """Greedy (ragged batch, continuous batching) and seeded top-p sampling commit the same
     tokens under either plan, and greedy equals `ar`."""
-    from dart_worker.sampling import SamplingParams
+    from dart_worker.sampling.params import SamplingParams
 
     model = tiny_model(family, vocab_size=32)
     requests = random_prompts(5, seed=7)

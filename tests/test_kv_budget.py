@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from dart_worker.artifacts.random_models import SHAPES
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.kv_budget import kv_budget, kv_bytes_per_token
-from dart_worker.random_models import SHAPES
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
+from dart_worker.target.kv_budget import kv_budget, kv_bytes_per_token
 from ngram_native.builders import TreeParams
 from tests.tiny_models import tiny_model
 

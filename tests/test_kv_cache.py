@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from dart_worker.kv_cache import GrowingCache, GrowingLayer, retire_order
+from dart_worker.target.kv_cache import GrowingCache, GrowingLayer, retire_order
 from tests.hypothesis_budget import examples
 
 OPS = st.lists(st.one_of(

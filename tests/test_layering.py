@@ -31,7 +31,8 @@ FORBIDDEN = {
 # Modules whose functions Ray Data runs in task workers (reads, the dedupe's counts, the resume
 # filter, part writes, the OpenAI batch reader): a task worker imports them and nothing else of
 # the job, so torch and transformers there would cost every task worker seconds and hundreds of MB.
-TASK_MODULES = ("pipeline.inputs", "pipeline.outputs", "pipeline.write_task", "pipeline.openai_batch")
+TASK_MODULES = ("pipeline.data.inputs", "pipeline.data.outputs", "pipeline.data.write_task",
+                "pipeline.data.openai_batch")
 HEAVY_PACKAGES = ("torch", "transformers")
 # Modules a Ray Data generation worker runs; none of them may pull in training code or jobs.
 WORKER_MODULES = ("pipeline.worker",)
@@ -157,11 +158,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_scan_sees_the_packages():
-    assert {"ngram_native.trie", "dart_worker.loading", "dart_train.corpus", "pipeline.run", "dart_bench.common",
-            "jobs.build_ngram"} <= set(MODULES)
+    assert {"ngram_native.trie", "dart_worker.artifacts.loading", "dart_train.corpus", "pipeline.run",
+            "dart_bench.common", "jobs.build_ngram"} <= set(MODULES)
     graph = _graph()
-    assert "dart_worker.default_target" in graph["dart_worker.loading"]  # a lazy import counts
-    assert "ngram_native.trie" in graph["pipeline.ngram_store"] or "ngram_native" in graph["pipeline.ngram_store"]
+    assert "dart_worker.artifacts.default_target" in graph["dart_worker.artifacts.loading"]  # a lazy import counts
+    assert {"ngram_native.trie", "ngram_native"} & graph["pipeline.cluster.ngram_store"]
 
 
 def installed_packages() -> list[str]:
@@ -234,7 +235,7 @@ def test_workers_import_no_training_code_and_no_jobs():
 def test_ray_data_task_modules_import_neither_torch_nor_transformers():
     """Imported for real in a fresh interpreter (lazy and TYPE_CHECKING imports are what the AST
     scan cannot tell apart): the write task lived in pipeline/run.py and row settings imported
-    dart_worker.sampling, so every read and write task worker imported the whole engine."""
+    dart_worker.sampling.params, so every read and write task worker imported the whole engine."""
     code = (f"import sys\nfor m in {TASK_MODULES!r}: __import__(m)\n"
             f"print(sorted({{k.split('.')[0] for k in sys.modules}} & set({HEAVY_PACKAGES!r})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
@@ -289,7 +290,7 @@ drafter.job_ngram
 # The cost model (dart_worker/sizing/) is numpy over trees: it never imports torch, the engine or
 # the drafters, only these (dart_worker.decode_round for the round record's type).
 SIZING_PACKAGE = "dart_worker.sizing"
-SIZING_MAY_IMPORT = ("dart_worker.sizing", "dart_worker.sampling", "dart_worker.decode_round", "ngram_native")
+SIZING_MAY_IMPORT = ("dart_worker.sizing", "dart_worker.sampling.params", "dart_worker.decode_round", "ngram_native")
 
 
 def test_the_sizing_package_sits_below_the_engine():

@@ -17,11 +17,12 @@ import pytest
 import torch
 from transformers import BertConfig, BertLMHeadModel, ViTConfig
 
-from dart_worker import cache_dir as cache_mod
-from dart_worker import default_target, device, fingerprint
-from dart_worker.cache_dir import build_atomically, cache_dir, cache_root, file_lock, lock_path_for
-from dart_worker.device import configure_cpu_threads, resolve_device, resolve_dtype
-from dart_worker.loading import load_target, model_fingerprint, resolve_source, target_family
+from dart_worker.artifacts import cache_dir as cache_mod
+from dart_worker.artifacts import default_target, fingerprint
+from dart_worker.artifacts.cache_dir import build_atomically, cache_dir, cache_root, file_lock, lock_path_for
+from dart_worker.artifacts.loading import load_target, model_fingerprint, resolve_source, target_family
+from dart_worker.hardware import device
+from dart_worker.hardware.device import configure_cpu_threads, resolve_device, resolve_dtype
 from tests.tiny_models import TINY_VOCAB, save_tiny_target, tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -312,7 +313,7 @@ def test_cache_dir_follows_env_and_creates(tmp_path, monkeypatch):
 RACE_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from dart_worker.cache_dir import build_atomically
+    from dart_worker.artifacts.cache_dir import build_atomically
 
     final, builds_log, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     while not go.exists():

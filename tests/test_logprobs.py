@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dart_worker.drafters import drafter_names
-from dart_worker.sampling import SamplingParams, warp_logits_to_probs
+from dart_worker.sampling.params import SamplingParams, warp_logits_to_probs
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.test_penalties import dense_penalties
 from tests.tiny_models import tiny_model

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import drafter_spec
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import DraftTree, TreeParams
 from ngram_native.trees import SOURCE_CONTEXT, SOURCE_HEAD, merge_trees
-from pipeline.config import load_config
+from pipeline.settings.config import load_config
 from tests.tiny_models import FAMILIES, tiny_model
 
 VOCAB = 32

@@ -1,4 +1,4 @@
-"""Live metrics (pipeline/metrics.py): a small job on a local Ray cluster with the Prometheus
+"""Live metrics (pipeline/cluster/metrics.py): a small job on a local Ray cluster with the Prometheus
 export port set; the scraped series must agree with the rows the job wrote."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from dart_worker.stats import STAT_COLUMNS
-from pipeline import metrics
-from pipeline.config import load_config
-from pipeline.outputs import read_output
+from pipeline.cluster import metrics
+from pipeline.data.outputs import read_output
+from pipeline.data.summary import error_kind
 from pipeline.run import run_pipeline
-from pipeline.summary import error_kind
+from pipeline.settings.config import load_config
 from tests import metrics_hold
 from tests.tiny_models import TINY_VOCAB, save_tiny_artifacts
 

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from ngram_native import NgramTrie, TokenizerMismatchError, TrieFormatError, build_trie
-from pipeline import ngram_store
-from pipeline.ngram_store import (
+from pipeline.cluster import ngram_store
+from pipeline.cluster.ngram_store import (
     NgramStore,
     TrieUnavailableError,
     acquire_trie,

@@ -1,7 +1,7 @@
 """jobs.nightly: date resolution, config rewriting, the report and the exit code.
 
 The pipeline itself never runs here: `jobs.nightly.run_pipeline` is replaced by a fake that
-returns a job summary shaped like pipeline.summary.build_summary's (and records its config).
+returns a job summary shaped like pipeline.data.summary.build_summary's (and records its config).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs import nightly
-from pipeline.config import ConfigError
 from pipeline.nightly import (
     REPORT_JSON,
     REPORT_MD,
@@ -27,6 +26,7 @@ from pipeline.nightly import (
     load_night,
     parse_date,
 )
+from pipeline.settings.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "configs" / "nightly.yaml"
@@ -262,7 +262,7 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(config_path, fake_p
 def test_pipeline_start_up_storage_and_run_errors_become_nightly_errors(config_path, monkeypatch):
     try:
         import pipeline.run as pipeline_run
-        from pipeline.storage import StorageError
+        from pipeline.data.storage import StorageError
     except Exception as exc:  # the pipeline package is still being assembled elsewhere
         pytest.skip(f"pipeline.run does not import: {exc}")
     night = _night(config_path)
@@ -291,7 +291,7 @@ def test_the_previous_nights_output_warms_the_job_unless_warm_from_is_given(conf
 def test_a_night_without_a_previous_output_starts_cold(config_path, tmp_path, fake_pipeline, capsys):
     import pyarrow.parquet as pq
 
-    from pipeline.outputs import OUTPUT_SCHEMA
+    from pipeline.data.outputs import OUTPUT_SCHEMA
 
     calls = fake_pipeline(fake_summary(rows=10, failed=0))
     assert nightly.main([str(config_path), "date=2026-11-20", WARM]) == 0
@@ -310,6 +310,6 @@ def test_a_night_without_a_previous_output_starts_cold(config_path, tmp_path, fa
 def pa_table(rows):
     import pyarrow as pa
 
-    from pipeline.outputs import OUTPUT_SCHEMA
+    from pipeline.data.outputs import OUTPUT_SCHEMA
 
     return pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA)

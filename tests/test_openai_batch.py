@@ -1,7 +1,7 @@
-"""OpenAI Batch API files in and out (pipeline/openai_batch.py).
+"""OpenAI Batch API files in and out (pipeline/data/openai_batch.py).
 
 - Request lines map onto rows: custom_id -> id, body.messages / body.prompt -> the prompt, the
-  sampling fields -> per-row settings that pipeline/row_settings.py accepts, response_format ->
+  sampling fields -> per-row settings that pipeline/settings/row_settings.py accepts, response_format ->
   structured_output; every field the pipeline cannot honour is an error row naming it.
 - The output file has one line per request line, in request order, in the Batch API's shape
   (`chat.completion` / `text_completion` bodies with n choices, usage, OpenAI-shaped logprobs), an
@@ -20,8 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ConfigError, load_config
-from pipeline.openai_batch import (
+from pipeline.data.openai_batch import (
     CHAT_URL,
     COMPLETIONS_URL,
     FIELD_SETTINGS,
@@ -36,8 +35,9 @@ from pipeline.openai_batch import (
     response_line,
     write_batch_output,
 )
-from pipeline.outputs import read_output, rows_to_table, sample_key, write_part
-from pipeline.row_settings import SETTING_KINDS, checked_setting, decode_settings
+from pipeline.data.outputs import read_output, rows_to_table, sample_key, write_part
+from pipeline.settings.config import ConfigError, load_config
+from pipeline.settings.row_settings import SETTING_KINDS, checked_setting, decode_settings
 from tests.hypothesis_budget import examples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ def test_a_chat_request_maps_onto_the_rows_prompt_and_settings():
                         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3,
                         "structured_output": {"json": schema}}
     assert got.top_logprobs == 3
-    for name, value in settings.items():  # every setting is one pipeline/row_settings.py accepts
+    for name, value in settings.items():  # every setting is one pipeline/settings/row_settings.py accepts
         checked_setting(name, value)
     assert checked_setting("structured_output", settings["structured_output"]).kind == "json"
 
@@ -304,7 +304,7 @@ def batch_lines(output: str | Path, fs_read=None) -> list[dict]:
 def test_the_file_answers_every_request_line_once_in_order_from_the_parts(tmp_path):
     """Parts written as a job would (duplicates keyed as the reader keys them, an id-less malformed
     line by its hash); the file follows the requests, and a request without rows is an error line."""
-    from pipeline.inputs import JsonlRowKeys, duplicate_key, order_key
+    from pipeline.data.inputs import JsonlRowKeys, duplicate_key, order_key
 
     requests = tmp_path / "requests.jsonl"
     write_requests(requests, [chat("a"), "{broken", chat("b"), chat("a", content="w9"), chat("gone")])

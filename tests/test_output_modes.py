@@ -1,4 +1,4 @@
-"""A run never silently replaces another run's rows (issue #32): pipeline/output_modes.py.
+"""A run never silently replaces another run's rows (issue #32): pipeline/startup/output_modes.py.
 
 An output holding parts stops a run at start-up with one line saying what is there, unless
 `output.if_exists` says resume, beside or replace; a replacement commits only after the new run
@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.output_modes as output_modes
-from pipeline.config import ConfigError, load_config
-from pipeline.output_modes import (
+import pipeline.startup.output_modes as output_modes
+from pipeline.data.outputs import read_output, rows_to_table, write_part
+from pipeline.data.summary import SUMMARY_NAME
+from pipeline.settings.config import ConfigError, load_config
+from pipeline.startup.output_modes import (
     COMMIT_MARKER,
     commit_output,
     inspect_output,
     open_output,
     plan_output,
 )
-from pipeline.outputs import read_output, rows_to_table, write_part
-from pipeline.preflight import StartupError
-from pipeline.summary import SUMMARY_NAME
+from pipeline.startup.preflight import StartupError
 
 # ----------------------------------------------------------------------------- without Ray
 

@@ -16,9 +16,9 @@ import ray
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import outputs
-from pipeline.inputs import read_prompts
-from pipeline.outputs import (
+from pipeline.data import outputs
+from pipeline.data.inputs import read_prompts
+from pipeline.data.outputs import (
     OUTPUT_SCHEMA,
     PART_NAME_PATTERN,
     conform,
@@ -32,7 +32,7 @@ from pipeline.outputs import (
     sample_key,
     write_part,
 )
-from pipeline.storage import StorageError, filesystem_for
+from pipeline.data.storage import StorageError, filesystem_for
 from tests.hypothesis_budget import examples
 from tests.s3_server import local_ray_for, running_s3_server
 
@@ -299,7 +299,7 @@ def test_corrupt_part_is_quarantined_and_redone(tmp_path, caplog, damage):
     bad.write_bytes(damage(pq_bytes(table_of("b", "c"))))
     with pytest.raises(StorageError, match=rf"output part .*{bad.name}"):
         read_output(str(out))  # reading never modifies the output
-    with caplog.at_level(logging.WARNING, logger="pipeline.outputs"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.outputs"):
         assert existing_row_keys(str(out)) == {"a"}
     assert f"corrupt output part {bad.resolve().as_uri()}" in caplog.text
     assert not bad.exists() and (out / "_corrupt" / bad.name).exists()
@@ -313,7 +313,7 @@ def test_read_output_keeps_one_copy_of_overlapping_parts(tmp_path, caplog):
     out = tmp_path / "out"
     write_part(rows_to_table([output_row("a"), output_row("b", text="first")]), str(out), RUN)
     write_part(rows_to_table([output_row("b", text="second"), output_row("c")]), str(out), RUN)
-    with caplog.at_level(logging.WARNING, logger="pipeline.outputs"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.outputs"):
         table = read_output(str(out))
     assert table.column("row_key").to_pylist() == ["a", "b", "c"]
     first_part = min(part_name(["a", "b"]), part_name(["b", "c"]))

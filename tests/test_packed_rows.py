@@ -1,4 +1,4 @@
-"""The packed layout of a verify block's real rows (`dart_worker.packed_rows`) against brute force."""
+"""The packed layout of a verify block's real rows (`dart_worker.target.packed_rows`) against brute force."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.packed_rows import PackedRows
+from dart_worker.target.packed_rows import PackedRows
 from tests.hypothesis_budget import examples
 
 sizes_strategy = st.lists(st.integers(0, 6), min_size=1, max_size=7)

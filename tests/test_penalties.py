@@ -21,8 +21,8 @@ from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsW
 
 from dart_bench.gpu_acceptance.correctness import chi_square_p_value
 from dart_worker.drafters import drafter_names
-from dart_worker.logits_processors import path_tokens
-from dart_worker.sampling import SamplingParams, TokenHistory, apply_penalties, warp_logits_to_probs
+from dart_worker.sampling.logits_processors import path_tokens
+from dart_worker.sampling.params import SamplingParams, TokenHistory, apply_penalties, warp_logits_to_probs
 from ngram_native.trees import DraftTree
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.test_sampling import assert_same_distribution

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, from_dict, load_config, to_dict
+from pipeline.settings.config import ConfigError, from_dict, load_config, to_dict
 
 MINIMAL = "input:\n  urls: [prompts.jsonl]\noutput:\n  url: out/\n"
 

@@ -21,13 +21,13 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
+from dart_worker.artifacts.loading import load_target
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.loading import load_target
 from dart_worker.prompt_format import encode_prompt, format_user_prompt
-from dart_worker.sampling import SamplingParams
-from pipeline.config import load_config
-from pipeline.outputs import read_output, resume_progress
+from dart_worker.sampling.params import SamplingParams
+from pipeline.data.outputs import read_output, resume_progress
 from pipeline.run import SUMMARY_NAME, main, run_pipeline
+from pipeline.settings.config import load_config
 from pipeline.worker import CRASH_ONCE_ENV
 from tests.ray_processes import kill_ray_processes_under, short_temp_dir
 from tests.tiny_models import TINY_VOCAB

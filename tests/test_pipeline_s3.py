@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from pipeline.config import load_config
-from pipeline.outputs import read_output
+from pipeline.data.outputs import read_output
 from pipeline.run import SUMMARY_NAME, run_pipeline
+from pipeline.settings.config import load_config
 from tests.ray_processes import start_ray_head
 from tests.test_pipeline_run import REPO, artifacts, config_file, write_inputs  # noqa: F401 (fixture)
 

@@ -43,7 +43,7 @@ def run(target, corpus, out, *extra):
 
 
 def test_prepare_model_end_to_end_then_resumes(setup, capsys):
-    from pipeline.config import load_config
+    from pipeline.settings.config import load_config
 
     target, corpus, out = setup
     assert run(target, corpus, out) == 0
@@ -78,8 +78,8 @@ def test_prepare_model_end_to_end_then_resumes(setup, capsys):
 def test_imported_head_for_another_target_stops_with_the_reason(setup, tmp_path, capsys):
     import torch
 
-    from dart_worker.draft_checkpoint import save_draft_head
-    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.head.draft_checkpoint import save_draft_head
+    from dart_worker.head.draft_head import DartDraftHead
     from tests.tiny_models import tiny_model
 
     target, corpus, out = setup

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dart_worker import projection
-from dart_worker.projection import project
+from dart_worker.target import projection
+from dart_worker.target.projection import project
 from tests.hypothesis_budget import examples
 
 
@@ -55,7 +55,7 @@ def test_gradients_flow_through_the_module_path():
 @pytest.mark.parametrize("rows", [1, 2, 9])
 def test_draft_head_logits_go_through_the_projection(rows, monkeypatch):
     """The draft head's read-out uses `project` (the 16k-vocabulary head was 2x slower as a module)."""
-    from dart_worker import draft_head
+    from dart_worker.head import draft_head
     from tests.tiny_models import tiny_model
 
     model = tiny_model("llama")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from dart_worker.drafters import drafter_names
-from dart_worker.sampling import SamplingParams
-from dart_worker.verification import _PROMPT_CHUNK
-from pipeline.config import to_dict
-from pipeline.inputs import INPUT_SCHEMA
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.sampling.verification import _PROMPT_CHUNK
+from pipeline.data.inputs import INPUT_SCHEMA
+from pipeline.settings.config import to_dict
 from pipeline.worker import GenerationWorker
 from tests.test_engine import VOCAB, make_engine, random_prompts
 from tests.tiny_models import input_row, save_tiny_artifacts, tiny_model, tiny_worker_config

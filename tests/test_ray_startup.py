@@ -25,9 +25,9 @@ import psutil
 import pytest
 import ray
 
-from pipeline.outputs import read_output, written_rows
-from pipeline.ray_connection import LOOPBACK, RayTarget, check_reachable, ray_target
+from pipeline.data.outputs import read_output, written_rows
 from pipeline.run import SUMMARY_NAME, main
+from pipeline.startup.ray_connection import LOOPBACK, RayTarget, check_reachable, ray_target
 from tests.ray_processes import free_port, kill_ray_processes_under, short_temp_dir
 from tests.test_pipeline_run import config_file, write_inputs
 

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_train.replay import accepted_path, mean_tau, replay, target_references
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_drafter, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import DraftTree, NgramTrie, TreeParams, build_trie
 from tests.hypothesis_budget import examples
 from tests.test_engine import VOCAB, random_prompts

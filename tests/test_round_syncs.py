@@ -2,9 +2,9 @@
 
 On a GPU each device-to-host read (and each blocking copy) stalls the host until all queued work
 is done; a round that read per sequence would stall B times. The engine keeps its bookkeeping on
-the host and crosses only in `dart_worker.transfer`: one transfer for the draft head's top-k
+the host and crosses only in `dart_worker.hardware.transfer`: one transfer for the draft head's top-k
 (drafters with a head) and one for the verification verdict. The counts here come from
-`dart_worker.sync_counter` on CPU tensors with the GPU kernel strategies forced (`batched` logits,
+`dart_worker.hardware.sync_counter` on CPU tensors with the GPU kernel strategies forced (`batched` logits,
 `dense` warps), so they are what a CUDA round does; the counter errs high, never low.
 """
 
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from dart_worker import kernels
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters.registry import drafter_names
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.sync_counter import SyncCounter
-from dart_worker.target import TargetAdapter
+from dart_worker.hardware import kernels
+from dart_worker.hardware.sync_counter import SyncCounter
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 from tests.tiny_models import tiny_model
 
@@ -92,7 +92,7 @@ def test_a_round_waits_for_the_device_at_most_twice_at_any_batch(parts, mode, si
 def test_n_samples_sharing_a_prefill_wait_no_more(parts, mode, monkeypatch):
     """Copying a prompt's prefilled rows for its completions (`TargetState.repeat`, the logits' and
     taps' rows) uploads one index and reads nothing back: an admission still waits once."""
-    from dart_worker.sampling import for_sample
+    from dart_worker.sampling.params import for_sample
 
     with kernels.forced(logits="batched", warp="dense"):
         engine = build_engine(parts, mode, TreeParams(budget=12), sizing="fixed", batches=(1, 3))

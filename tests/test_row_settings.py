@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.drafters import drafter_names
-from dart_worker.sampling import SamplingParams
-from pipeline.config import ConfigError, load_config, to_dict
-from pipeline.inputs import INPUT_SCHEMA, PromptFields, parse_jsonl_record
-from pipeline.row_settings import (
+from dart_worker.sampling.params import SamplingParams
+from pipeline.data.inputs import INPUT_SCHEMA, PromptFields, parse_jsonl_record
+from pipeline.settings.config import ConfigError, load_config, to_dict
+from pipeline.settings.row_settings import (
     SETTING_NAMES,
     SettingError,
     checked_setting,
@@ -61,7 +61,7 @@ def test_a_setting_json_cannot_hold_is_the_rows_error():
 
 
 def test_parquet_reader_carries_setting_columns(tmp_path):
-    from pipeline.inputs import ParquetPromptDatasource
+    from pipeline.data.inputs import ParquetPromptDatasource
 
     table = pa.table({"id": ["a", "b", "c"], "prompt": ["w5", "w6", "w7"],
                       "max_new_tokens": pa.array([4.0, None, 2.5]),  # pandas' int column with nulls

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dart_worker.drafters import drafter_names
-from dart_worker.sampling import SamplingParams, for_sample, sample_seed
-from pipeline.config import ConfigError, load_config, to_dict
-from pipeline.inputs import INPUT_SCHEMA
-from pipeline.outputs import OUTPUT_SCHEMA, sample_key, split_sample_key
+from dart_worker.sampling.params import SamplingParams, for_sample, sample_seed
+from pipeline.data.inputs import INPUT_SCHEMA
+from pipeline.data.outputs import OUTPUT_SCHEMA, sample_key, split_sample_key
+from pipeline.settings.config import ConfigError, load_config, to_dict
 from pipeline.worker import GenerationWorker, row_seed
 from tests.hypothesis_budget import examples
 from tests.test_engine import VOCAB, make_engine, random_prompts

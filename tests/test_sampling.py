@@ -16,8 +16,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dart_worker import kernels, sampling
-from dart_worker.sampling import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
+from dart_worker.hardware import kernels
+from dart_worker.sampling import params as sampling
+from dart_worker.sampling.params import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
 from tests.hypothesis_budget import examples
 
 

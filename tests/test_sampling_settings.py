@@ -1,4 +1,4 @@
-"""The sampling settings are declared once (pipeline/sampling_settings.py) and every list of them
+"""The sampling settings are declared once (pipeline/settings/sampling_settings.py) and every list of them
 is derived: these tests fail when a setting is added to the engine or the config and not declared,
 or when a derived place stops carrying one."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from dart_worker.sampling import SamplingParams
-from pipeline import outputs, row_settings, summary
-from pipeline.config import DecodingConfig, PipelineConfig
-from pipeline.openai_batch import FIELD_SETTINGS
-from pipeline.sampling_settings import (
+from dart_worker.sampling.params import SamplingParams
+from pipeline.data import outputs, summary
+from pipeline.data.openai_batch import FIELD_SETTINGS
+from pipeline.settings import row_settings
+from pipeline.settings.config import DecodingConfig, PipelineConfig
+from pipeline.settings.sampling_settings import (
     GROUPED_SETTINGS,
     PARAMS_SETTINGS,
     RECORDED_SETTINGS,

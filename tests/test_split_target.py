@@ -1,4 +1,4 @@
-"""A target spread over several devices (dart_worker/loading.py: split_device_map, load_target's
+"""A target spread over several devices (dart_worker/artifacts/loading.py: split_device_map, load_target's
 `devices` / `device_map`). Without GPUs this checks what a CPU can: the placement accelerate computes
 for two CUDA devices (whole layers, in order, balanced, embedding first, nothing on CPU or disk, a
 clear error when the target does not fit), and that a target loaded through a per-module device map
@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from dart_worker.loading import describe_placement, load_target, split_device_map
-from dart_worker.random_models import tiny_config
+from dart_worker.artifacts.loading import describe_placement, load_target, split_device_map
+from dart_worker.artifacts.random_models import tiny_config
 from tests.tiny_models import save_tiny_target
 
 TWO_GPUS = [torch.device("cuda:0"), torch.device("cuda:1")]

@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from pipeline import io_retry
-from pipeline.io_retry import RetryLedger, RetryPolicy, classify
-from pipeline.outputs import read_output, rows_to_table, write_part, written_rows
+from pipeline.data import io_retry
+from pipeline.data.io_retry import RetryLedger, RetryPolicy, classify
+from pipeline.data.outputs import read_output, rows_to_table, write_part, written_rows
+from pipeline.data.storage import StorageError
 from pipeline.run import SUMMARY_NAME, main
-from pipeline.storage import StorageError
 from tests.fault_proxy import start_fault_proxy
 from tests.test_pipeline_run import config_file, write_inputs
 

@@ -20,18 +20,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.drafters import drafter_names
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.grammar import GrammarBook, GrammarState, GrammarViolation
-from dart_worker.sampling import SamplingParams
-from dart_worker.structured_output import (
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.grammar import GrammarBook, GrammarState, GrammarViolation
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.sampling.structured_output import (
     StructuredOutput,
     StructuredOutputError,
     check_syntax,
     parse_structured_output,
 )
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 from ngram_native.trees import SOURCE_GRAMMAR, DraftTree, merge_trees
 from tests.tiny_grammar import json_tokenizer

@@ -17,12 +17,12 @@ import pyarrow as pa
 import pytest
 
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
-from pipeline.config import ConfigError, load_config, to_dict
-from pipeline.inputs import INPUT_SCHEMA, PromptFields, parse_jsonl_record
-from pipeline.outputs import OUTPUT_SCHEMA
-from pipeline.row_settings import SettingError, checked_setting, encode_settings, settings_columns
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
+from pipeline.data.inputs import INPUT_SCHEMA, PromptFields, parse_jsonl_record
+from pipeline.data.outputs import OUTPUT_SCHEMA
+from pipeline.settings.config import ConfigError, load_config, to_dict
+from pipeline.settings.row_settings import SettingError, checked_setting, encode_settings, settings_columns
 from pipeline.worker import GenerationWorker
 from tests.tiny_models import input_row, save_tiny_artifacts, tiny_worker_config
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dart_worker.target import TargetAdapter, default_tap_layers, prefill_groups
+from dart_worker.target.adapter import TargetAdapter, default_tap_layers, prefill_groups
 from tests.hypothesis_budget import examples
 from tests.tiny_models import FAMILIES, TINY_VOCAB, tiny_model
 
@@ -116,14 +116,14 @@ def test_deferred_logits_of_any_rows_equal_the_models_own(family):
 @pytest.mark.parametrize("defer_logits", [False, True])
 def test_packed_real_rows_of_unequal_trees_equal_the_padded_block(family, sizes, defer_logits):
     """A verify block of unequal trees (padding after the smaller ones) run as its real rows only
-    (`TreeBatch.real_rows`, packed: `dart_worker.packed_rows`) gives every real row the logits
+    (`TreeBatch.real_rows`, packed: `dart_worker.target.packed_rows`) gives every real row the logits
     (or final hidden states), the taps and the cached K/V of running the whole padded block, and
     only the real rows go through the decoder and the vocabulary projection. The sizes cover a
     block attended whole, one whose roots and trees attend apart (few sequences with a tree) and
     one without padding (run as it is)."""
     import numpy as np
 
-    from dart_worker.tree_batch import TreeBatch
+    from dart_worker.target.tree_batch import TreeBatch
     from ngram_native.trees import DraftTree
 
     model = tiny_model(family)

@@ -1,4 +1,4 @@
-"""Targets from object storage (dart_worker/target_store.py) against a real local S3 server (moto):
+"""Targets from object storage (dart_worker/artifacts/target_store.py) against a real local S3 server (moto):
 one verified download per node, shared by concurrent processes, resumed after an interruption,
 refused loudly when the bytes differ from what the store lists, and decoding exactly like the
 same model loaded from a local directory."""
@@ -86,7 +86,7 @@ class _FaultyFS:
 
 @contextlib.contextmanager
 def _faulty_store(monkeypatch, name=None, cut=None, corrupt=False):
-    from dart_worker import target_store
+    from dart_worker.artifacts import target_store
 
     real = target_store.list_model
     made = []
@@ -104,9 +104,9 @@ def _faulty_store(monkeypatch, name=None, cut=None, corrupt=False):
 def test_target_from_s3_decodes_like_the_local_copy_and_is_fetched_once(s3, cache, tiny_dir, monkeypatch):
     import torch
 
-    from dart_worker.fingerprint import model_files_fingerprint
-    from dart_worker.loading import load_target, model_fingerprint, resolve_source
-    from dart_worker.target_store import COMPLETE_MARKER
+    from dart_worker.artifacts.fingerprint import model_files_fingerprint
+    from dart_worker.artifacts.loading import load_target, model_fingerprint, resolve_source
+    from dart_worker.artifacts.target_store import COMPLETE_MARKER
 
     url = _upload(s3, tiny_dir, "qwen3-a")
     model, tokenizer = load_target(url, dtype="fp32", device="cpu")
@@ -137,7 +137,7 @@ def test_target_from_s3_decodes_like_the_local_copy_and_is_fetched_once(s3, cach
 
 
 def test_reupload_under_the_same_url_is_fetched_again(s3, cache, tmp_path):
-    from dart_worker.loading import resolve_source
+    from dart_worker.artifacts.loading import resolve_source
     from tests.tiny_models import save_tiny_target
 
     first = save_tiny_target(tmp_path / "first", "llama", seed=1)
@@ -153,7 +153,7 @@ def test_reupload_under_the_same_url_is_fetched_again(s3, cache, tmp_path):
 def _fetch_in_child(url: str, env: dict, queue) -> None:
     """A separate process fetching like a Ray worker would; reports its path and its stderr."""
     os.environ.update(env)
-    from dart_worker import target_store
+    from dart_worker.artifacts import target_store
 
     real = target_store._fetch_file
 
@@ -189,7 +189,7 @@ def test_concurrent_processes_share_one_download(s3, cache, tiny_dir):
 
 
 def test_truncated_download_fails_naming_the_file_then_resumes(s3, cache, tiny_dir, monkeypatch):
-    from dart_worker.target_store import TargetFetchError, fetch_model_dir
+    from dart_worker.artifacts.target_store import TargetFetchError, fetch_model_dir
 
     url = _upload(s3, tiny_dir, "qwen3-truncated")
     size = (tiny_dir / "model.safetensors").stat().st_size
@@ -214,7 +214,7 @@ def test_truncated_download_fails_naming_the_file_then_resumes(s3, cache, tiny_d
 def test_corrupt_download_fails_naming_both_checksums(s3, cache, tiny_dir, monkeypatch):
     import hashlib
 
-    from dart_worker.target_store import TargetFetchError, fetch_model_dir
+    from dart_worker.artifacts.target_store import TargetFetchError, fetch_model_dir
 
     url = _upload(s3, tiny_dir, "qwen3-corrupt")
     good = hashlib.md5((tiny_dir / "config.json").read_bytes()).hexdigest()
@@ -227,8 +227,8 @@ def test_corrupt_download_fails_naming_both_checksums(s3, cache, tiny_dir, monke
 
 
 def test_not_a_model_and_missing_urls_are_clear_errors(s3, cache, tmp_path):
-    from dart_worker.loading import load_target
-    from dart_worker.target_store import TargetFetchError
+    from dart_worker.artifacts.loading import load_target
+    from dart_worker.artifacts.target_store import TargetFetchError
 
     (tmp_path / "notes.txt").write_text("no model here")
     url = _upload(s3, tmp_path, "not-a-model")
@@ -239,7 +239,7 @@ def test_not_a_model_and_missing_urls_are_clear_errors(s3, cache, tmp_path):
 
 
 def test_file_urls_are_local_paths_not_copies(cache, tiny_dir):
-    from dart_worker.loading import resolve_source
+    from dart_worker.artifacts.loading import resolve_source
 
     assert resolve_source(f"file://{tiny_dir}").location == str(tiny_dir.resolve())
     assert not (cache / "targets").exists()
@@ -248,8 +248,8 @@ def test_file_urls_are_local_paths_not_copies(cache, tiny_dir):
 def test_draft_head_from_s3_loads_like_the_local_one(s3, cache, tmp_path):
     import torch
 
-    from dart_worker.draft_checkpoint import load_draft_head, resolve_head_dir, save_draft_head
-    from dart_worker.draft_head import DartDraftHead
+    from dart_worker.head.draft_checkpoint import load_draft_head, resolve_head_dir, save_draft_head
+    from dart_worker.head.draft_head import DartDraftHead
     from tests.tiny_models import tiny_model
 
     model = tiny_model("llama")
@@ -270,7 +270,7 @@ def test_a_later_endpoint_is_used_although_an_earlier_one_built_a_filesystem(mon
     module; a driver can be reconfigured). Every reader of URLs goes through url_filesystem."""
     import fsspec
 
-    from dart_worker.url_filesystem import url_filesystem
+    from dart_worker.artifacts.url_filesystem import url_filesystem
 
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
@@ -287,9 +287,9 @@ def test_a_worker_whose_copy_differs_from_the_drivers_stops_naming_both_fingerpr
     """The driver resolves and fingerprints the target at start-up (the value stamped on every
     row); a worker that fetches other bytes (the model re-uploaded under its URL meanwhile) must
     not decode with them: it stops naming both fingerprints, and the job turns that into one line."""
-    from dart_worker.loading import model_fingerprint
-    from pipeline.config import load_config, to_dict
-    from pipeline.preflight import resolve_artifacts
+    from dart_worker.artifacts.loading import model_fingerprint
+    from pipeline.settings.config import load_config, to_dict
+    from pipeline.startup.preflight import resolve_artifacts
     from pipeline.worker import GenerationWorker, TargetMismatch, target_mismatch
     from tests.tiny_models import save_tiny_target
 

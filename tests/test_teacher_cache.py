@@ -36,9 +36,9 @@ from dart_train.teacher_cache import (
 )
 from dart_train.teacher_cache_build import build_teacher_cache
 from dart_train.trainer import ExampleStream, checkpoint_dirs, collate, load_trainer_state, parse_config
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
-from dart_worker.loading import load_target
+from dart_worker.artifacts.loading import load_target
+from dart_worker.head.draft_checkpoint import load_draft_head
+from dart_worker.head.draft_head import DartDraftHead
 from jobs import train_draft
 from tests.tiny_models import TINY_VOCAB, tiny_model, tiny_tokenizer
 

@@ -39,11 +39,11 @@ from dart_train.trainer import (
     parse_config,
     train_loop,
 )
-from dart_worker.draft_checkpoint import load_draft_head
-from dart_worker.draft_head import DartDraftHead
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling import SamplingParams
-from dart_worker.target import TargetAdapter
+from dart_worker.head.draft_checkpoint import load_draft_head
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from tests.hypothesis_budget import examples
 from tests.tiny_models import TINY_VOCAB, tiny_model
 
@@ -493,7 +493,7 @@ def test_ray_backend_two_workers(tmp_path):
     ray = pytest.importorskip("ray")
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from dart_worker.default_target import default_tokenizer
+    from dart_worker.artifacts.default_target import default_tokenizer
     from jobs.train_draft import main
 
     tok = default_tokenizer()

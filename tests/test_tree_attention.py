@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from dart_worker import kernels
-from dart_worker.target import TargetAdapter
-from dart_worker.tree_attention import NAME, tree_attention_forward
+from dart_worker.hardware import kernels
+from dart_worker.target.adapter import TargetAdapter
+from dart_worker.target.tree_attention import NAME, tree_attention_forward
 from tests.hypothesis_budget import examples
 from tests.tiny_models import tiny_model
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dart_worker.tree_batch import TreeBatch
+from dart_worker.target.tree_batch import TreeBatch
 from ngram_native.trees import DraftTree, ancestor_mask, check_tree
 from tests.hypothesis_budget import examples
 

@@ -24,11 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-import dart_worker.verification as verification
-from dart_worker import sampling
-from dart_worker.logits_processors import RowControls
-from dart_worker.sampling import SamplingParams, request_key, warp_logits_to_probs
-from dart_worker.verification import (
+import dart_worker.sampling.verification as verification
+from dart_worker.sampling import params as sampling
+from dart_worker.sampling.logits_processors import RowControls
+from dart_worker.sampling.params import SamplingParams, request_key, warp_logits_to_probs
+from dart_worker.sampling.verification import (
     Acceptance,
     VerifyRow,
     verify_batch,

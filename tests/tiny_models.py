@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from dart_worker.random_models import TINY_FAMILIES, random_model, tiny_config
+from dart_worker.artifacts.random_models import TINY_FAMILIES, random_model, tiny_config
 
 FAMILIES = TINY_FAMILIES
 TINY_VOCAB = 96
@@ -21,7 +21,7 @@ TINY_VOCAB = 96
 def tiny_model(family: str, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 6,
                max_position_embeddings: int = 256, sliding_window: int = 16,
                initializer_range: float = 0.2) -> PreTrainedModel:
-    """A randomly initialised model of `family` in fp32 and eval mode (`dart_worker.random_models`).
+    """A randomly initialised model of `family` in fp32 and eval mode (`dart_worker.artifacts.random_models`).
 
     A larger init range than the default (0.02) makes the output distributions peaked and
     varied, so greedy paths are non-trivial instead of repeating one token.
@@ -54,9 +54,9 @@ def save_tiny_artifacts(root: Path) -> dict[str, str]:
     everything a pipeline or benchmark config names, small enough for fast tests."""
     import numpy as np
 
-    from dart_worker.draft_checkpoint import save_draft_head
-    from dart_worker.draft_head import DartDraftHead
-    from dart_worker.fingerprint import tokenizer_fingerprint
+    from dart_worker.artifacts.fingerprint import tokenizer_fingerprint
+    from dart_worker.head.draft_checkpoint import save_draft_head
+    from dart_worker.head.draft_head import DartDraftHead
     from ngram_native import build_trie
 
     target_dir = save_tiny_target(root / "target", "llama")
@@ -75,7 +75,7 @@ def save_tiny_artifacts(root: Path) -> dict[str, str]:
 def tiny_worker_config(artifacts: dict[str, str]):
     """A pipeline config for a GenerationWorker built in the test process on `artifacts`
     (save_tiny_artifacts): fp32 on the CPU, one thread, mode dart_lookup; tests set the rest."""
-    from pipeline.config import PipelineConfig
+    from pipeline.settings.config import PipelineConfig
 
     cfg = PipelineConfig()
     cfg.input.urls, cfg.output.url = ["unused.jsonl"], "unused"
@@ -87,7 +87,7 @@ def tiny_worker_config(artifacts: dict[str, str]):
 
 
 def input_row(key: str, prompt: str, **settings) -> dict:
-    """An input row as the readers make it (pipeline.inputs.INPUT_SCHEMA), with per-row settings."""
+    """An input row as the readers make it (pipeline.data.inputs.INPUT_SCHEMA), with per-row settings."""
     import json
 
     return {"row_key": f"id:{key}", "id": key, "prompt": prompt, "prompt_kind": "text", "source": "f",

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dart_worker.draft_head import DartDraftHead
+from dart_worker.artifacts.random_models import random_model, tiny_config
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.random_models import random_model, tiny_config
-from dart_worker.sampling import (
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import (
     SamplingParams,
     TokenHistory,
     apply_penalties,
@@ -36,7 +36,7 @@ from dart_worker.sampling import (
     request_key,
     warp_logits_to_probs,
 )
-from dart_worker.target import TargetAdapter
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 
 VOCAB = 48  # small enough that draft top-k often holds the target's choice, so trees are accepted

@@ -18,11 +18,11 @@ from dart_bench.gpu_acceptance.plan import ordered_sections
 from dart_bench.gpu_acceptance.report import markdown
 from dart_bench.gpu_acceptance.runner import AcceptanceRun, Deadline
 from dart_bench.gpu_acceptance.speed import free_device_memory
-from dart_worker import kernels
+from dart_worker.artifacts.random_models import SHAPES
 from dart_worker.defaults import DEFAULT_DTYPE, DEFAULT_MODE
-from dart_worker.device import cpu_model_name, resolve_device, resolve_dtype
 from dart_worker.drafters import drafter_names
-from dart_worker.random_models import SHAPES
+from dart_worker.hardware import kernels
+from dart_worker.hardware.device import cpu_model_name, resolve_device, resolve_dtype
 
 
 class AcceptanceConfigError(ValueError):
@@ -32,7 +32,7 @@ class AcceptanceConfigError(ValueError):
 @dataclass
 class AcceptanceConfig:
     """Every list left null takes the device's default (real shapes and large batches on CUDA,
-    small ones on a CPU). `kernels` forces kernel strategies (`dart_worker.kernels.forced`) for
+    small ones on a CPU). `kernels` forces kernel strategies (`dart_worker.hardware.kernels.forced`) for
     the whole run, e.g. `kernels={shapes:bucketed,gqa:pack,logits:batched,warp:dense}`: the GPU's
     plan, run on a CPU by the test suite."""
 
@@ -63,7 +63,7 @@ class AcceptanceConfig:
     budget: int = 32  # draft tree budget of the timed drafting modes
     throughput_batch: int | None = None  # null: 64 on CUDA, 4 on a CPU
     throughput_modes: list[str] = field(default_factory=lambda: ["ar", "dart_lookup"])
-    kernels: dict[str, str] = field(default_factory=dict)  # strategy -> forced choice (dart_worker.kernels)
+    kernels: dict[str, str] = field(default_factory=dict)  # strategy -> forced choice (dart_worker.hardware.kernels)
     # The run's one deadline, counted from process start: sections that would start after it are
     # skipped, a running one stops at its next result, and `watchdog_grace_s` later the watchdog
     # writes the report and ends the process. 540 s leaves a minute of a 10-minute command.
@@ -72,7 +72,7 @@ class AcceptanceConfig:
 
 
 def load(argv: list[str]) -> AcceptanceConfig:
-    from pipeline.config import load_structured
+    from pipeline.settings.config import load_structured
 
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
     cfg = load_structured(AcceptanceConfig, path, overrides, AcceptanceConfigError)

@@ -6,11 +6,11 @@ show, so nothing here reports them as figures of merit). Per model shape:
 
 - `ar` per-token time of this engine against transformers' `generate`, batch 1;
 - the verify forward over 1..64 tree rows per sequence at several batch sizes, logits computed the
-  way the engine computes them on this device (`dart_worker.kernels`);
+  way the engine computes them on this device (`dart_worker.hardware.kernels`);
 - the same for each way of running masked attention over grouped K/V heads (`gqa` strategies);
 - the draft head and the tree build per round (`dart`, `dart_lookup`), timed with a synchronise at
   every stage boundary;
-- device-to-host synchronisations per round, counted (`dart_worker.sync_counter`) as the difference
+- device-to-host synchronisations per round, counted (`dart_worker.hardware.sync_counter`) as the difference
   between a short and a long generation, so prefill and admission cancel out;
 - peak device memory; and throughput of `ar` and `dart_lookup` (cost-model sizing) at a large batch.
 
@@ -35,13 +35,13 @@ import numpy as np
 import torch
 
 from dart_bench.gpu_acceptance.runner import SkipSection
-from dart_worker.draft_head import DartDraftHead
+from dart_worker.artifacts.random_models import random_model
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.kernels import GQAS, describe, forced, logits_for
-from dart_worker.random_models import random_model
-from dart_worker.sampling import SamplingParams
-from dart_worker.sync_counter import SyncCounter
-from dart_worker.target import TargetAdapter
+from dart_worker.hardware.kernels import GQAS, describe, forced, logits_for
+from dart_worker.hardware.sync_counter import SyncCounter
+from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.params import SamplingParams
+from dart_worker.target.adapter import TargetAdapter
 from ngram_native import NgramTrie, TreeParams, build_trie
 
 DRAFT_VOCAB = 32768  # the draft head's vocabulary: the target's first ids (DART's released heads use 32k)
@@ -161,8 +161,8 @@ def _verify_batch(target: TargetAdapter, device: torch.device, batch: int, rows:
 
 def gqa_grid(target: TargetAdapter, device: torch.device, batches: Sequence[int], rows: Sequence[int],
              context: int, repeats: int) -> Iterator[dict[str, Any]]:
-    """The verify grid once per `gqa` strategy of masked tree attention (`dart_worker.tree_attention`):
-    which one this device should use (`dart_worker.kernels.gqa_for`)."""
+    """The verify grid once per `gqa` strategy of masked tree attention (`dart_worker.target.tree_attention`):
+    which one this device should use (`dart_worker.hardware.kernels.gqa_for`)."""
     for gqa in GQAS:
         with forced(gqa=gqa):
             cells = list(verify_grid(target, device, batches, rows, context, repeats))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dart_worker.grammar import GrammarState
+from dart_worker.sampling.grammar import GrammarState
 from ngram_native.trees import DraftTree
 
 

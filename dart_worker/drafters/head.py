@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dart_worker.draft_kv_cache import DraftKVCache
 from dart_worker.drafters.base import (
     CommittedBlock,
     Finished,
@@ -27,8 +26,9 @@ from dart_worker.drafters.base import (
     add_documents,
     empty_tree,
 )
-from dart_worker.kernels import shapes_for
-from dart_worker.transfer import to_device, to_host
+from dart_worker.hardware.kernels import shapes_for
+from dart_worker.hardware.transfer import to_device, to_host
+from dart_worker.head.draft_kv_cache import DraftKVCache
 from ngram_native.builders import TreeParams, build_chain_trees, build_dart_trees, build_ddtree_trees
 from ngram_native.job_ngram import JobNgram
 from ngram_native.trees import SOURCE_HEAD, DraftTree

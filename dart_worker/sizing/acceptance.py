@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dart_worker.sampling import GREEDY
+from dart_worker.sampling.params import GREEDY
 from ngram_native.trees import SOURCE_HEAD, DraftTree
 
 # Score bins (log scale, path scores are <= 0): finer near 0, where most accepted nodes lie.
@@ -29,7 +29,7 @@ ROW_MEMORY = 0.9
 
 class AcceptanceModel:
     """P(node accepted | its parent accepted; its own score bin, its source bits), calibrated online
-    per temperature band (dart_worker.sampling.temperature_band) and source. A node is on the
+    per temperature band (dart_worker.sampling.params.temperature_band) and source. A node is on the
     accepted path with the product of those along its path (`probabilities`).
 
     Conditional, not marginal: the bin is the node's own step, its path score less its parent's

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dart_worker.sampling import GREEDY
+from dart_worker.sampling.params import GREEDY
 from dart_worker.sizing.acceptance import AcceptanceModel, RowAcceptance, cut_first_level, node_sources, step_scores
 from dart_worker.sizing.bias import OnlineBias
 from dart_worker.sizing.drain import Drain, depth_survival, draining_outlook
@@ -253,7 +253,7 @@ class TreeSizer(VerifyCosts):
 
         `first_tokens` (each sequence's first token committed this round) also grades the first-level
         nodes the cut left out of the fitted round's trees: verification commits the target's own
-        token (its argmax, or its coupled draw: `dart_worker.verification`) whatever the tree, so a
+        token (its argmax, or its coupled draw: `dart_worker.sampling.verification`) whatever the tree, so a
         first-level node would have been accepted exactly when its token is that one. Learning only
         from verified nodes made a winner's curse: the nodes a table is too hopeful about are the
         ones it keeps verifying, but the nodes it is too gloomy about, or has hardly seen (a head

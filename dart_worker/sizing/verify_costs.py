@@ -33,7 +33,7 @@ class VerifyCosts:
     # row costs its vocabulary projection on top (with a large vocabulary more than the rest of a
     # row). None: the engine never defers, and `_latency_by_batch` measures those forwards already.
     _full_logits_latency_by_batch: dict[int, LatencyModel] | None = None
-    # Bucketed verify shapes (`dart_worker.shape_buckets`): rows per sequence -> the rows the
+    # Bucketed verify shapes (`dart_worker.target.shape_buckets`): rows per sequence -> the rows the
     # forward actually runs, so a size is priced at its bucket's cost. None: exact shapes.
     rows_bucket: Callable[[np.ndarray], np.ndarray] | None = None
     # Bucketed verify shapes: live sequences -> the sequences the forward runs (padding included,

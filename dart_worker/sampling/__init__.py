@@ -1,0 +1,1 @@
+"""Token distributions and their checks: sampling parameters, logits processors, grammars, verification."""
