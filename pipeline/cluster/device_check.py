@@ -26,7 +26,9 @@ from pipeline.settings.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
-_REMOTE_DEVICE_ERROR = re.compile(r"dart_worker\.device\.DeviceUnavailable: (.+)$", re.MULTILINE)
+# The line a worker's traceback text ends with: the exception's qualified name (its module's path).
+_REMOTE_DEVICE_ERROR = re.compile(re.escape(f"{DeviceUnavailable.__module__}.{DeviceUnavailable.__name__}: ")
+                                  + "(.+)$", re.MULTILINE)
 
 
 def assigned_gpus() -> list[str]:
