@@ -28,11 +28,11 @@ FORBIDDEN = {
     "ngram_native": {"torch", "transformers", "ray", "pyarrow", "fsspec"},
     "dart_worker": {"ray"},
 }
-# Modules whose functions Ray Data runs in task workers (reads, the dedupe's counts, the resume
-# filter, part writes, the OpenAI batch reader): a task worker imports them and nothing else of
-# the job, so torch and transformers there would cost every task worker seconds and hundreds of MB.
-TASK_MODULES = ("pipeline.data.inputs", "pipeline.data.outputs", "pipeline.data.write_task",
-                "pipeline.data.openai_batch")
+# The package whose functions Ray Data runs in task workers (reads, the dedupe's counts, the resume
+# filter, part writes, the OpenAI batch reader, and what they use): a task worker imports them and
+# nothing else of the job, so torch and transformers there would cost every task worker seconds and
+# hundreds of MB.
+TASK_PACKAGE = "pipeline.data"
 HEAVY_PACKAGES = ("torch", "transformers")
 # Modules a Ray Data generation worker runs; none of them may pull in training code or jobs.
 WORKER_MODULES = ("pipeline.worker",)
@@ -65,6 +65,7 @@ def _module_files() -> dict[str, Path]:
 
 
 MODULES = _module_files()
+TASK_MODULES = tuple(name for name in MODULES if name.startswith(TASK_PACKAGE + "."))
 
 
 def _imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
@@ -236,6 +237,7 @@ def test_ray_data_task_modules_import_neither_torch_nor_transformers():
     """Imported for real in a fresh interpreter (lazy and TYPE_CHECKING imports are what the AST
     scan cannot tell apart): the write task lived in pipeline/run.py and row settings imported
     dart_worker.sampling.params, so every read and write task worker imported the whole engine."""
+    assert {f"{TASK_PACKAGE}.{m}" for m in ("inputs", "outputs", "write_task", "openai_batch")} <= set(TASK_MODULES)
     code = (f"import sys\nfor m in {TASK_MODULES!r}: __import__(m)\n"
             f"print(sorted({{k.split('.')[0] for k in sys.modules}} & set({HEAVY_PACKAGES!r})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
@@ -341,3 +343,97 @@ class E:
 """
     assert _attributes_used_on(source, "_policy") == {"round": {"plan", "learn"}}
     assert _attributes_used_on(source, "sizer") == {"report": {"describe"}}
+
+
+# Within dart_worker and pipeline, groups of modules, lowest first: a subpackage, or one top-level
+# module named here; a package's other top-level modules are its core (the engine; the job and its
+# entry points), above every group. A group imports its own modules and those of the groups before
+# it, so no two groups import each other, directly or around a loop (docs/DESIGN.md, "File map").
+CORE = "(core)"
+GROUPS = {
+    "dart_worker": ("defaults", "hardware", "artifacts", "target", "sampling", "head", "sizing", "drafters", CORE),
+    "pipeline": ("settings", "data", "cluster", "startup", CORE),
+}
+# Imports against that order allowed because they name a type only (under `if TYPE_CHECKING:`, so
+# nothing runs): the sizing policy's protocol names the round record the engine hands it.
+TYPE_ONLY_UPWARD = {("dart_worker.sizing", "dart_worker.decode_round")}
+
+
+def _group(module: str) -> str | None:
+    """The group of a module of GROUPS' packages (None for the packages themselves and the rest)."""
+    parts = module.split(".")
+    if parts[0] not in GROUPS or len(parts) == 1:
+        return None
+    return parts[1] if parts[1] in GROUPS[parts[0]] else CORE
+
+
+def _type_only_lines(source: str) -> set[int]:
+    """Lines of the imports under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            lines |= {sub.lineno for stmt in node.body for sub in ast.walk(stmt)
+                      if isinstance(sub, (ast.Import, ast.ImportFrom))}
+    return lines
+
+
+def _group_imports() -> Iterator[tuple[str, str, str, str]]:
+    """(where, importing group, imported group, imported module) for every import from one group of
+    a package into another, but the type-only ones TYPE_ONLY_UPWARD allows; groups as `package.group`."""
+    for name, path in MODULES.items():
+        group = _group(name)
+        if group is None:
+            continue
+        package = _layer(name)
+        type_only = _type_only_lines(path.read_text(encoding="utf-8")) if path.suffix == ".py" else set()
+        for imported, line in _imports(name, path):
+            target = _project_module(imported)
+            if target is None or _layer(target) != package or _group(target) in (None, group):
+                continue
+            if line in type_only and (f"{package}.{group}", target) in TYPE_ONLY_UPWARD:
+                continue
+            yield f"{path.relative_to(REPO_ROOT)}:{line}", f"{package}.{group}", f"{package}.{_group(target)}", target
+
+
+def test_every_subpackage_has_a_group():
+    for package, groups in GROUPS.items():
+        subpackages = {p.name for p in (REPO_ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+        named = set(groups) - {CORE}
+        assert subpackages <= named, f"place every subpackage of {package} in GROUPS and docs/DESIGN.md's file map"
+        assert {f"{package}.{g}" for g in named} <= set(MODULES), "a group that names no module"
+
+
+def test_groups_import_only_the_groups_below_them():
+    rank = {f"{package}.{g}": i for package, groups in GROUPS.items() for i, g in enumerate(groups)}
+    upward = [f"{where}: {src} imports {target}"
+              for where, src, dst, target in _group_imports() if rank[dst] > rank[src]]
+    order = "; ".join(" < ".join(groups) for groups in GROUPS.values())
+    assert not upward, f"imports against the groups' order ({order}):\n" + "\n".join(upward)
+
+
+def test_no_import_cycles_between_groups():
+    graph: dict[str, set[str]] = {f"{p}.{g}": set() for p, groups in GROUPS.items() for g in groups}
+    for _, src, dst, _ in _group_imports():
+        graph[src].add(dst)
+    cycles = _cycles(graph)
+    assert not cycles, "groups that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_group_finder_and_type_only_imports():
+    assert _group("dart_worker.target.adapter") == "target"
+    assert _group("dart_worker.defaults") == "defaults"
+    assert _group("dart_worker.engine") == CORE and _group("pipeline.run") == CORE
+    assert _group("dart_worker") is None and _group("dart_bench.common") is None
+    source = """
+from typing import TYPE_CHECKING
+import numpy
+if TYPE_CHECKING:
+    from dart_worker.decode_round import RoundRecord
+else:
+    import dart_worker.engine
+"""
+    assert _type_only_lines(source) == {5}
+    # the sizing policy's type-only import of the round record is in the graph, and allowed
+    assert "dart_worker.decode_round" in _graph()["dart_worker.sizing.policy"]
+    assert not any(src == "dart_worker.sizing" and target == "dart_worker.decode_round"
+                   for _, src, _, target in _group_imports())
