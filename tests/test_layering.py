@@ -437,3 +437,18 @@ else:
     assert "dart_worker.decode_round" in _graph()["dart_worker.sizing.policy"]
     assert not any(src == "dart_worker.sizing" and target == "dart_worker.decode_round"
                    for _, src, _, target in _group_imports())
+
+
+def test_the_file_map_names_every_module():
+    """docs/DESIGN.md's file map (and its "Tree sizing" table for sizing/) has a line for every
+    module of the grouped packages, by its path within the package, so a new or moved module
+    gets one."""
+    design = (REPO_ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    missing = []
+    for name, path in MODULES.items():
+        if _group(name) is None or path.name == "__init__.py" or path.suffix != ".py":
+            continue
+        relative = path.relative_to(REPO_ROOT / _layer(name)).as_posix()
+        if f"`{relative}`" not in design:
+            missing.append(relative)
+    assert not missing, "docs/DESIGN.md's file map lacks: " + ", ".join(missing)
