@@ -80,8 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(profile)
 
 
-# A test that uses these is on a Ray cluster, hence in the slow tier: the session's, and the
-# module-scoped clusters of test_inputs, test_outputs, test_fuzz_inputs and test_device_check.
+# A test that uses these is on a Ray cluster, hence in the slow tier: the session's (joined for a
+# module by test_inputs, test_outputs and test_fuzz_inputs), and test_device_check's GPU-declaring one.
 RAY_FIXTURES = {"ray_head", "shared_ray", "join_shared_ray", "ray_session", "ray_with_a_gpu"}
 
 
@@ -163,10 +163,11 @@ def ray_head(s3_server, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def joined(head, forward: tuple[str, ...] = ()):
+def joined(head, forward: tuple[str, ...] = (), connect: bool = False):
     """While inside: Ray jobs started in this process join `head` (RAY_ADDRESS), and each hands its
-    workers this process's values of FORWARDED_TO_WORKERS and `forward`. For module-scoped
-    fixtures; tests use `shared_ray`."""
+    workers this process's values of FORWARDED_TO_WORKERS and `forward`. With `connect`, this
+    process is one such job for the whole block (for tests that run Ray Data in-process, without
+    the pipeline's driver), progress bars off. For module-scoped fixtures; tests use `shared_ray`."""
     import ray
 
     from tests.ray_processes import FORWARD_ENV_VAR
@@ -177,6 +178,11 @@ def joined(head, forward: tuple[str, ...] = ()):
         mp.setenv("RAY_RUNTIME_ENV_HOOK", "tests.ray_processes.forward_env_hook")
         mp.setenv(FORWARD_ENV_VAR, " ".join((*FORWARDED_TO_WORKERS, *forward)))
         try:
+            if connect:
+                import ray.data
+
+                ray.init(logging_level="ERROR")
+                ray.data.DataContext.get_current().enable_progress_bars = False
             yield head
         finally:
             ray.shutdown()
@@ -192,6 +198,7 @@ def shared_ray(ray_head):
 
 @pytest.fixture(scope="session")
 def join_shared_ray(ray_head):
-    """`with join_shared_ray(forward=(...)):` joins the session's cluster for a module-scoped
-    fixture (a finished job several tests read), like `shared_ray` for one test."""
-    return lambda forward=(): joined(ray_head, forward)
+    """`with join_shared_ray(forward=(...), connect=...):` joins the session's cluster for a
+    module-scoped fixture (a finished job several tests read; Ray Data run in-process), like
+    `shared_ray` for one test."""
+    return lambda forward=(), connect=False: joined(ray_head, forward, connect)

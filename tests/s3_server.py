@@ -10,14 +10,14 @@ Usage in a test module (start the server before Ray, so that Ray workers get the
             yield server              # AWS_* variables are set in this process meanwhile
 
     @pytest.fixture(scope="module")
-    def ray_cluster(s3):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": s3.env})
-        ...
+    def ray_session(s3, join_shared_ray):   # tests/conftest.py: forwards the AWS_* variables
+        with join_shared_ray(connect=True):
+            yield
 
 `server.env` holds the endpoint, dummy credentials, region and fast-failing retry settings.
-Ray workers do not see variables set in the driver after `ray.init`; pass them with
-runtime_env as above (which is also how a real job hands credentials to its workers when they do
-not come from the nodes' environment or roles).
+Ray workers do not see variables set in the driver after `ray.init`; the join hands them to the
+job's workers in its runtime_env (which is also how a real job hands credentials to its workers
+when they do not come from the nodes' environment or roles).
 """
 
 from __future__ import annotations
@@ -198,17 +198,3 @@ def forget_cached_s3_filesystems() -> None:
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-
-
-@contextlib.contextmanager
-def local_ray_for(server: S3Server, num_cpus: int = 2) -> Iterator[None]:
-    """A local Ray instance whose workers see the server's variables (they start with ray.init's env)."""
-    import ray
-
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": server.env})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
-        yield
-    finally:
-        ray.shutdown()

@@ -22,7 +22,6 @@ from decimal import Decimal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -59,9 +58,7 @@ FIELDS = PromptFields(max_prompt_chars=MAX_CHARS)
 @pytest.fixture(scope="module")
 def ray_session(join_shared_ray):
     """This process joined to the session's Ray cluster (tests/conftest.py) for the module."""
-    with join_shared_ray():
-        ray.init(logging_level="ERROR")
-        ray.data.DataContext.get_current().enable_progress_bars = False
+    with join_shared_ray(connect=True):
         yield
 
 

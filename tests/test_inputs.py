@@ -36,7 +36,7 @@ from pipeline.data.inputs import (
 from pipeline.data.storage import StorageError, expand_inputs
 from tests.hostile_inputs import ShortReads, line_as_read
 from tests.hypothesis_budget import examples
-from tests.s3_server import local_ray_for, running_s3_server
+from tests.s3_server import running_s3_server
 
 TEXT = PromptFields()
 
@@ -172,8 +172,10 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def ray_session(s3):
-    with local_ray_for(s3):
+def ray_session(s3, join_shared_ray):
+    """This process joined to the session's Ray cluster for the module; its workers get the
+    module's S3 server variables (set here by `s3`, forwarded by the join)."""
+    with join_shared_ray(connect=True):
         yield
 
 

@@ -34,7 +34,7 @@ from pipeline.data.outputs import (
 )
 from pipeline.data.storage import StorageError, filesystem_for
 from tests.hypothesis_budget import examples
-from tests.s3_server import local_ray_for, running_s3_server
+from tests.s3_server import running_s3_server
 
 RUN = "run-1"
 
@@ -329,8 +329,10 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def ray_session(s3):
-    with local_ray_for(s3):
+def ray_session(s3, join_shared_ray):
+    """This process joined to the session's Ray cluster for the module; its workers get the
+    module's S3 server variables (set here by `s3`, forwarded by the join)."""
+    with join_shared_ray(connect=True):
         yield
 
 
