@@ -482,8 +482,9 @@ def test_fine_tuning_keeps_the_initial_heads_draft_vocabulary(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_ray_backend_two_workers(tmp_path):
-    """Two data-parallel Ray Train workers train a head on a tiny Gemma3 target end to end.
+def test_ray_backend_two_workers(tmp_path, shared_ray):
+    """Two data-parallel Ray Train workers train a head on a tiny Gemma3 target end to end, a job
+    on the session's Ray cluster (2 CPUs: one per worker), as on a cluster it joins.
 
     The target directory pairs a tiny random model with the default (Gemma-3) tokenizer, as
     a user's own target would come: a local Hugging Face directory loaded by each worker.
@@ -509,7 +510,7 @@ def test_ray_backend_two_workers(tmp_path):
             for i, c in enumerate(chats(12))]
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    ray.init()  # RAY_ADDRESS: the session's cluster
     try:
         main([f"target={target_dir}", f"data.source={data}", "data.dev_fraction=0.0",
               f"output_dir={tmp_path / 'run'}", f"export_dir={tmp_path / 'export'}", "save_dtype=fp32",
