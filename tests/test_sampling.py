@@ -217,6 +217,10 @@ def test_a_positions_uniform_does_not_depend_on_which_positions_are_asked_togeth
     together = position_uniforms(key, [3, 0, 17, 3])
     alone = [position_uniforms(key, [t])[0] for t in (3, 0, 17, 3)]
     np.testing.assert_array_equal(together, alone)
+    # Several requests' rows in one call (one key per position, keys past 2**63 too) equal each alone.
+    keys = [key, request_key(SamplingParams(seed=6)), 2**64 - 1, 2**63 + 5]
+    mixed = position_uniforms(np.asarray(keys, dtype=np.uint64), [3, 3, 0, 9])
+    np.testing.assert_array_equal(mixed, [position_uniforms(k, [t])[0] for k, t in zip(keys, [3, 3, 0, 9])])
 
 
 def test_position_uniforms_are_uniform_and_independent_across_positions_and_keys():

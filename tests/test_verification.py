@@ -348,10 +348,10 @@ def test_sample_size_catches_a_two_percent_error():
             assert chi_square_pvalue(drawn, exact) < ALPHA
 
 
-def _child_row_reuses_its_parents_uniform(key, position, depths, nodes):
+def _child_row_reuses_its_parents_uniform(position, depths, nodes):
     # an off-by-one in the row's position: a node's row draws with its parent's uniform
     row_depth = np.where(nodes < 0, 0, depths[np.maximum(nodes, 0)] - 1) if depths.size else np.zeros(len(nodes), int)
-    return sampling.position_uniforms(key, position + row_depth)
+    return position + row_depth
 
 
 def _draws_ignore_temperature(logits, params):
@@ -363,7 +363,7 @@ def _draws_ignore_temperature(logits, params):
 def test_biased_verifiers_fail_the_same_test(bias, monkeypatch):
     """Negative controls: the statistical test must be able to fail, on the real pipeline."""
     if bias == "child_row_reuses_its_parents_uniform":
-        monkeypatch.setattr(verification, "_row_uniforms", _child_row_reuses_its_parents_uniform)
+        monkeypatch.setattr(verification, "_row_positions", _child_row_reuses_its_parents_uniform)
         name, length = "plain", 2  # the two tokens of an accepted (parent, child) pair correlate
     else:
         monkeypatch.setattr(verification, "warp_logits_to_probs", _draws_ignore_temperature)

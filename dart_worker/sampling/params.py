@@ -377,13 +377,16 @@ def request_key(params: SamplingParams) -> int:
     return int(_splitmix64(np.asarray([params.seed], dtype=_U64) ^ _U64(0x5EED5EED5EED5EED))[0])
 
 
-def position_uniforms(key: int, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+def position_uniforms(key: int | np.ndarray, positions: np.ndarray | Sequence[int]) -> np.ndarray:
     """u_t in [0, 1) (float64, 53 random bits) for every generated-token index t in `positions`:
     splitmix64 of (key, t), a counter-based generator (as in Philox or JAX's threefry keys), so
-    any position's uniform is available in any order, independent of every other position's."""
+    any position's uniform is available in any order, independent of every other position's.
+    `key`: one request's key, or a uint64 array of one key per position (the rows of several
+    requests in one pass: verification draws a whole batch's rows at once)."""
     t = np.asarray(positions, dtype=np.int64).astype(_U64)
+    keys = key.astype(_U64) if isinstance(key, np.ndarray) else _U64(key & (2**64 - 1))
     with np.errstate(over="ignore"):
-        bits = _splitmix64(_splitmix64(t * _GOLDEN + _U64(1)) ^ _U64(key & (2**64 - 1)))
+        bits = _splitmix64(_splitmix64(t * _GOLDEN + _U64(1)) ^ keys)
     return (bits >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -264,7 +264,7 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
             continue
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
-        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], parent_nodes[k]) for k in chunk])
+        uniforms = _rows_uniforms(keys, positions, depths, {k: parent_nodes[k] for k in chunk})
         index = to_device(np.concatenate([sequence, row]), device)
         rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows:]],
                                         [(trees[k], controls[k], parent_nodes[k]) for k in chunk])
@@ -292,8 +292,8 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
         leaf_node = [walks[k][0][-1] if walks[k][0] else -1 for k in leaves]
         leaf_index = to_device([[batch_index[k] for k in leaves], [n + 1 for n in leaf_node]], device)
         picked = logits[leaf_index[0], leaf_index[1]]
-        uniforms = np.concatenate([_row_uniforms(keys[k], positions[k], depths[k], np.asarray([n]))
-                                   for k, n in zip(leaves, leaf_node, strict=True)])
+        uniforms = _rows_uniforms(keys, positions, depths,
+                                  {k: np.asarray([n]) for k, n in zip(leaves, leaf_node, strict=True)})
         draws = torch.empty(len(leaves), dtype=torch.float64, device=device)
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
@@ -313,11 +313,20 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
     return [_acceptance(t, path, bonus) for t, (path, bonus) in zip(trees, walks, strict=True)]
 
 
-def _row_uniforms(key: int, position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-    """The uniforms of the rows of `nodes` (-1 = the root): the row of a node at depth d predicts
-    generated index position + d."""
+def _row_positions(position: int, depths: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """The generated-token index each row of `nodes` (-1 = the root) predicts: the row of a node at
+    depth d predicts index position + d (the root's, position)."""
     row_depth = np.where(nodes < 0, 0, depths[np.maximum(nodes, 0)]) if depths.size else np.zeros(len(nodes), np.int64)
-    return position_uniforms(key, position + row_depth)
+    return position + row_depth
+
+
+def _rows_uniforms(keys: Sequence[int], positions: Sequence[int], depths: Sequence[np.ndarray],
+                   nodes: dict[int, np.ndarray]) -> np.ndarray:
+    """The uniforms of the rows of `nodes[k]` of each request k, in the dict's order, drawn in one
+    pass over all of them (each row with its own request's key)."""
+    at = np.concatenate([_row_positions(positions[k], depths[k], rows) for k, rows in nodes.items()])
+    row_keys = np.repeat(np.asarray([keys[k] for k in nodes], dtype=np.uint64), [len(rows) for rows in nodes.values()])
+    return position_uniforms(row_keys, at)
 
 
 def _coupled_walk(tree: TreeLike, drawn: dict[int, int]) -> tuple[list[int], int | None]:
