@@ -29,6 +29,19 @@ log q + g; is today's draw among the k most probable of q; is the partitioned dr
 drafter's k best guesses). Then the CPU cost per row of the
 noise and of each draw over the target's vocabulary. Writes coupling.json and coupling.md under
 output_dir.
+
+With `tau_modes`, also tau by replay (`dart_train.replay`, fixed sizing) of coupled trees: the
+replies are sampled with the partitioned Gumbel-max draw (`gumbel_replies`: the target's own
+autoregressive decode, every token `gumbel.gumbel_sample` with the noise of its generated index),
+and the drafter builds its tree exactly as for greedy decoding but over the coupled distribution
+q~_d = softmax((log q_d + g_d) / s) of each depth d (`GumbelCoupler`: q the head's distribution at
+the request's temperature, g_d the target's token noise of the head's vocabulary at that position,
+s a calibration scale from `coupling_scales`; DART's N-gram guidance still applied on top). Per
+mode, budget and temperature: the greedy tau (greedy replies), today's tau (the same Gumbel
+replies, no dice: drafts from q) and the coupled tau at each s (`agreement=false` skips the tables
+above):
+
+    python -m jobs.bench coupling agreement=false 'tau_modes=[dart,ddtree]' 'tau_budgets=[16,32]'
 """
 
 from __future__ import annotations
@@ -58,6 +71,12 @@ class CouplingConfig(ReplayJobConfig):
     depths: int = 4
     top_ks: list[int] = field(default_factory=lambda: [1, 2, 4])
     noise_rows: list[int] = field(default_factory=lambda: [1, 16])  # rows per call of the cost timing
+    agreement: bool = True  # the per-depth agreement tables and the draw costs (off: tau only)
+    # Tau by replay of these modes at these budgets: greedy, and at each temperature today's trees
+    # and coupled trees at each calibration scale s (`GumbelCoupler`).
+    tau_modes: list[str] = field(default_factory=list)
+    tau_budgets: list[int] = field(default_factory=lambda: [16, 32])
+    coupling_scales: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
     dtype: str = "fp32"
     output_dir: str = "coupling"
 
@@ -68,6 +87,10 @@ def parse(argv: list[str]) -> CouplingConfig:
         raise TuneConfigError("num_prompts >= 1, depths >= 1 and temperatures > 0 are needed")
     if any(k < 1 for k in cfg.top_ks) or any(r < 1 for r in cfg.noise_rows):
         raise TuneConfigError("top_ks and noise_rows must be >= 1")
+    if any(b < 1 for b in cfg.tau_budgets) or any(s <= 0 for s in cfg.coupling_scales):
+        raise TuneConfigError("tau_budgets must be >= 1 and coupling_scales > 0")
+    if cfg.tau_modes and cfg.seed is None:
+        raise TuneConfigError("tau by replay needs a seed (the replies' key)")
     return cfg
 
 
@@ -193,7 +216,7 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
 
 def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
     """What `noise_costs` times, over `rows` rows of `vocab` tokens."""
-    from dart_bench.gumbel import BLOCK_STREAM, gumbel_noise, gumbel_sample, row_seeds
+    from dart_bench.gumbel import BLOCK_STREAM, gumbel_noise, gumbel_sample, gumbel_sample_threshold, row_seeds
     from dart_worker.sampling.params import inverse_cdf_sample
 
     logits = torch.randn(rows, vocab, device=device) * 3
@@ -207,7 +230,8 @@ def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
         "gumbel noise, whole vocabulary": lambda: gumbel_noise(seeds, ids),
         "gumbel-max draw, whole vocabulary": lambda: (probs.double().log() + gumbel_noise(seeds, ids)).argmax(-1),
         "gumbel-max draw, two-level": lambda: gumbel_sample(probs, seeds, block_seeds, 0),
-        "gumbel-max draw, partitioned (the sampler)": lambda: gumbel_sample(probs, seeds, block_seeds),
+        "gumbel-max draw, partitioned (top-64 alone)": lambda: gumbel_sample(probs, seeds, block_seeds),
+        "gumbel-max draw, partitioned (p > 1/256 alone)": lambda: gumbel_sample_threshold(probs, seeds, block_seeds),
         "inverse-CDF draw (before #48)": lambda: inverse_cdf_sample(probs, uniforms),
     }
 
@@ -241,7 +265,7 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     threads = configure_cpu_threads(cfg.threads)
     conditions = machine_conditions(threads)
     out = Path(cfg.output_dir)
-    parts = load_parts(cfg, ["chain"])
+    parts = load_parts(cfg, ["chain", *cfg.tau_modes])
     if parts.head is None:
         raise TuneConfigError("coupling needs a draft head")
     chosen = select_prompts(parts.tokenizer, cfg.check_prompts + cfg.num_prompts, cfg.max_prompt_tokens)
@@ -252,9 +276,10 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     # Every reply is sampled with the same seed (one SamplingParams for the batch), so one key.
     key = request_key(reply_sampling(cfg))
     positions = np.arange(cfg.max_new_tokens)
-    noise = gumbel_noise(torch.from_numpy(row_seeds(key, positions)), torch.arange(vocab))  # [T, V] float64
     results = []
-    for temperature in cfg.temperatures:
+    for temperature in cfg.temperatures if cfg.agreement else []:
+        if not results:
+            noise = gumbel_noise(torch.from_numpy(row_seeds(key, positions)), torch.arange(vocab))  # [T, V] float64
         cfg_t = replace(cfg, temperature=float(temperature))
         folder = out / f"T{temperature:g}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -272,10 +297,189 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
             "replies_reproduced": tally.reproduced, "seconds": time.perf_counter() - start,
         })
         print(f"T={temperature:g}: {len(refs)} prompts in {results[-1]['seconds']:.0f} s")
-    costs = noise_costs(vocab, list(cfg.noise_rows), parts.target.device)
-    return {"config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
+    costs = noise_costs(vocab, list(cfg.noise_rows), parts.target.device) if cfg.agreement else []
+    taus = replay_taus(cfg, parts, prompts, out) if cfg.tau_modes else []
+    return {"taus": taus, "config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
             "dtype": str(parts.target.dtype), "vocab": vocab, "draft_vocab": parts.head.config.draft_vocab_size,
             "load_average_end": list(os.getloadavg()), "results": results, "noise_costs": costs}
+
+
+class GumbelCoupler:
+    """The coupled logits a head drafter's builders read for sampled sequences (`HeadDrafter.coupler`).
+
+    The target's token at generated index t is argmax_i(log p_i + g_t,i) over its partition's
+    cells (`gumbel.gumbel_sample`; a heavy token's cell is itself, with the token noise g_t,i), a
+    deterministic function of g_t like greedy decoding's argmax. With g_t known, the head's best
+    guess at depth d is argmax(log q_d + g_d) (q_d at the request's temperature), and how sure it
+    is of each candidate depends on how far log q_d is from log p_d: with that error of scale s,
+    softmax((log q_d + g_d) / s) is the chance each token wins. So the builders get
+    (log q_d + g_d) / s as logits and build exactly as for greedy decoding: DART's softmax over its
+    top-k of those, DDTree's log-softmax, the chain's argmax. g_d covers the head's whole
+    vocabulary (its target ids), drawn with the target sampler's own generator."""
+
+    def __init__(self, head, scale: float):
+        if scale <= 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        self.head, self.scale = head, float(scale)
+        self._target_ids: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, dice) -> torch.Tensor:
+        from dart_bench.gumbel import gumbel_noise, row_seeds
+
+        if self._target_ids is None or self._target_ids.device != logits.device:
+            self._target_ids = self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
+        out = logits.float().clone()
+        depth = logits.shape[1]
+        for b, d in enumerate(dice):
+            if d is None or d.temperature <= 0:
+                continue
+            seeds = torch.from_numpy(row_seeds(d.key, d.position + np.arange(depth))).to(logits.device)
+            log_q = torch.log_softmax(logits[b].double() / d.temperature, dim=-1)
+            out[b] = ((log_q + gumbel_noise(seeds, self._target_ids)) / self.scale).float()
+        return out
+
+
+@torch.inference_mode()
+def gumbel_replies(parts, prompts: list[list[int]], params, max_new_tokens: int, group: int = 8) -> list[list[int]]:
+    """The target's replies sampled with the partitioned Gumbel-max draw (`gumbel.gumbel_sample`,
+    the token at generated index t drawn with the noise rows of (request_key(params), t)): plain
+    autoregressive decoding, one token a forward, EOS included where a reply ends."""
+    from dart_bench.gumbel import BLOCK_STREAM, gumbel_sample, row_seeds
+    from dart_worker.sampling.params import request_key, warp_logits_to_probs
+
+    target, key, eos = parts.target, request_key(params), set(parts.eos_token_ids)
+    replies = []
+    for first in range(0, len(prompts), group):
+        batch = prompts[first : first + group]
+        state = target.new_state(len(batch))
+        logits = target.prefill(state, batch).logits[:, -1]
+        out: list[list[int]] = [[] for _ in batch]
+        device = logits.device
+        for t in range(max_new_tokens):
+            seeds = torch.from_numpy(row_seeds(key, np.full(len(batch), t))).to(device)
+            block_seeds = torch.from_numpy(row_seeds(key, np.full(len(batch), t), BLOCK_STREAM)).to(device)
+            drawn = gumbel_sample(warp_logits_to_probs(logits.float(), params), seeds, block_seeds).tolist()
+            for b, token in enumerate(drawn):
+                if not out[b] or (out[b][-1] not in eos and len(out[b]) < max_new_tokens):
+                    out[b].append(int(token))
+            if t + 1 == max_new_tokens or all(r[-1] in eos for r in out):
+                break
+            tokens = torch.as_tensor([[r[-1]] for r in out], device=target.device)
+            zeros = torch.zeros_like(tokens)
+            forward = target.verify(state, tokens, zeros, torch.ones(len(batch), 1, 1, dtype=torch.bool,
+                                                                       device=target.device))
+            target.commit(state, state.cache_len() - 1, [[0]] * len(batch))
+            logits = forward.logits[:, 0]
+        replies.extend(out)
+    return replies
+
+
+def gumbel_references(cfg: CouplingConfig, parts, prompts: list[list[int]], folder: Path) -> list:
+    """References of `prompts` with `gumbel_replies` at cfg.temperature (cached in
+    gumbel_replies.json under `folder`, keyed like `replay.references`)."""
+    import hashlib
+    import json
+
+    from dart_bench.replay import reply_sampling
+    from dart_train.replay import target_references
+
+    params = reply_sampling(cfg)
+    key = hashlib.sha256(json.dumps(["gumbel-partitioned", cfg.target, cfg.dtype, str(parts.target.dtype),
+                                     cfg.max_new_tokens, prompts, params.temperature, params.top_p,
+                                     params.top_k, params.seed]).encode()).hexdigest()
+    path = folder / "gumbel_replies.json"
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        replies = json.loads(path.read_text())["replies"]
+    else:
+        start = time.perf_counter()
+        replies = gumbel_replies(parts, prompts, params, cfg.max_new_tokens)
+        print(f"Gumbel-sampled replies of {len(prompts)} prompts at T={params.temperature:g} in "
+              f"{time.perf_counter() - start:.0f} s")
+        path.write_text(json.dumps({"key": key, "replies": replies}))
+    refs = target_references(parts, prompts, cfg.max_new_tokens, replies=replies)
+    return refs, redrawn(parts, refs, params)
+
+
+@torch.inference_mode()
+def redrawn(parts, refs, params) -> list[int]:
+    """[tokens re-drawn, tokens checked]: each reply token drawn again by `gumbel.gumbel_sample` from
+    one forward over prompt + reply (a different shape than the decode's one-token forwards), so
+    the replies are the draws the coupled drafter is measured against (fp32: all or nearly all)."""
+    from dart_bench.gumbel import BLOCK_STREAM, gumbel_sample, row_seeds
+    from dart_worker.sampling.params import request_key, warp_logits_to_probs
+
+    key, same, total = request_key(params), 0, 0
+    for ref in refs:
+        positions = np.arange(len(ref.reply))
+        seeds, block_seeds = (torch.from_numpy(row_seeds(key, positions, stream)) for stream in (0, BLOCK_STREAM))
+        drawn = gumbel_sample(warp_logits_to_probs(target_rows(parts, ref), params), seeds, block_seeds)
+        same += int((drawn == torch.as_tensor(ref.reply)).sum())
+        total += len(ref.reply)
+    return [same, total]
+
+
+def replay_taus(cfg: CouplingConfig, parts, prompts: list[list[int]], out: Path) -> list[dict]:
+    """Tau by replay of every tau mode x budget: greedy replies; and at each temperature the
+    Gumbel-sampled replies drafted from q (today) and from the coupled distribution at each scale."""
+    from dart_bench.replay import references, reply_sampling
+    from dart_train.replay import mean_tau, replay
+    from dart_worker.engine_factory import build_drafter
+    from ngram_native.builders import TreeParams
+
+    rows = []
+    for temperature in [0.0, *cfg.temperatures]:
+        cfg_t = replace(cfg, temperature=float(temperature))
+        folder = out / f"T{temperature:g}"
+        folder.mkdir(parents=True, exist_ok=True)
+        params = reply_sampling(cfg_t)
+        greedy = params.is_greedy
+        if greedy:
+            refs = references(cfg_t, parts, prompts, folder)
+        else:
+            refs, check = gumbel_references(cfg_t, parts, prompts, folder)
+            print(f"T={temperature:g}: {check[0]}/{check[1]} reply tokens re-drawn from one forward", flush=True)
+        for mode in cfg.tau_modes:
+            for budget in cfg.tau_budgets:
+                tree = TreeParams(budget=budget, job_ngram_tokens=0)  # every prompt once: no job history
+                for scale in [None] if greedy else [None, *cfg.coupling_scales]:
+                    drafter = build_drafter(parts, mode, tree)
+                    if scale is not None:
+                        drafter.coupler = GumbelCoupler(parts.head, scale)
+                    start = time.perf_counter()
+                    stats = replay(drafter, refs, cfg.max_new_tokens, parts.target.max_positions,
+                                   dice=None if scale is None else params)
+                    rows.append({"mode": mode, "budget": budget, "temperature": float(temperature), "scale": scale,
+                                 "replies_redrawn": None if greedy else check,
+                                 "tau": mean_tau(stats), "per_prompt_tau": [st.tau for st in stats],
+                                 "seconds": time.perf_counter() - start, "load_average": list(os.getloadavg())})
+                    print(f"tau {mode} budget {budget} T={temperature:g} scale={scale}: {rows[-1]['tau']:.3f} "
+                          f"({rows[-1]['seconds']:.0f} s)", flush=True)
+    return rows
+
+
+def tau_table(taus: list[dict]) -> list[str]:
+    """Per mode, budget and temperature: greedy tau, today's tau, and the coupled tau at each
+    scale with its ratio to greedy and its paired gain over today (mean +- standard error over
+    prompts)."""
+    from dart_train.replay import paired_difference
+
+    if not taus:
+        return []
+    lines = ["| mode | budget | T | tau, greedy | tau, today (q) | coupled s | tau, coupled | coupled / greedy "
+             "| coupled / today | paired gain over today |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    by = {(r["mode"], r["budget"], r["temperature"], r["scale"]): r for r in taus}
+    for (mode, budget, temperature, scale), r in by.items():
+        if scale is None:
+            continue
+        greedy = by.get((mode, budget, 0.0, None))
+        today = by[(mode, budget, temperature, None)]
+        gain, err = paired_difference(r["per_prompt_tau"], today["per_prompt_tau"])
+        greedy_tau = greedy["tau"] if greedy else float("nan")
+        lines.append(f"| {mode} | {budget} | {temperature:g} | {greedy_tau:.3f} | {today['tau']:.3f} | {scale:g} | "
+                     f"{r['tau']:.3f} | {r['tau'] / greedy_tau:.2f} | {r['tau'] / today['tau']:.2f} | "
+                     f"{gain:+.3f}" + ("" if err is None else f" +- {err:.3f}") + " |")
+    return lines
 
 
 def summarize(results: list[dict]) -> list[str]:
@@ -311,7 +515,9 @@ def header(cfg: CouplingConfig, figures: dict) -> str:
     return (f"# Coupling: agreement of draft with the target's sampled token\n\n"
             f"{m['cpu']}, {m['threads']} threads, {figures['dtype']}, load {m['load_average_start']} -> "
             f"{figures['load_average_end']}, git {m['git_commit']}; target vocabulary {figures['vocab']}, "
-            f"head vocabulary {figures['draft_vocab']}\n\n" + "\n".join(cost_table(figures["noise_costs"])) + "\n\n")
+            f"head vocabulary {figures['draft_vocab']}\n\n"
+            + ("\n".join(cost_table(figures["noise_costs"])) + "\n\n" if figures["noise_costs"] else "")
+            + "\n".join(tau_table(figures["taus"])) + "\n\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,3 +123,51 @@ def coupled_candidates(log_q: torch.Tensor, ids: torch.Tensor, token_seeds: torc
     scores = log_q.double() + gumbel_noise(token_seeds, ids)
     best = scores.topk(min(k, ids.shape[-1]), dim=-1).indices
     return ids.gather(1, best), log_q.gather(1, best)
+
+
+# Tokens drawn as themselves in the threshold draw (`gumbel_sample_threshold`): those above this
+# share of their row's mass (at most 1 / ALONE_ABOVE of them).
+ALONE_ABOVE = 1.0 / 256
+
+
+def pair_gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise of element ids[j] of the row with seed seeds[j] (both [n]): the same
+    value `gumbel_noise` gives that (row, id)."""
+    bits = _mix(seeds.to(torch.int64) + (ids.to(torch.int64) + 1) * _GOLDEN_I64)
+    u = (_shift_right(bits, 11).double() + 0.5) * (1.0 / (1 << 53))
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_sample_threshold(weights: torch.Tensor, token_seeds: torch.Tensor, block_seeds: torch.Tensor,
+                            alone_above: float = ALONE_ABOVE) -> torch.Tensor:
+    """`gumbel_sample` with the heavy cells found by one compare instead of a top-k: the tokens
+    whose weight exceeds `alone_above` of their row's sum are each a cell of their own (at most
+    1 / alone_above of them), the rest lie in blocks of GUMBEL_BLOCK ids. The partition depends on
+    the weights alone, so the draw is exact for the same reason (a cell wins with probability
+    mass / W, a token inside a block with w_i / mass); it costs a few passes over the vocabulary
+    (compare, mask, block sums) and noise for the heavy tokens, the blocks and one block's ids,
+    with no sort or top-k over the vocabulary."""
+    rows, vocab = weights.shape
+    device = weights.device
+    total = weights.sum(dim=-1, keepdim=True)
+    alone = weights > total * alone_above
+    tail = weights.masked_fill(alone, 0.0)
+    blocks = -(-vocab // GUMBEL_BLOCK)
+    full = vocab - vocab % GUMBEL_BLOCK
+    sums = [tail[:, :full].reshape(rows, -1, GUMBEL_BLOCK).sum(dim=-1)] if full else []
+    if full < vocab:
+        sums.append(tail[:, full:].sum(dim=-1, keepdim=True))
+    mass = torch.cat(sums, dim=-1).double()
+    block_score, block = (mass.log() + gumbel_noise(block_seeds, torch.arange(blocks, device=device))).max(dim=-1)
+    columns = block[:, None] * GUMBEL_BLOCK + torch.arange(GUMBEL_BLOCK, device=device)
+    inside = torch.where(columns < vocab, tail.gather(1, columns.clamp(max=vocab - 1)), 0.0).double()
+    in_block = columns.gather(1, (inside.log() + gumbel_noise(token_seeds, columns)).argmax(dim=-1, keepdim=True))[:, 0]
+    row, token = alone.nonzero(as_tuple=True)
+    if not len(row):
+        return in_block
+    score = weights[row, token].double().log() + pair_gumbel_noise(token_seeds.to(device)[row], token)
+    best = torch.full((rows,), -torch.inf, dtype=torch.float64, device=device).scatter_reduce(0, row, score, "amax")
+    winner = score == best[row]
+    single = torch.full((rows,), -1, dtype=torch.int64, device=device).scatter_reduce(
+        0, row[winner], token[winner], "amax")
+    return torch.where(best >= block_score, single, in_block)

@@ -40,10 +40,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished
+from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Dice, Drafter, Finished
 from dart_worker.engine import accepted_sources
 from dart_worker.engine_factory import EngineParts, build_engine
-from dart_worker.sampling.params import SamplingParams
+from dart_worker.sampling.params import SamplingParams, request_key
 from dart_worker.stats import RequestStats
 from ngram_native.trees import DraftTree
 
@@ -142,10 +142,13 @@ def _block(refs: list[Reference], starts: list[int], counts: list[int], tokens: 
 
 @torch.inference_mode()
 def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
-           max_positions: int | None = None) -> list[RequestStats]:
+           max_positions: int | None = None, dice: SamplingParams | None = None) -> list[RequestStats]:
     """Decoding of every reference at once with `drafter`, verification replaced by the references
     (greedy or sampled, the same either way): one `RequestStats` per reference (accept lengths,
-    tree sizes, sources) as the engine would record them with fixed tree sizing."""
+    tree sizes, sources) as the engine would record them with fixed tree sizing. `dice`: how the
+    replies were sampled (its seed gives every reference's key): before each proposal the drafter
+    reads each sequence's `Dice` (key, position, temperature; `Drafter.read_dice`); None or greedy
+    hands none."""
     refs = list(refs)
     if not refs:
         return []
@@ -156,6 +159,9 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
     drafter.retire(NOTHING_FINISHED, keep=[])  # an empty batch, then every reference joins it
     drafter.observe(_block(refs, [0] * len(refs), [len(ref.prompt) for ref in refs], tokens, joined=True))
     done = [len(tokens[b]) - len(refs[b].prompt) >= len(refs[b].reply) for b in live]
+    if dice is not None and not dice.is_greedy and dice.seed is None:
+        raise ValueError("replay's dice need a seeded SamplingParams (the replies' seed): seed None has no fixed key")
+    key = None if dice is None or dice.is_greedy else request_key(dice)
     while True:
         if any(done):
             finished = [b for b, d in zip(live, done) if d]
@@ -169,6 +175,8 @@ def replay(drafter: Drafter, refs: Sequence[Reference], max_new_tokens: int,
             remaining = max_new_tokens - (len(tokens[b]) - len(refs[b].prompt))
             room = (max_positions or 1 << 30) - 2 - (len(tokens[b]) - 1)
             caps.append(max(0, min(remaining - 1, room)))
+        if key is not None:
+            drafter.read_dice([Dice(key, len(tokens[b]) - len(refs[b].prompt), dice.temperature) for b in live])
         trees = drafter.propose([tokens[b] for b in live], caps)
         starts, counts = [], []
         for b, tree in zip(live, trees):

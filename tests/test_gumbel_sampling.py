@@ -12,7 +12,16 @@ import torch
 from scipy import stats
 
 from dart_bench import gumbel as sampling
-from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_BLOCK, gumbel_noise, gumbel_sample, noise_bits, row_seeds
+from dart_bench.gumbel import (
+    BLOCK_STREAM,
+    GUMBEL_BLOCK,
+    gumbel_noise,
+    gumbel_sample,
+    gumbel_sample_threshold,
+    noise_bits,
+    pair_gumbel_noise,
+    row_seeds,
+)
 from dart_worker.sampling import params as engine_sampling
 from dart_worker.sampling.params import SamplingParams, request_key
 
@@ -109,6 +118,48 @@ def test_a_biased_draw_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
     weights = _weights(3 * SMALL_BLOCK + 200, seed=4)
     assert _pvalue(_draw_many(weights, 40_000, 4), weights) < ALPHA
+
+
+def _draw_many_threshold(weights: torch.Tensor, draws: int, alone_above: float, key: int = 17) -> np.ndarray:
+    rows = weights[None].expand(draws, -1)
+    positions = np.arange(draws)
+    return gumbel_sample_threshold(rows, torch.from_numpy(row_seeds(key, positions)),
+                                   torch.from_numpy(row_seeds(key, positions, BLOCK_STREAM)), alone_above).numpy()
+
+
+@pytest.mark.parametrize("alone_above", [1 / 256, 1 / 32, 1.0])  # heavy tokens alone: several, a few, none
+def test_the_threshold_draw_is_distributed_as_its_weights(alone_above, monkeypatch):
+    monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
+    weights = _weights(3 * SMALL_BLOCK + 200, seed=7) * 3.0  # unnormalised: the threshold is a share of the sum
+    drawn = _draw_many_threshold(weights, 40_000, alone_above)
+    assert _pvalue(drawn, weights) > ALPHA
+    alone = (weights > weights.sum() * alone_above).nonzero()[:, 0].tolist()
+    assert (len(alone) > 0) == (alone_above < 1)
+    if alone:  # the heavy tokens' cells and the blocks both decide draws
+        assert 0.05 < np.isin(drawn, alone).mean() < 0.95
+
+
+def test_a_biased_threshold_draw_fails_the_same_test(monkeypatch):
+    """The negative control: heavy tokens' noise at 0.8 of its scale is caught."""
+    real = sampling.pair_gumbel_noise
+    monkeypatch.setattr(sampling, "pair_gumbel_noise", lambda seeds, ids: 0.8 * real(seeds, ids))
+    monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
+    weights = _weights(3 * SMALL_BLOCK + 200, seed=7)
+    assert _pvalue(_draw_many_threshold(weights, 40_000, 1 / 256), weights) < ALPHA
+
+
+def test_the_threshold_draw_shares_the_token_noise_of_gumbel_sample():
+    """A heavy token's cell uses the noise `gumbel_noise` gives it (so drafters couple to either
+    draw alike), and a row whose mass sits on heavy tokens draws argmax(log w + g) over them."""
+    seeds = torch.from_numpy(row_seeds(5, [0, 1, 2, 3]))
+    ids = torch.tensor([3, 70_000, 12, 262_143])
+    torch.testing.assert_close(pair_gumbel_noise(seeds, ids), gumbel_noise(seeds, ids[:, None])[:, 0])
+    weights = torch.zeros(4, 2 * GUMBEL_BLOCK)
+    heavy = torch.tensor([5, 900, 1500])
+    weights[:, heavy] = torch.tensor([0.5, 0.3, 0.2])
+    expected = heavy[(weights[:, heavy].double().log() + gumbel_noise(seeds, heavy)).argmax(-1)]
+    drawn = gumbel_sample_threshold(weights, seeds, torch.from_numpy(row_seeds(5, [0, 1, 2, 3], BLOCK_STREAM)))
+    assert drawn.tolist() == expected.tolist()
 
 
 def test_gumbel_sample_never_draws_zero_weight_tokens_and_follows_one_hot_rows():

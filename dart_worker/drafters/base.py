@@ -7,6 +7,9 @@ A drafter has three hooks, and a drafter with a model one more:
                             (`block.joined`; the first batch joins an empty one)
     retire(finished, keep)  sequences ended: `finished` holds their tokens (to learn from), then
                             the batch keeps only the sequences at `keep`, in that order
+    read_dice(dice)         before a proposal: each live sequence's `Dice` (the key and position of
+                            its sampled draws; None for a greedy one), so a drafter may propose
+                            the tokens that randomness will select (coupled drafting, issue #48)
     propose(tokens, caps)   one DraftTree per live sequence, no node deeper than caps[b]
     run_model(on)           `ModelDrafter` only, before each proposal: on, run the model over the
                             rows observed since its last run (the engine times it as "draft",
@@ -77,6 +80,19 @@ class CommittedBlock:
 
 
 @dataclass(frozen=True)
+class Dice:
+    """What a sampled sequence's next draws are made of: its noise key (`sampling.params.request_key`),
+    the generated index its next round's root row draws (`position`: how many tokens it has
+    generated; a node at depth d is drawn at position + d - 1) and its temperature. A committed
+    token is a fixed function of the key, the position and the target's distribution there, so a
+    drafter reading these changes which drafts are accepted, never which tokens are committed."""
+
+    key: int
+    position: int
+    temperature: float
+
+
+@dataclass(frozen=True)
 class Finished:
     """Sequences that ended, before they leave the batch: tokens[b] is one's prompt + generated
     tokens, num_prompt[b] how many of them are its prompt. Only rows that decoded: errors never
@@ -108,6 +124,10 @@ class Part:
         """Job-level stores by kind ("job_ngram", "job_cache"), each with add(tokens), len() and
         memory_bytes; empty when this holds nothing across batches (or it is turned off)."""
         return {}
+
+    def read_dice(self, dice: Sequence[Dice | None]) -> None:
+        """Before a proposal: the live sequences' `Dice` in batch order (None: greedy). Ignored by
+        default; a head drafter with a coupler drafts from them (`HeadDrafter.coupler`)."""
 
 
 class Drafter(Part, ABC):
@@ -158,6 +178,10 @@ class Composite(Drafter):
 
     def job_stores(self) -> dict[str, Any]:
         return {kind: store for part in self.parts for kind, store in part.job_stores().items()}
+
+    def read_dice(self, dice: Sequence[Dice | None]) -> None:
+        for part in self.parts:
+            part.read_dice(dice)
 
 
 class PerSequence(list, Part):

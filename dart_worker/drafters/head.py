@@ -8,11 +8,18 @@ They differ only in how those per-position distributions become a tree:
 - `chain`: the top-1 token per position (plain speculative decoding with a parallel drafter);
 - `ddtree`: DDTree's best-first heap over per-position log-probs under the node budget;
 - `dart`: DART's N-gram-guided beam search (the corpus trie re-scores the head's top-k).
+
+Coupled drafting (issue #48): a sampled token is a fixed function of its request's noise at its
+position and the target's distribution there; a drafter told that noise (`read_dice`) can rank
+its candidates by the draw they would win rather than by their probability. With a `coupler`
+set, the builders read the coupler's per-depth logits (for the Gumbel-max draw:
+(log q + g) / s, `dart_bench.coupling.GumbelCoupler`) instead of the head's, for the sampled
+sequences; greedy ones are untouched. None (the default) drafts as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +27,7 @@ import torch
 
 from dart_worker.drafters.base import (
     CommittedBlock,
+    Dice,
     Finished,
     ModelDrafter,
     PerSequence,
@@ -72,6 +80,12 @@ class HeadDrafter(ModelDrafter):
         # The head's forwards in bucket shapes where the verify forward's are (CUDA: graphs).
         self.bucketed = shapes_for(head.device) == "bucketed"
         self.unread: PerSequence = PerSequence(_Unread)
+        # (logits [B, D', V], dice) -> the logits the builders read; None: the head's own.
+        self.coupler: Callable[[torch.Tensor, Sequence[Dice | None]], torch.Tensor] | None = None
+        self.dice: list[Dice | None] = []  # this round's, from `read_dice`
+
+    def read_dice(self, dice: Sequence[Dice | None]) -> None:
+        self.dice = list(dice)
 
     def observe(self, block: CommittedBlock) -> None:
         if block.joined:
@@ -161,7 +175,10 @@ class HeadDrafter(ModelDrafter):
         caps = [min(c, self.tree.max_depth) if self.tree.max_depth else c for c in max_depths]
         if max(caps, default=0) == 0:
             return [empty_tree() for _ in tokens]
-        return [t.from_source(SOURCE_HEAD) for t in self.build(self.logits[:, : max(caps)], tokens, caps)]
+        logits = self.logits[:, : max(caps)]
+        if self.coupler is not None and len(self.dice) == len(tokens) and any(d is not None for d in self.dice):
+            logits = self.coupler(logits, self.dice)
+        return [t.from_source(SOURCE_HEAD) for t in self.build(logits, tokens, caps)]
 
     def build(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]], caps: list[int]) -> list[DraftTree]:
         """Trees from draft logits [B, D', draft vocab] (D' = the deepest cap)."""
