@@ -271,7 +271,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         return ds, duplicates
 
     stages = ["resolve_artifacts", "open_output", "remove_temp_files", "resume_progress", "check_cpu_budget",
-              "probe_workers", "build_dataset",
+              "start_probe", "build_dataset", "await_device",
               "output_totals", "build_summary", "commit_output", "shutdown_ngram_stores"]
     started = time.time()
     run_module.build_dataset = build_and_keep
@@ -461,7 +461,8 @@ def markdown_table(report: dict[str, Any]) -> list[str]:
     add("rows/s end to end", "fresh", ("rows_per_s_end_to_end",), ".1f")
     add("start-up (call to first row decoding), s", "fresh", ("startup_s",), ".1f")
     add("... of which after the duplicate pass (workers start), s", "fresh", ("startup_after_duplicate_pass_s",), ".1f")
-    add("... of which the device probe (a Ray task per node), s", "fresh", ("driver_stages_s", "probe_workers"), ".1f")
+    add("... of which the wait for the device probe after the duplicate pass (a Ray task, started before it), s",
+        "fresh", ("driver_stages_s", "await_device"), ".1f")
     for stage in ("duplicate pass (driver)", "summary totals (driver)",
                   "read (per busy CPU)", "generation (per busy CPU)", "write (per busy CPU)"):
         add(f"{stage}, rows/s", "fresh", ("stage_rows_per_s", stage), ".0f")

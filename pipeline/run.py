@@ -36,7 +36,7 @@ from typing import Any
 import ray
 
 from dart_worker.hardware.device import DeviceUnavailable
-from pipeline.cluster.device_check import probe_workers, worker_failure
+from pipeline.cluster.device_check import DeviceProbe, start_probe, worker_failure
 from pipeline.cluster.ngram_store import shutdown_ngram_stores
 from pipeline.cluster.remote_errors import exception_chain
 from pipeline.data import io_retry
@@ -243,16 +243,21 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
     context = ray.data.DataContext.get_current()
     context.retried_io_errors = list(dict.fromkeys([*context.retried_io_errors, *io_retry.RETRIED_IO_ERROR_TEXT]))
     try:
-        device = probe_workers(cfg)
+        # The device probe runs while the inputs are read: its process start and torch import
+        # overlap the duplicate pass instead of coming before it. A device problem is still the
+        # error reported first when both fail.
+        probe = start_probe(cfg)
     except DeviceUnavailable as exc:
         raise StartupError(f"model.device: {exc}") from None
-    log.info("workers decode on %s (%s, %s; kernels %s)", device["device"], device.get("gpu_name", device["node"]),
-             device["dtype"], device["kernels"])
     try:
         try:  # reads every input once (the duplicate-id pass): an unreadable file stops the job here
             ds, duplicates = build_dataset(cfg, resolved, done_keys)
+            input_problem = None
         except (InputError, StorageError) as exc:
-            raise StartupError(f"input: {exc}") from None
+            input_problem = exc
+        await_device(probe)
+        if input_problem is not None:
+            raise StartupError(f"input: {input_problem}") from None
         try:
             ledger, retries_shown = io_retry.active().ledger, 0
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None) if ds is not None else ():
@@ -278,6 +283,17 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
     finally:
         shutdown_ngram_stores()
     return duplicates
+
+
+def await_device(probe: DeviceProbe) -> dict[str, Any]:
+    """The probe's device report, logged; a device problem is a StartupError with its line."""
+    try:
+        device = probe.result()
+    except DeviceUnavailable as exc:
+        raise StartupError(f"model.device: {exc}") from None
+    log.info("workers decode on %s (%s, %s; kernels %s)", device["device"], device.get("gpu_name", device["node"]),
+             device["dtype"], device["kernels"])
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ must stop with one line naming what was assigned and what torch is, not decode o
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 import ray
 import torch
@@ -85,6 +87,18 @@ def test_a_job_whose_workers_hold_an_unusable_gpu_stops_at_start_up(tmp_path, ar
     assert err.startswith("error: model.device: the cluster assigned this worker GPU(s) 0"), err
     assert f"torch {torch.__version__}" in err and len(err.splitlines()) == 1
     assert not list((tmp_path / "out").glob("*.parquet")) and not (tmp_path / "out" / SUMMARY_NAME).exists()
+    # The probe runs while the inputs are read; when both fail, the device is still the error named.
+    compressed = gzip.compress(b'{"id": "a", "prompt": "w5"}\n' * 2000)
+    (tmp_path / "cut.jsonl.gz").write_bytes(compressed[: len(compressed) // 2])
+    both = config_file(tmp_path, artifacts, [str(tmp_path / "cut.jsonl.gz")], str(tmp_path / "out"),
+                       model__device="auto", resources__num_gpus_per_worker=1, resources__num_workers=1)
+    assert main([str(both)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.device: the cluster assigned this worker GPU(s) 0"), err
+    # ... and with a usable device the unreadable input is named, after the probe (no GPU reserved).
+    assert main([str(both), "model.device=cpu", "resources.num_gpus_per_worker=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: input: cannot read file://{tmp_path}/cut.jsonl.gz"), err
 
 
 def test_a_worker_that_fails_its_own_device_check_stops_the_job_with_its_line(
@@ -93,8 +107,11 @@ def test_a_worker_that_fails_its_own_device_check_stops_the_job_with_its_line(
     constructor and the job stops with the worker's line, not an actor traceback."""
     import pipeline.run as run_module
 
-    monkeypatch.setattr(run_module, "probe_workers", lambda cfg: {"device": "cuda:0", "dtype": "float32",
-                                                                  "node": "elsewhere", "kernels": {}})
+    class PassedElsewhere:
+        def result(self):
+            return {"device": "cuda:0", "dtype": "float32", "node": "elsewhere", "kernels": {}}
+
+    monkeypatch.setattr(run_module, "start_probe", lambda cfg: PassedElsewhere())
     write_inputs(tmp_path / "in.jsonl", good=2)
     path = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
                        model__device="auto", resources__num_gpus_per_worker=1, resources__num_workers=1)

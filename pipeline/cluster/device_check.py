@@ -64,9 +64,38 @@ def planned_device(cfg: PipelineConfig) -> str:
     return "cpu (no GPU reserved: resources.num_gpus_per_worker=0)"
 
 
-def probe_workers(cfg: PipelineConfig) -> dict[str, Any]:
-    """Run one task with a worker's resources and return its device report; a device problem
-    there is a DeviceUnavailable with the worker's own line."""
+class DeviceProbe:
+    """The probe task, started: `result()` waits for its report. Started before the duplicate pass,
+    so the probe's process start and torch import run while the inputs are read."""
+
+    def __init__(self, ref: Any, external: bool) -> None:
+        self._ref, self._external = ref, external
+
+    def result(self) -> dict[str, Any]:
+        """The worker's device report; a device problem there is a DeviceUnavailable with its line."""
+        try:
+            report = ray.get(self._ref)
+        except Exception as exc:
+            line = worker_failure(exc)
+            if line is None:
+                raise
+            raise DeviceUnavailable(line) from None
+        if report["device"] == "cpu" and not self._external:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    log.warning("torch sees %d CUDA device(s) here, but the job reserves no GPU per worker "
+                                "(resources.num_gpus_per_worker=0): workers decode on CPUs",
+                                torch.cuda.device_count())
+            except Exception:  # only a hint; never a reason to stop
+                pass
+        return report
+
+
+def start_probe(cfg: PipelineConfig) -> DeviceProbe:
+    """Start one task with a worker's resources (a cluster with too few GPUs for a local job is a
+    DeviceUnavailable here, at once); its report comes from `DeviceProbe.result()`."""
     r = cfg.resources
     # A cluster joined, not started here: pipeline.startup.ray_connection.ray_target's rule, spelled out so
     # that this module (imported by the workers) stays clear of the driver's start-up modules.
@@ -80,24 +109,7 @@ def probe_workers(cfg: PipelineConfig) -> dict[str, Any]:
         log.warning("%s; waiting for the autoscaler to add a GPU node", message)
     probe = ray.remote(worker_device_report).options(num_cpus=min(r.num_cpus_per_worker, 1.0),
                                                      num_gpus=r.num_gpus_per_worker or None, max_retries=0)
-    try:
-        report = ray.get(probe.remote(cfg.model.device, cfg.model.dtype))
-    except Exception as exc:
-        line = worker_failure(exc)
-        if line is None:
-            raise
-        raise DeviceUnavailable(line) from None
-    if report["device"] == "cpu" and not external:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                log.warning("torch sees %d CUDA device(s) here, but the job reserves no GPU per worker "
-                            "(resources.num_gpus_per_worker=0): workers decode on CPUs",
-                            torch.cuda.device_count())
-        except Exception:  # only a hint; never a reason to stop
-            pass
-    return report
+    return DeviceProbe(probe.remote(cfg.model.device, cfg.model.dtype), external)
 
 
 def worker_failure(exc: BaseException) -> str | None:
