@@ -163,20 +163,30 @@ def ray_head(s3_server, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def joined(head, forward: tuple[str, ...] = (), connect: bool = False):
+def joined(head, forward: tuple[str, ...] = (), connect: bool = False, keep: bool = False):
     """While inside: Ray jobs started in this process join `head` (RAY_ADDRESS), and each hands its
     workers this process's values of FORWARDED_TO_WORKERS and `forward`. With `connect`, this
     process is one such job for the whole block (for tests that run Ray Data in-process, without
-    the pipeline's driver), progress bars off. For module-scoped fixtures; tests use `shared_ray`."""
+    the pipeline's driver), progress bars off. With `keep`, pipeline jobs share one Ray job while
+    what they forward is unchanged (tests/kept_ray_job.py), and it outlives the block. For
+    module-scoped fixtures; tests use `shared_ray`."""
     import ray
 
+    from tests.kept_ray_job import drop_kept_job, kept_job_ray
     from tests.ray_processes import FORWARD_ENV_VAR
 
-    ray.shutdown()
+    keep = keep and not os.environ.get(FRESH_RAY_JOBS_ENV)
+    if keep:
+        leave_kept_job_only()
+    else:
+        drop_kept_job()
+        ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_ADDRESS", head.address)
         mp.setenv("RAY_RUNTIME_ENV_HOOK", "tests.ray_processes.forward_env_hook")
         mp.setenv(FORWARD_ENV_VAR, " ".join((*FORWARDED_TO_WORKERS, *forward)))
+        if keep:
+            mp.setattr("pipeline.run.job_ray", kept_job_ray)
         try:
             if connect:
                 import ray.data
@@ -185,14 +195,44 @@ def joined(head, forward: tuple[str, ...] = (), connect: bool = False):
                 ray.data.DataContext.get_current().enable_progress_bars = False
             yield head
         finally:
-            ray.shutdown()
+            if keep:
+                leave_kept_job_only()
+            else:
+                ray.shutdown()
+
+
+# Set (to anything) to give every pipeline job of `shared_ray` a Ray job of its own, as before the
+# kept connection (to compare their cost, or to rule the kept connection out when a test fails).
+FRESH_RAY_JOBS_ENV = "DART_TEST_FRESH_RAY_JOBS"
+
+
+def leave_kept_job_only() -> None:
+    """Shut down any connection of this process except the kept job's (a test's own ray.init)."""
+    import ray
+
+    from tests.kept_ray_job import holds_kept_job
+
+    if ray.is_initialized() and not holds_kept_job():
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_ray_job_outside_shared_ray(request):
+    """A test that does not take `shared_ray` starts with this process connected to no Ray job
+    that an earlier test kept (tests/kept_ray_job.py)."""
+    if "shared_ray" not in request.fixturenames:
+        from tests.kept_ray_job import drop_kept_job
+
+        drop_kept_job()
+    yield
 
 
 @pytest.fixture
 def shared_ray(ray_head):
-    """This test's Ray jobs join the session's cluster (RAY_ADDRESS), each a Ray job of its own;
-    the variables in FORWARDED_TO_WORKERS that the test sets reach the job's workers."""
-    with joined(ray_head) as head:
+    """This test's pipeline jobs join the session's cluster (RAY_ADDRESS); the variables in
+    FORWARDED_TO_WORKERS that the test sets reach the job's workers. Consecutive jobs that forward
+    the same values share one Ray job (tests/kept_ray_job.py: no new worker processes per job)."""
+    with joined(ray_head, keep=True) as head:
         yield head
 
 

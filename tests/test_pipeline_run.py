@@ -65,12 +65,15 @@ def write_inputs(path: Path, good: int, seed: int = 0) -> dict[str, str]:
 
 
 def config_file(tmp_path: Path, artifacts: dict, inputs: list[str], output: str, **extra) -> Path:
+    """A job's config on the tiny artifacts. One worker unless a test asks for more: each worker is
+    an actor process that imports torch and transformers (several CPU-seconds on the suite's 2
+    cores); the tests about rows spread over several workers say `resources__num_workers=2`."""
     cfg = {
         "input": {"urls": inputs, "format": "jsonl", "max_prompt_chars": 1000},
         "model": {"target": artifacts["target"], "draft_head": artifacts["head"], "trie": artifacts["trie"],
                   "dtype": "fp32", "device": "cpu"},
         "decoding": {"mode": "dart", "temperature": 0.0, "max_new_tokens": 12, "tree": {"budget": 8}},
-        "resources": {"num_workers": 2, "num_cpus_per_worker": 0.5, "batch_size": 3},
+        "resources": {"num_workers": 1, "num_cpus_per_worker": 0.5, "batch_size": 3},
         "output": {"url": output, "rows_per_file": 4},
         "run": {"run_id": "test-run", "progress_interval_s": 1},
     }
@@ -97,7 +100,8 @@ def test_every_row_once_with_errors_and_lossless_results(tmp_path, artifacts, sh
     marker = tmp_path / "crashed"
     monkeypatch.setenv(CRASH_ONCE_ENV, str(marker))  # one worker dies mid-batch; Ray redoes the batch
     prompts = write_inputs(tmp_path / "in.jsonl", good=10)
-    cfg = load_config(config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out")))
+    cfg = load_config(config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / "out"),
+                                  resources__num_workers=2))
     summary = run_pipeline(cfg)
     assert marker.exists(), "the crash hook never fired"
 
@@ -131,8 +135,8 @@ def test_a_sampled_job_reproduces_its_rows_under_another_mode_and_batching(tmp_p
     prompts = write_inputs(tmp_path / "in.jsonl", good=8, seed=3)
     runs = {}
     for name, extra in {"ar": dict(decoding__mode="ar", resources__num_workers=1, resources__batch_size=5),
-                        "dart_lookup": dict(decoding__mode="dart_lookup", resources__batch_size=3,
-                                            resources__max_live=2)}.items():
+                        "dart_lookup": dict(decoding__mode="dart_lookup", resources__num_workers=2,
+                                            resources__batch_size=3, resources__max_live=2)}.items():
         path = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(tmp_path / name),
                            decoding__temperature=1.0, decoding__top_p=0.9, decoding__seed=7, **extra)
         run_pipeline(load_config(path))
