@@ -26,7 +26,8 @@ temperature, the share of positions where the target's drawn token equals
 plus `chain`, the one-chain expected accepted length from those rates (sum over d of the product
 of the rates up to d), and top-k membership (is the target's Gumbel draw among the k best of
 log q + g; is today's draw among the k most probable of q; is the partitioned draw among the
-drafter's k best guesses). Then the CPU cost per row of the
+drafter's k best guesses; for reference, is the target's argmax among the head's k most probable,
+what greedy trees rest on). Then the CPU cost per row of the
 noise and of each draw over the target's vocabulary. Writes coupling.json and coupling.md under
 output_dir.
 
@@ -77,6 +78,10 @@ class CouplingConfig(ReplayJobConfig):
     tau_modes: list[str] = field(default_factory=list)
     tau_budgets: list[int] = field(default_factory=lambda: [16, 32])
     coupling_scales: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    # Weights a of the noise in the coupled logits (log q + a g) / s: 1 is the coupled draw's own
+    # ranking; below 1 a hedge towards q's (0: today's trees, at s = 1).
+    coupling_noise_weights: list[float] = field(default_factory=lambda: [1.0])
+    tau_tree: dict[str, Any] = field(default_factory=dict)  # TreeParams fields of every tau run ({}: defaults)
     dtype: str = "fp32"
     output_dir: str = "coupling"
 
@@ -89,6 +94,8 @@ def parse(argv: list[str]) -> CouplingConfig:
         raise TuneConfigError("top_ks and noise_rows must be >= 1")
     if any(b < 1 for b in cfg.tau_budgets) or any(s <= 0 for s in cfg.coupling_scales):
         raise TuneConfigError("tau_budgets must be >= 1 and coupling_scales > 0")
+    if any(not 0 < a <= 1 for a in cfg.coupling_noise_weights):
+        raise TuneConfigError("coupling_noise_weights must be in (0, 1]")
     if cfg.tau_modes and cfg.seed is None:
         raise TuneConfigError("tau by replay needs a seed (the replies' key)")
     return cfg
@@ -105,7 +112,8 @@ class Tally:
     reproduced: list[int] = field(default_factory=lambda: [0, 0])  # replies' tokens re-drawn / checked
 
     def __post_init__(self):
-        names = [*METHODS, *(f"{kind}_top{k}" for kind in ("gumbel", "partition", "q") for k in self.top_ks)]
+        names = [*METHODS, *(f"{kind}_top{k}" for kind in ("gumbel", "partition", "q", "greedy")
+                  for k in self.top_ks)]
         self.hits = {m: np.zeros(self.depths) for m in names}
         self.count = np.zeros(self.depths)
 
@@ -206,6 +214,8 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
         results[f"gumbel_top{k}"] = (top_g == target_gumbel[:, None]).any(dim=-1)
         results[f"q_top{k}"] = (top_k_q == drawn[:, None]).any(dim=-1)
         results[f"partition_top{k}"] = (guesses[:, :k] == partitioned[:, None]).any(dim=-1)
+        top_head = d2t[head_logits.topk(k, dim=-1).indices]  # greedy decoding's membership, for reference
+        results[f"greedy_top{k}"] = (top_head == target_logits.argmax(dim=-1)[:, None]).any(dim=-1)
     for name, value in results.items():
         tally.hits[name] += np.bincount(depth.numpy(), weights=value.double().numpy(), minlength=tally.depths)
     tally.count += np.bincount(depth.numpy(), minlength=tally.depths)
@@ -315,12 +325,14 @@ class GumbelCoupler:
     softmax((log q_d + g_d) / s) is the chance each token wins. So the builders get
     (log q_d + g_d) / s as logits and build exactly as for greedy decoding: DART's softmax over its
     top-k of those, DDTree's log-softmax, the chain's argmax. g_d covers the head's whole
-    vocabulary (its target ids), drawn with the target sampler's own generator."""
+    vocabulary (its target ids), drawn with the target sampler's own generator. `noise_weight`
+    a < 1 ranks by log q + a g instead: a hedge for a head whose q is flatter than p (a = 1 / c for
+    a head whose log q should be sharpened by c), 0 would be today's trees."""
 
-    def __init__(self, head, scale: float):
-        if scale <= 0:
-            raise ValueError(f"scale must be > 0, got {scale}")
-        self.head, self.scale = head, float(scale)
+    def __init__(self, head, scale: float, noise_weight: float = 1.0):
+        if scale <= 0 or not 0 <= noise_weight <= 1:
+            raise ValueError(f"scale must be > 0 and noise_weight in [0, 1], got {scale} and {noise_weight}")
+        self.head, self.scale, self.noise_weight = head, float(scale), float(noise_weight)
         self._target_ids: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, dice) -> torch.Tensor:
@@ -335,7 +347,7 @@ class GumbelCoupler:
                 continue
             seeds = torch.from_numpy(row_seeds(d.key, d.position + np.arange(depth))).to(logits.device)
             log_q = torch.log_softmax(logits[b].double() / d.temperature, dim=-1)
-            out[b] = ((log_q + gumbel_noise(seeds, self._target_ids)) / self.scale).float()
+            out[b] = ((log_q + self.noise_weight * gumbel_noise(seeds, self._target_ids)) / self.scale).float()
         return out
 
 
@@ -421,10 +433,9 @@ def redrawn(parts, refs, params) -> list[int]:
 def replay_taus(cfg: CouplingConfig, parts, prompts: list[list[int]], out: Path) -> list[dict]:
     """Tau by replay of every tau mode x budget: greedy replies; and at each temperature the
     Gumbel-sampled replies drafted from q (today) and from the coupled distribution at each scale."""
-    from dart_bench.replay import references, reply_sampling
+    from dart_bench.replay import references, reply_sampling, setting
     from dart_train.replay import mean_tau, replay
     from dart_worker.engine_factory import build_drafter
-    from ngram_native.builders import TreeParams
 
     rows = []
     for temperature in [0.0, *cfg.temperatures]:
@@ -440,19 +451,23 @@ def replay_taus(cfg: CouplingConfig, parts, prompts: list[list[int]], out: Path)
             print(f"T={temperature:g}: {check[0]}/{check[1]} reply tokens re-drawn from one forward", flush=True)
         for mode in cfg.tau_modes:
             for budget in cfg.tau_budgets:
-                tree = TreeParams(budget=budget, job_ngram_tokens=0)  # every prompt once: no job history
-                for scale in [None] if greedy else [None, *cfg.coupling_scales]:
+                # every prompt once: no job history
+                tree = setting(dict(cfg.tau_tree), budget=budget, job_ngram_tokens=0)
+                couplings = [(s, a) for a in cfg.coupling_noise_weights for s in cfg.coupling_scales]
+                for scale, weight in [(None, None)] if greedy else [(None, None), *couplings]:
                     drafter = build_drafter(parts, mode, tree)
                     if scale is not None:
-                        drafter.coupler = GumbelCoupler(parts.head, scale)
+                        drafter.coupler = GumbelCoupler(parts.head, scale, weight)
                     start = time.perf_counter()
                     stats = replay(drafter, refs, cfg.max_new_tokens, parts.target.max_positions,
                                    dice=None if scale is None else params)
                     rows.append({"mode": mode, "budget": budget, "temperature": float(temperature), "scale": scale,
+                                 "noise_weight": weight,
                                  "replies_redrawn": None if greedy else check,
                                  "tau": mean_tau(stats), "per_prompt_tau": [st.tau for st in stats],
                                  "seconds": time.perf_counter() - start, "load_average": list(os.getloadavg())})
-                    print(f"tau {mode} budget {budget} T={temperature:g} scale={scale}: {rows[-1]['tau']:.3f} "
+                    print(f"tau {mode} budget {budget} T={temperature:g} scale={scale} noise weight {weight}: "
+                          f"{rows[-1]['tau']:.3f} "
                           f"({rows[-1]['seconds']:.0f} s)", flush=True)
     return rows
 
@@ -465,18 +480,19 @@ def tau_table(taus: list[dict]) -> list[str]:
 
     if not taus:
         return []
-    lines = ["| mode | budget | T | tau, greedy | tau, today (q) | coupled s | tau, coupled | coupled / greedy "
+    lines = ["| mode | budget | T | tau, greedy | tau, today (q) | s | noise weight | tau, coupled | coupled / greedy "
              "| coupled / today | paired gain over today |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    by = {(r["mode"], r["budget"], r["temperature"], r["scale"]): r for r in taus}
-    for (mode, budget, temperature, scale), r in by.items():
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    by = {(r["mode"], r["budget"], r["temperature"], r["scale"], r.get("noise_weight", 1.0)): r for r in taus}
+    for (mode, budget, temperature, scale, weight), r in by.items():
         if scale is None:
             continue
-        greedy = by.get((mode, budget, 0.0, None))
-        today = by[(mode, budget, temperature, None)]
+        greedy = by.get((mode, budget, 0.0, None, None))
+        today = by[(mode, budget, temperature, None, None)]
         gain, err = paired_difference(r["per_prompt_tau"], today["per_prompt_tau"])
         greedy_tau = greedy["tau"] if greedy else float("nan")
         lines.append(f"| {mode} | {budget} | {temperature:g} | {greedy_tau:.3f} | {today['tau']:.3f} | {scale:g} | "
+                     f"{weight:g} | "
                      f"{r['tau']:.3f} | {r['tau'] / greedy_tau:.2f} | {r['tau'] / today['tau']:.2f} | "
                      f"{gain:+.3f}" + ("" if err is None else f" +- {err:.3f}") + " |")
     return lines
@@ -498,7 +514,7 @@ def summarize(results: list[dict]) -> list[str]:
                          + f" | {'' if chain is None else f'{chain:.3f}'} |")
         lines += ["", "| top-k membership | " + " | ".join(f"depth {d}" for d in range(1, depths + 1)) + " |",
                   "|---|" + "---:|" * depths]
-        for name in [n for n in r["rates"] if n.startswith(("gumbel_top", "partition_top", "q_top"))]:
+        for name in [n for n in r["rates"] if n.startswith(("gumbel_top", "partition_top", "q_top", "greedy_top"))]:
             lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in r["rates"][name]) + " |")
         lines.append("")
     return lines
