@@ -141,6 +141,14 @@ def s3_bucket(s3_server, monkeypatch) -> str:
 # ------------------------------------------------------------------------------------- Ray
 
 
+# Ray kills a job's idle worker processes beyond one per CPU after a second idle (raylet flags
+# num_workers_soft_limit, idle_worker_killing_time_threshold_ms), so each phase of a pipeline job
+# (the probe, the duplicate pass, the dataset's reads and writes) and each job on a kept Ray job
+# (tests/kept_ray_job.py) started new ones: about 1.5 CPU-seconds each, 80-100 per run of the job
+# tests. The session's cluster keeps them while their Ray job lives.
+KEEP_IDLE_WORKERS = {"RAY_num_workers_soft_limit": "8", "RAY_idle_worker_killing_time_threshold_ms": "600000"}
+
+
 @pytest.fixture(scope="session")
 def ray_head(s3_server, tmp_path_factory):
     """The session's Ray cluster (see the module docstring); its workers start with the S3
@@ -150,6 +158,7 @@ def ray_head(s3_server, tmp_path_factory):
     env = {**os.environ, **s3_server.env, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     env.setdefault("DART_CACHE_DIR", str(tmp_path_factory.mktemp("ray-head-cache")))
+    env.update(KEEP_IDLE_WORKERS)
     # With the dashboard (on 127.0.0.1): Ray's state API (`ray.util.state.list_actors`) asks it.
     head = start_ray_head(num_cpus=2, env=env, dashboard=True, prefix="rs-",
                           extra_args=("--object-store-memory=1000000000",))
