@@ -234,8 +234,9 @@ def test_growth_is_the_ratio_between_the_smallest_and_largest_size():
 def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path, tiny_artifacts, shared_ray):
     """The duplicate pass counts the rows left to generate; when none are, the job ends without
     starting a generation worker (before, it loaded the model to process zero rows). A resume with
-    rows left still generates exactly those. Each job joins the session's Ray cluster as a Ray job
-    of its own, and the actors counted are that job's (filtered by its job id)."""
+    rows left still generates exactly those. The three jobs share one connection to the session's
+    Ray cluster (one Ray job, whose idle workers they reuse); the actors counted for a job are the
+    ones of this Ray job that did not exist before it started."""
     import ray
     from ray.util.state import list_actors
 
@@ -252,28 +253,32 @@ def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path, tiny_
                  "resources.num_cpus_per_worker=0.5", "resources.batch_size=2", "output.rows_per_file=2",
                  "run.run_id=resume-test"]
 
+    def actors_of_this_job() -> dict[str, str]:
+        job_id = ray.get_runtime_context().get_job_id()
+        return {a.actor_id: a.class_name for a in list_actors(filters=[("job_id", "=", job_id)], limit=1000)}
+
     def job(*extra: str) -> tuple[dict, list[str]]:
+        before = actors_of_this_job()
+        summary = run_pipeline(load_config(None, [*overrides, *extra]))
+        return summary, [name for actor, name in actors_of_this_job().items() if actor not in before]
+
+    ray.shutdown()
+    ray.init()  # joins the shared cluster as a Ray job of this test's; the pipeline keeps this connection
+    try:
+        first, actors = job()
+        assert first["this_run"]["rows"] == 11 and any("GenerationWorker" in a for a in actors)
+        again, actors = job("run.resume=true")
+        assert again["this_run"]["rows"] == 0 and again["this_run"]["rows_skipped_as_done"] == 11
+        assert not any("GenerationWorker" in a for a in actors), actors
+        assert again["output"]["rows"] == 11 and len(read_output(f"{tmp_path}/out", ["row_key"])) == 11
+
+        lost = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
+        lost_keys = set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
+        lost.unlink()
+        lost_keys -= set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
+        partial, actors = job("run.resume=true")
+        assert lost_keys and partial["this_run"]["rows"] == len(lost_keys)
+        assert any("GenerationWorker" in a for a in actors), actors
+        assert len(set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())) == 11
+    finally:
         ray.shutdown()
-        ray.init()  # joins the shared cluster as a new Ray job; the pipeline keeps this connection
-        try:
-            job_id = ray.get_runtime_context().get_job_id()
-            summary = run_pipeline(load_config(None, [*overrides, *extra]))
-            actors = [a.class_name for a in list_actors(filters=[("job_id", "=", job_id)], limit=1000)]
-        finally:
-            ray.shutdown()
-        return summary, actors
-
-    first, actors = job()
-    assert first["this_run"]["rows"] == 11 and any("GenerationWorker" in a for a in actors)
-    again, actors = job("run.resume=true")
-    assert again["this_run"]["rows"] == 0 and again["this_run"]["rows_skipped_as_done"] == 11
-    assert not any("GenerationWorker" in a for a in actors), actors
-    assert again["output"]["rows"] == 11 and len(read_output(f"{tmp_path}/out", ["row_key"])) == 11
-
-    lost = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
-    lost_keys = set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
-    lost.unlink()
-    lost_keys -= set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())
-    partial, actors = job("run.resume=true")
-    assert lost_keys and partial["this_run"]["rows"] == len(lost_keys) and any("GenerationWorker" in a for a in actors)
-    assert len(set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())) == 11

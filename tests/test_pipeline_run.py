@@ -147,7 +147,9 @@ def test_a_sampled_job_reproduces_its_rows_under_another_mode_and_batching(tmp_p
     assert len({tuple(t) for t in runs["ar"].values()}) == len(prompts)
 
 
-def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
+def test_killed_run_resumes_without_duplicates(tmp_path, artifacts, shared_ray):
+    """A run killed with its whole process group (driver and its private Ray, as a pod dies) mid-job;
+    the resumed run (on the session's cluster) writes every row exactly once."""
     write_inputs(tmp_path / "in.jsonl", good=24, seed=1)
     out = tmp_path / "out"
     cfg = config_file(tmp_path, artifacts, [str(tmp_path / "in.jsonl")], str(out),
@@ -155,6 +157,8 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
                       decoding__max_new_tokens=24)
     ray_tmp = short_temp_dir("rk-")
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
+    for joins_the_session_cluster in ("RAY_ADDRESS", "RAY_RUNTIME_ENV_HOOK"):  # the killed run's Ray is its own
+        env.pop(joins_the_session_cluster, None)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.run", str(cfg)], cwd=tmp_path, env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -168,11 +172,7 @@ def test_killed_run_resumes_without_duplicates(tmp_path, artifacts):
                .to_pylist()}
     assert 0 < len(written) < 30, "kill the run half-way: some but not all rows written"
 
-    ray.shutdown()
-    try:
-        summary = run_pipeline(load_config(cfg, ["run.resume=true"]))
-    finally:
-        ray.shutdown()
+    summary = run_pipeline(load_config(cfg, ["run.resume=true"]))
     assert summary["this_run"]["rows_skipped_as_done"] == len(written)
     assert summary["this_run"]["rows"] == 30 - len(written)
     keys = read_output(str(out))["row_key"].to_pylist()
