@@ -159,10 +159,19 @@ def test_gumbel_couplers_argmax_is_the_targets_draw_when_q_is_p():
         # the scale only calibrates: (log q + g) / s
         again = GumbelCoupler(_IdentityHead(), 1.0)(logits, dice)
         torch.testing.assert_close(coupled * scale, again, rtol=1e-5, atol=1e-4)
+    # a noise weight a ranks by log q + a g: a = 0 is q's own ranking (today's trees)
+    hedged = GumbelCoupler(_IdentityHead(), 1.0, noise_weight=0.0)(logits, dice)
+    for b, d in enumerate(dice):
+        torch.testing.assert_close(hedged[b], torch.log_softmax(logits[b].double() / d.temperature, dim=-1).float())
+    half = GumbelCoupler(_IdentityHead(), 1.0, noise_weight=0.5)(logits, dice)
+    full = GumbelCoupler(_IdentityHead(), 1.0)(logits, dice)
+    torch.testing.assert_close(2 * half - hedged, full, rtol=1e-5, atol=1e-4)
     greedy = GumbelCoupler(_IdentityHead(), 1.0)(logits[:2], [None, Dice(1, 0, 0.0)])
     assert torch.equal(greedy, logits[:2])
     with pytest.raises(ValueError, match="scale"):
         GumbelCoupler(_IdentityHead(), 0.0)
+    with pytest.raises(ValueError, match="noise_weight"):
+        GumbelCoupler(_IdentityHead(), 1.0, noise_weight=1.5)
 
 
 def test_gumbel_replies_are_the_draws_of_one_forward_over_the_whole_reply(parts):
