@@ -140,32 +140,42 @@ def pair_gumbel_noise(seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def gumbel_sample_threshold(weights: torch.Tensor, token_seeds: torch.Tensor, block_seeds: torch.Tensor,
                             alone_above: float = ALONE_ABOVE) -> torch.Tensor:
-    """`gumbel_sample` with the heavy cells found by one compare instead of a top-k: the tokens
-    whose weight exceeds `alone_above` of their row's sum are each a cell of their own (at most
-    1 / alone_above of them), the rest lie in blocks of GUMBEL_BLOCK ids. The partition depends on
-    the weights alone, so the draw is exact for the same reason (a cell wins with probability
-    mass / W, a token inside a block with w_i / mass); it costs a few passes over the vocabulary
-    (compare, mask, block sums) and noise for the heavy tokens, the blocks and one block's ids,
-    with no sort or top-k over the vocabulary."""
+    """`gumbel_sample` with the heavy cells found without a top-k: the tokens whose weight exceeds
+    `alone_above` of their row's sum are each a cell of their own (at most 1 / alone_above of
+    them), the rest lie in blocks of GUMBEL_BLOCK ids. The partition depends on the weights alone,
+    so the draw is exact for the same reason (a cell wins with probability mass / W, a token
+    inside a block with w_i / mass).
+
+    Two reductions cross the whole vocabulary (block sums and block maxima); only the blocks whose
+    maximum is above the threshold (the ones holding heavy tokens: at most 1 / alone_above of them,
+    usually a few) are read again, to find those tokens and their blocks' remaining mass, and the
+    winning block's ids for the draw inside it. An elementwise compare or a `nonzero` over the
+    vocabulary costs several times a reduction on a CPU (docs/benchmarks.md)."""
     rows, vocab = weights.shape
     device = weights.device
-    total = weights.sum(dim=-1, keepdim=True)
-    alone = weights > total * alone_above
-    tail = weights.masked_fill(alone, 0.0)
     blocks = -(-vocab // GUMBEL_BLOCK)
-    full = vocab - vocab % GUMBEL_BLOCK
-    sums = [tail[:, :full].reshape(rows, -1, GUMBEL_BLOCK).sum(dim=-1)] if full else []
-    if full < vocab:
-        sums.append(tail[:, full:].sum(dim=-1, keepdim=True))
-    mass = torch.cat(sums, dim=-1).double()
-    block_score, block = (mass.log() + gumbel_noise(block_seeds, torch.arange(blocks, device=device))).max(dim=-1)
-    columns = block[:, None] * GUMBEL_BLOCK + torch.arange(GUMBEL_BLOCK, device=device)
-    inside = torch.where(columns < vocab, tail.gather(1, columns.clamp(max=vocab - 1)), 0.0).double()
-    in_block = columns.gather(1, (inside.log() + gumbel_noise(token_seeds, columns)).argmax(dim=-1, keepdim=True))[:, 0]
-    row, token = alone.nonzero(as_tuple=True)
-    if not len(row):
+    short = blocks * GUMBEL_BLOCK - vocab  # a partial last block is padded with zeros (never drawn)
+    by_block = (torch.nn.functional.pad(weights, (0, short)) if short else weights).reshape(rows, blocks, GUMBEL_BLOCK)
+    mass = by_block.sum(dim=-1)
+    limit = mass.sum(dim=-1) * alone_above  # [R]
+    flagged_row, flagged_block = (by_block.amax(dim=-1) > limit[:, None]).nonzero(as_tuple=True)
+    ids = torch.arange(GUMBEL_BLOCK, device=device)
+    if len(flagged_row):
+        inside = by_block[flagged_row, flagged_block]  # [F, GUMBEL_BLOCK]
+        heavy = inside > limit[flagged_row, None]
+        mass = mass.index_put((flagged_row, flagged_block), inside.masked_fill(heavy, 0.0).sum(dim=-1))
+    block_noise = gumbel_noise(block_seeds, torch.arange(blocks, device=device))
+    block_score, block = (mass.double().log() + block_noise).max(dim=-1)
+    columns = block[:, None] * GUMBEL_BLOCK + ids
+    chosen = by_block[torch.arange(rows, device=device), block]  # [R, GUMBEL_BLOCK]
+    chosen = chosen.masked_fill(chosen > limit[:, None], 0.0).double()
+    in_block = columns.gather(1, (chosen.log() + gumbel_noise(token_seeds, columns)).argmax(dim=-1, keepdim=True))[:, 0]
+    if not len(flagged_row):
         return in_block
-    score = weights[row, token].double().log() + pair_gumbel_noise(token_seeds.to(device)[row], token)
+    member, column = heavy.nonzero(as_tuple=True)
+    row = flagged_row[member]
+    token = flagged_block[member] * GUMBEL_BLOCK + column
+    score = inside[member, column].double().log() + pair_gumbel_noise(token_seeds.to(device)[row], token)
     best = torch.full((rows,), -torch.inf, dtype=torch.float64, device=device).scatter_reduce(0, row, score, "amax")
     winner = score == best[row]
     single = torch.full((rows,), -1, dtype=torch.int64, device=device).scatter_reduce(

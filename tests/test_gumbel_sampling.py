@@ -148,6 +148,37 @@ def test_a_biased_threshold_draw_fails_the_same_test(monkeypatch):
     assert _pvalue(_draw_many_threshold(weights, 40_000, 1 / 256), weights) < ALPHA
 
 
+def _threshold_reference(weights, token_seeds, block_seeds, alone_above):
+    """The threshold draw written plainly (every heavy token by a compare over the vocabulary, the
+    tail masked out whole): what `gumbel_sample_threshold`'s two-reduction version must equal."""
+    rows, vocab = weights.shape
+    block = sampling.GUMBEL_BLOCK
+    alone = weights > weights.sum(dim=-1, keepdim=True) * alone_above
+    tail = torch.nn.functional.pad(weights.masked_fill(alone, 0.0), (0, -vocab % block))
+    mass = tail.reshape(rows, -1, block).sum(dim=-1).double()
+    block_score, chosen = (mass.log() + gumbel_noise(block_seeds, torch.arange(mass.shape[1]))).max(dim=-1)
+    columns = chosen[:, None] * block + torch.arange(block)
+    inside = tail.gather(1, columns).double()
+    in_block = columns.gather(1, (inside.log() + gumbel_noise(token_seeds, columns)).argmax(-1, keepdim=True))[:, 0]
+    scores = torch.where(alone, weights.double().log() + gumbel_noise(token_seeds, torch.arange(vocab)), -torch.inf)
+    best, single = scores.max(dim=-1)
+    return torch.where(best >= block_score, single, in_block)
+
+
+@pytest.mark.parametrize("vocab", [3 * SMALL_BLOCK + 200, 4 * SMALL_BLOCK])  # a partial last block, none
+def test_the_threshold_draw_equals_its_plain_definition(vocab, monkeypatch):
+    monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
+    rng = np.random.default_rng(vocab)
+    temperature = rng.uniform(0.3, 3.0, size=(300, 1))
+    weights = torch.from_numpy(np.exp(rng.normal(size=(300, vocab)) * 3 / temperature)).float()
+    weights[::7, rng.choice(vocab, 40)] = 0.0  # zeros (a top-k or top-p cut) among them
+    seeds, block_seeds = (torch.from_numpy(row_seeds(3, np.arange(300), stream)) for stream in (0, BLOCK_STREAM))
+    for alone_above in (1 / 256, 1 / 16, 1.0):
+        drawn = gumbel_sample_threshold(weights, seeds, block_seeds, alone_above)
+        assert torch.equal(drawn, _threshold_reference(weights, seeds, block_seeds, alone_above))
+        assert (weights.gather(1, drawn[:, None]) > 0).all()
+
+
 def test_the_threshold_draw_shares_the_token_noise_of_gumbel_sample():
     """A heavy token's cell uses the noise `gumbel_noise` gives it (so drafters couple to either
     draw alike), and a row whose mass sits on heavy tokens draws argmax(log w + g) over them."""
