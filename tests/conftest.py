@@ -72,12 +72,25 @@ def pytest_configure(config: pytest.Config) -> None:
     # ~/.ray/auth_token), and a cluster started out of process before that would otherwise run
     # without it, or with it while this process's drivers do not ask for a token.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not hasattr(config, "workerinput"):  # the run's one process, or xdist's controller
+        make_ray_auth_token_once()
     profile = os.environ.get(PROFILE_ENV)
     if not profile:
         quick_loop = (config.getoption("markexpr", "") or "").replace(" ", "") == "notslow"
         profile = QUICK if quick_loop else "dev"
         os.environ[PROFILE_ENV] = profile  # tests/hypothesis_budget.py reads the same choice
     settings.load_profile(profile)
+
+
+def make_ray_auth_token_once() -> None:
+    """Make Ray's token (~/.ray/auth_token) before any test process starts a cluster: test
+    processes run in parallel (pytest-xdist), and two that each generate a missing token at the
+    same moment would start clusters and drivers holding different tokens."""
+    import shutil
+    import subprocess
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" and shutil.which("ray"):
+        subprocess.run(["ray", "get-auth-token", "--generate"], capture_output=True, check=False, timeout=120)
 
 
 # A test that uses these is on a Ray cluster, hence in the slow tier: the session's (joined for a
