@@ -82,6 +82,12 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(profile)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject.toml): a test process per core this process may run on, at most 4 (each
+    test process starts a Ray cluster and an S3 server of its own for its session)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def make_ray_auth_token_once() -> None:
     """Make Ray's token (~/.ray/auth_token) before any test process starts a cluster: test
     processes run in parallel (pytest-xdist), and two that each generate a missing token at the
