@@ -84,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject.toml): a test process per core this process may run on, at most 4 (each
-    test process starts a Ray cluster and an S3 server of its own for its session)."""
+    test process starts a Ray cluster and an S3 server of its own for its session). One more than
+    the cores was slower on 2 cores (844 s against 744 s, docs/testing.md)."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
