@@ -344,8 +344,21 @@ def test_parquet_messages_column(ray_session, tmp_path):
     assert json.loads(rows[0]["prompt"]) == [{"role": "user", "content": "hello"}]
 
 
-def test_random_inputs_against_reference(ray_session, tmp_path, monkeypatch):
-    """Many rows over several files and blocks: dedupe and keys agree with a brute-force reference."""
+# Where the duplicate pass runs (`inputs.scan_keys`): small inputs in the driver, the rest as a
+# Ray Data sort on the cluster. The tests' inputs are small, so a test about the pass runs both.
+SCAN_IN = {"driver": inputs.SCAN_IN_DRIVER_BYTES, "cluster": -1}
+
+
+@pytest.fixture(params=sorted(SCAN_IN))
+def scan_in(request, monkeypatch):
+    """Run the duplicate pass in the driver or on the cluster, whatever the input's size."""
+    monkeypatch.setattr(inputs, "SCAN_IN_DRIVER_BYTES", SCAN_IN[request.param])
+    return request.param
+
+
+def test_random_inputs_against_reference(ray_session, tmp_path, monkeypatch, scan_in):
+    """Many rows over several files and blocks: dedupe and keys agree with a brute-force reference,
+    with the duplicate pass in the driver and on the cluster."""
     rng = random.Random(5)
     files = {}
     for f in range(3):
@@ -393,7 +406,24 @@ def _counts(values) -> dict:
     return counts
 
 
-def test_input_errors(ray_session, tmp_path):
+def test_the_duplicate_pass_counts_the_same_in_the_driver_and_on_the_cluster(ray_session, tmp_path, monkeypatch):
+    """`scan_keys` in the driver (small inputs) and as the cluster's sort (several blocks a file):
+    the same repeated keys with their first positions, rows and, given written keys, rows left."""
+    rng = random.Random(11)
+    for f in range(3):
+        lines = [json.dumps({"id": rng.randint(0, 40), "prompt": "p"}) if rng.random() < 0.8 else
+                 json.dumps({"prompt": f"anon {rng.randint(0, 3)}"}) for _ in range(rng.randint(20, 60))]
+        (tmp_path / f"f{f}.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(inputs, "ROWS_PER_BLOCK", 6)
+    source = inputs.prompt_datasource([str(tmp_path)], "jsonl", TEXT, None)
+    driver = inputs.scan_keys(source)
+    assert driver.repeated and driver == inputs.scan_keys(source, in_driver_bytes=-1)
+    done = frozenset({"id:1", "id:2", "id:3", "id:not-in-the-input", *list(driver.repeated)[:2]})
+    resumed = inputs.scan_keys(source, done)
+    assert resumed.pending < resumed.rows and resumed == inputs.scan_keys(source, done, in_driver_bytes=-1)
+
+
+def test_input_errors(ray_session, tmp_path, scan_in):
     with pytest.raises(StorageError, match=r"input not found: .*nothing\.jsonl"):
         read_prompts([str(tmp_path / "nothing.jsonl")], "jsonl")
     with pytest.raises(StorageError, match="no files match"):

@@ -62,6 +62,7 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 from ray.data.aggregate import Count
+from ray.data.block import BlockAccessor
 from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FileBasedDatasource
 from ray.data.expressions import col
@@ -674,12 +675,21 @@ def duplicate_key(key: str, order: str) -> str:
     return f"dup:{hashlib.sha1(order.encode()).hexdigest()[:16]}:{key}"
 
 
-def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = None) -> KeyScan:
+# Inputs whose files add up to at most this many bytes are scanned by the driver itself
+# (`scan_keys`): a Ray Data sort of a few thousand keys costs its tasks' worker processes and the
+# executor's start-up (seconds on a fresh Ray job), parsing them in the driver milliseconds.
+SCAN_IN_DRIVER_BYTES = 8 << 20
+
+
+def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = None,
+              in_driver_bytes: int | None = None) -> KeyScan:
     """The duplicate pass: which keys repeat, how many rows there are and, given the keys already
     written (`done`, for a resumed run), how many rows are left to generate.
 
-    Ray Data sorts the (row_key, position) pairs on the cluster, so that the rows of a key are
-    contiguous; each sorted block is then counted with pyarrow's vectorized group_by
+    Inputs of at most `in_driver_bytes` (default SCAN_IN_DRIVER_BYTES) of files are read and
+    counted by the driver (`scan_keys_in_driver`), with the same reader and the same counting;
+    larger ones on the cluster: Ray Data sorts the (row_key, position) pairs, so that the rows of
+    a key are contiguous; each sorted block is then counted with pyarrow's vectorized group_by
     (`repeats_and_edges`), and only the keys it sees more than once, plus its first and last key
     (whose rows may continue in the neighbouring blocks), reach the driver, where they are merged
     (`merge_repeats`). Only "id:" keys can repeat (the others are unique by construction), but
@@ -689,6 +699,10 @@ def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = Non
     groupby().aggregate() does the same job slower, since it aggregates group by group
     (docs/benchmarks.md has the figures).
     """
+    limit = SCAN_IN_DRIVER_BYTES if in_driver_bytes is None else in_driver_bytes
+    size = datasource.estimate_inmemory_data_size()
+    if size is not None and size <= limit:
+        return scan_keys_in_driver(datasource, done)
     parsed = ray.data.read_datasource(datasource)
     parsed.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     ordered = parsed.select_columns(["row_key", ORDER_COLUMN]).sort("row_key")
@@ -700,6 +714,17 @@ def scan_keys(datasource: FileBasedDatasource, done: frozenset[str] | None = Non
     counted = ordered.map_batches(count, batch_format="pyarrow", batch_size=None)
     batches = counted.iter_batches(batch_format="pyarrow", batch_size=None)
     return merge_repeats(batches, count_pending=done is not None)
+
+
+def scan_keys_in_driver(datasource: FileBasedDatasource, done: frozenset[str] | None = None) -> KeyScan:
+    """`scan_keys` without a cluster: the datasource's read tasks run here, one after another, and
+    their (row_key, position) rows are counted as one run (`repeats_and_edges`, which groups by key,
+    and `merge_repeats`: what the cluster does per sorted block; one run needs no sort). For small
+    inputs, where the sort's tasks would cost more than the work."""
+    runs = [BlockAccessor.for_block(block).to_arrow().select(["row_key", ORDER_COLUMN])
+            for task in datasource.get_read_tasks(1) for block in task()]
+    counted = [repeats_and_edges(pa.concat_tables(runs), done)] if runs else []
+    return merge_repeats(counted, count_pending=done is not None)
 
 
 def find_repeated_keys(datasource: FileBasedDatasource) -> dict[str, tuple[str, int]]:
