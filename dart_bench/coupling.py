@@ -9,8 +9,9 @@ depth d = 1..depths, with p the target's warped distribution there and q the hea
 temperature, the share of positions where the target's drawn token equals
 
 - `top1`: the head's most probable token (what the trees propose first today);
-- `inverse_cdf`: the head's inverse-CDF draw with the target's own uniform (today's sampler,
-  `sampling.inverse_cdf_sample`, read by the drafter);
+- `inverse_cdf`: the head's inverse-CDF draw with the position's uniform (the sampler before #48,
+  `dart_bench.inverse_cdf`; since the switch the replies are the engine's Gumbel-max draws, so this
+  is an uncoupled guess);
 - `gumbel`: Gumbel-max with shared noise, argmax(log q + g) against argmax(log p + g), g the
   vocabulary-sized noise of the position (`gumbel.gumbel_noise`; the target's draw is this
   product on the replies' prefixes, not a decode of its own);
@@ -57,6 +58,7 @@ import numpy as np
 import torch
 
 from dart_bench.replay import ReplayJobConfig, TuneConfigError, load_structured_config, replay_job_main
+from dart_worker.drafters.coupling import GumbelCoupler
 
 METHODS = ("top1", "inverse_cdf", "gumbel", "gumbel_2level", "gumbel_partition", "greedy_ref", "coupling_limit")
 # Prompts whose head runs in one lockstep batch (bounds the target logits held: [reply, V] each).
@@ -178,7 +180,9 @@ def tally_group(parts, drafter, refs, params, key: int, noise: torch.Tensor, tal
 def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, temperature) -> None:
     """Tally the rows `picks` ((reference, its batch row, depth)) of round i."""
     from dart_bench.gumbel import BLOCK_STREAM, GUMBEL_SINGLES, coupled_candidates, gumbel_sample, row_seeds
-    from dart_worker.sampling.params import inverse_cdf_sample, position_uniforms, warp_logits_to_probs
+    from dart_bench.inverse_cdf import inverse_cdf_sample, position_uniforms
+    from dart_worker.sampling.gumbel import gumbel_sample_threshold
+    from dart_worker.sampling.params import warp_logits_to_probs
 
     positions = np.asarray([i + d for _, _, d in picks], dtype=np.int64)
     target_logits = torch.stack([rows[b][i + d] for b, _, d in picks])
@@ -219,7 +223,8 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
     for name, value in results.items():
         tally.hits[name] += np.bincount(depth.numpy(), weights=value.double().numpy(), minlength=tally.depths)
     tally.count += np.bincount(depth.numpy(), minlength=tally.depths)
-    redrawn = inverse_cdf_sample(p, uniforms) == drawn  # do the replies reproduce (fp32: they should)
+    # do the replies (the engine's draws) reproduce (fp32: they should)
+    redrawn = gumbel_sample_threshold(p, seeds, block_seeds) == drawn
     tally.reproduced[0] += int(redrawn.sum())
     tally.reproduced[1] += len(picks)
 
@@ -227,7 +232,7 @@ def _count(picks, i, refs, rows, logits, d2t, params, key, noise, tally, tempera
 def _cost_cases(rows: int, vocab: int, device: torch.device) -> dict:
     """What `noise_costs` times, over `rows` rows of `vocab` tokens."""
     from dart_bench.gumbel import BLOCK_STREAM, gumbel_noise, gumbel_sample, gumbel_sample_threshold, row_seeds
-    from dart_worker.sampling.params import inverse_cdf_sample
+    from dart_bench.inverse_cdf import inverse_cdf_sample
 
     logits = torch.randn(rows, vocab, device=device) * 3
     probs = logits.softmax(dim=-1)
@@ -312,43 +317,6 @@ def measure(cfg: CouplingConfig) -> dict[str, Any]:
     return {"taus": taus, "config": {k: v for k, v in vars(cfg).items()}, "machine": conditions,
             "dtype": str(parts.target.dtype), "vocab": vocab, "draft_vocab": parts.head.config.draft_vocab_size,
             "load_average_end": list(os.getloadavg()), "results": results, "noise_costs": costs}
-
-
-class GumbelCoupler:
-    """The coupled logits a head drafter's builders read for sampled sequences (`HeadDrafter.coupler`).
-
-    The target's token at generated index t is argmax_i(log p_i + g_t,i) over its partition's
-    cells (`gumbel.gumbel_sample`; a heavy token's cell is itself, with the token noise g_t,i), a
-    deterministic function of g_t like greedy decoding's argmax. With g_t known, the head's best
-    guess at depth d is argmax(log q_d + g_d) (q_d at the request's temperature), and how sure it
-    is of each candidate depends on how far log q_d is from log p_d: with that error of scale s,
-    softmax((log q_d + g_d) / s) is the chance each token wins. So the builders get
-    (log q_d + g_d) / s as logits and build exactly as for greedy decoding: DART's softmax over its
-    top-k of those, DDTree's log-softmax, the chain's argmax. g_d covers the head's whole
-    vocabulary (its target ids), drawn with the target sampler's own generator. `noise_weight`
-    a < 1 ranks by log q + a g instead: a hedge for a head whose q is flatter than p (a = 1 / c for
-    a head whose log q should be sharpened by c), 0 would be today's trees."""
-
-    def __init__(self, head, scale: float, noise_weight: float = 1.0):
-        if scale <= 0 or not 0 <= noise_weight <= 1:
-            raise ValueError(f"scale must be > 0 and noise_weight in [0, 1], got {scale} and {noise_weight}")
-        self.head, self.scale, self.noise_weight = head, float(scale), float(noise_weight)
-        self._target_ids: torch.Tensor | None = None
-
-    def __call__(self, logits: torch.Tensor, dice) -> torch.Tensor:
-        from dart_bench.gumbel import gumbel_noise, row_seeds
-
-        if self._target_ids is None or self._target_ids.device != logits.device:
-            self._target_ids = self.head.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))
-        out = logits.float().clone()
-        depth = logits.shape[1]
-        for b, d in enumerate(dice):
-            if d is None or d.temperature <= 0:
-                continue
-            seeds = torch.from_numpy(row_seeds(d.key, d.position + np.arange(depth))).to(logits.device)
-            log_q = torch.log_softmax(logits[b].double() / d.temperature, dim=-1)
-            out[b] = ((log_q + self.noise_weight * gumbel_noise(seeds, self._target_ids)) / self.scale).float()
-        return out
 
 
 @torch.inference_mode()

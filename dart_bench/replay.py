@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_bench.common import TargetBenchConfig, load_parts, select_prompts
+from dart_worker.sampling.gumbel import SAMPLER
 from dart_worker.sampling.params import SamplingParams
 from ngram_native.builders import InvalidTreeParams, TreeParams
 
@@ -82,7 +83,7 @@ def references(cfg: ReplayJobConfig, parts, prompts: list[list[int]], out: Path)
     from dart_train.replay import target_references
 
     params = reply_sampling(cfg)
-    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed]
+    sampled = [] if params.is_greedy else [params.temperature, params.top_p, params.top_k, params.seed, SAMPLER]
     key = hashlib.sha256(json.dumps([cfg.target, cfg.dtype, str(parts.target.dtype), cfg.max_new_tokens,
                                      prompts, *sampled]).encode()).hexdigest()
     path = out / "replies.json"

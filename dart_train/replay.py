@@ -19,8 +19,8 @@ verify forward rounds differently from the one-forward taps (fp32: at exact near
 head's logits; bf16: more often, see docs/DESIGN.md); tests/test_replay.py checks it against the
 engine round by round.
 
-Sampled decoding replays the same way. Every sampled token is the inverse-CDF draw of the request's
-uniform for its position (dart_worker.sampling.params), and verification walks the tree by those draws
+Sampled decoding replays the same way. Every sampled token is the Gumbel-max draw with the request's
+noise for its position (dart_worker.sampling.gumbel), and verification walks the tree by those draws
 (dart_worker.sampling.verification), so a request with a given key commits the same reply under every
 drafter - the reply `ar` samples - and a round accepts exactly the deepest tree path that spells
 its next tokens, as under greedy decoding. `target_references(..., params=SamplingParams(

@@ -27,7 +27,15 @@ import numpy as np
 import torch
 
 from dart_worker.decode_round import RoundRecord, StageClock
-from dart_worker.drafters.base import NOTHING_FINISHED, CommittedBlock, Drafter, Finished, add_documents, empty_tree
+from dart_worker.drafters.base import (
+    NOTHING_FINISHED,
+    CommittedBlock,
+    Dice,
+    Drafter,
+    Finished,
+    add_documents,
+    empty_tree,
+)
 from dart_worker.drafters.grammar import constrain_trees
 from dart_worker.hardware.kernels import logits_for, shapes_for
 from dart_worker.hardware.transfer import move_to, to_device
@@ -299,6 +307,7 @@ class DecodingEngine:
             with record.stage("draft") if record.model_ran else nullcontext():
                 drafter.run_model(record.model_ran)
         with record.stage("tree"):
+            drafter.read_dice(_dice(record.live))
             trees = drafter.propose([s.tokens for s in record.live], caps)
         if record.model_ran:  # what the model cost this round: its forward and the proposal
             record.model_seconds = record.seconds["draft"] + record.seconds["tree"]
@@ -456,6 +465,14 @@ class DecodingEngine:
                                             None if seq.grammar is None else seq.grammar.masks(tree)),
                           seq.key, len(seq.tokens) - seq.num_prompt)
                 for seq, tree in zip(seqs, trees, strict=True)]
+
+
+def _dice(live: list[LiveSequence]) -> list[Dice | None]:
+    """Each live sequence's `Dice` for the coming proposal (None for a greedy one): its key (drawn
+    once per request, from its seed or fresh entropy), the generated index its root row draws and
+    its temperature - what its verification will draw with (`VerifyRow`)."""
+    return [None if s.params.is_greedy else Dice(s.key, len(s.tokens) - s.num_prompt, s.params.temperature)
+            for s in live]
 
 
 def _admissible(waiting: deque[list[LiveSequence]], free: int) -> list[list[LiveSequence]]:

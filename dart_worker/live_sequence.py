@@ -56,7 +56,7 @@ class LiveSequence:
     num_prompt: int
     params: SamplingParams
     stop_ids: frozenset[int]
-    key: int  # the uniform key of its sampled tokens (dart_worker.sampling.params.request_key)
+    key: int  # the noise key of its sampled tokens (dart_worker.sampling.params.request_key)
     stats: RequestStats
     finish_reason: str = ""
     text_end: int | None = None  # where a stop string starts in the generated text

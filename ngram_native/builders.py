@@ -116,6 +116,13 @@ class TreeParams:
     job_ngram_tokens: int = 262144
     job_ngram_order: int = 4
     job_ngram_prior: float = 4.0
+    # Coupled drafting (issue #48; dart_worker.drafters.coupling): the head drafters (chain, ddtree,
+    # dart and the hybrids' head part) build a sampled row's tree from (log q + a g) / s instead of
+    # the head's logits, g the target sampler's noise at each drafted position; a =
+    # coupling_noise_weight (0 = off: the head's own distribution, as before #48), s = coupling_scale.
+    # Greedy rows are never coupled. The defaults were the best by replay (docs/benchmarks.md).
+    coupling_noise_weight: float = 0.75
+    coupling_scale: float = 1.0
 
     def __post_init__(self) -> None:
         bad = _problems(self)
@@ -166,6 +173,12 @@ def _problems(params: TreeParams) -> list[tuple[str, str]]:
         out.append(("job_ngram_order", f"must be <= 6, got {params.job_ngram_order}"))
     if not isinstance(params.lookup_cache_prompts, (bool, np.bool_)):
         out.append(("lookup_cache_prompts", f"must be true or false, got {params.lookup_cache_prompts!r}"))
+    weight, scale = params.coupling_noise_weight, params.coupling_scale
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)) or not 0.0 <= float(weight) <= 1.0:
+        out.append(("coupling_noise_weight", f"must be in [0, 1] (0 = off), got {weight!r}"))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) \
+            or not math.isfinite(float(scale)) or scale <= 0:
+        out.append(("coupling_scale", f"must be finite and > 0, got {scale!r}"))
     depth = params.max_depth
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1):
         out.append(("max_depth", f"must be >= 1 or None, got {depth!r}"))

@@ -1,29 +1,32 @@
-"""The Gumbel-max draw `jobs.bench coupling` measures couplings with (issue #48; not the engine's
-sampler: the switch was measured and reverted, docs/benchmarks.md). The noise is a counter-based
-function of (key, position, stream, token id) whose int64 torch implementation equals its numpy
-definition; the partitioned draw is distributed exactly as its weights (chi-square; a biased draw
-fails the same test)."""
+"""The engine's Gumbel-max sampler (issue #48: dart_worker.sampling.gumbel) and the benchmark's
+top-64 partitioned draw (dart_bench.gumbel). The noise is a counter-based function of (key,
+position, stream, token id) whose int64 torch implementation equals its numpy definition; both
+draws are distributed exactly as their weights (chi-square; a biased draw fails the same test)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
-from dart_bench import gumbel as sampling
-from dart_bench.gumbel import (
+from dart_bench import inverse_cdf
+from dart_bench.gumbel import GUMBEL_SINGLES, gumbel_sample
+from dart_worker.sampling import gumbel as sampling
+from dart_worker.sampling import params as engine_sampling
+from dart_worker.sampling.gumbel import (
     BLOCK_STREAM,
     GUMBEL_BLOCK,
     gumbel_noise,
-    gumbel_sample,
     gumbel_sample_threshold,
     noise_bits,
     pair_gumbel_noise,
     row_seeds,
 )
-from dart_worker.sampling import params as engine_sampling
 from dart_worker.sampling.params import SamplingParams, request_key
+from tests.hypothesis_budget import examples
 
 ALPHA = 1e-4
 VOCAB = 32
@@ -99,7 +102,7 @@ SMALL_BLOCK = 64
 
 
 @pytest.mark.parametrize(("singles", "block"), [(0, SMALL_BLOCK), (4, SMALL_BLOCK),
-                                                (sampling.GUMBEL_SINGLES, GUMBEL_BLOCK)])
+                                                (GUMBEL_SINGLES, GUMBEL_BLOCK)])
 def test_gumbel_sample_is_distributed_as_its_weights(singles, block, monkeypatch):
     monkeypatch.setattr(sampling, "GUMBEL_BLOCK", block)
     weights = _weights(3 * block + 200, seed=singles)  # blocks, a partial last block, singles
@@ -127,9 +130,17 @@ def _draw_many_threshold(weights: torch.Tensor, draws: int, alone_above: float, 
                                    torch.from_numpy(row_seeds(key, positions, BLOCK_STREAM)), alone_above).numpy()
 
 
+# (ALONE_BLOCKS, ALONE_TOKENS): the draw's own caps, and caps small enough that some heavy tokens
+# of the cases' rows are left to their blocks.
+CAPS = [(sampling.ALONE_BLOCKS, sampling.ALONE_TOKENS), (2, 3)]
+
+
+@pytest.mark.parametrize("caps", CAPS)
 @pytest.mark.parametrize("alone_above", [1 / 256, 1 / 32, 1.0])  # heavy tokens alone: several, a few, none
-def test_the_threshold_draw_is_distributed_as_its_weights(alone_above, monkeypatch):
+def test_the_threshold_draw_is_distributed_as_its_weights(alone_above, caps, monkeypatch):
     monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(sampling, "ALONE_BLOCKS", caps[0])
+    monkeypatch.setattr(sampling, "ALONE_TOKENS", caps[1])
     weights = _weights(3 * SMALL_BLOCK + 200, seed=7) * 3.0  # unnormalised: the threshold is a share of the sum
     drawn = _draw_many_threshold(weights, 40_000, alone_above)
     assert _pvalue(drawn, weights) > ALPHA
@@ -140,20 +151,30 @@ def test_the_threshold_draw_is_distributed_as_its_weights(alone_above, monkeypat
 
 
 def test_a_biased_threshold_draw_fails_the_same_test(monkeypatch):
-    """The negative control: heavy tokens' noise at 0.8 of its scale is caught."""
-    real = sampling.pair_gumbel_noise
-    monkeypatch.setattr(sampling, "pair_gumbel_noise", lambda seeds, ids: 0.8 * real(seeds, ids))
+    """The negative control: noise at 0.8 of its scale is caught."""
+    real = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seeds, ids: 0.8 * real(seeds, ids))
     monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
     weights = _weights(3 * SMALL_BLOCK + 200, seed=7)
     assert _pvalue(_draw_many_threshold(weights, 40_000, 1 / 256), weights) < ALPHA
 
 
 def _threshold_reference(weights, token_seeds, block_seeds, alone_above):
-    """The threshold draw written plainly (every heavy token by a compare over the vocabulary, the
-    tail masked out whole): what `gumbel_sample_threshold`'s two-reduction version must equal."""
+    """The threshold draw written plainly, row by row: the cells of their own are the ALONE_TOKENS
+    heaviest tokens above the limit in the ALONE_BLOCKS blocks of largest maxima, found by sorting;
+    the tail is masked out whole. What `gumbel_sample_threshold`'s fixed-shape version must equal."""
     rows, vocab = weights.shape
-    block = sampling.GUMBEL_BLOCK
-    alone = weights > weights.sum(dim=-1, keepdim=True) * alone_above
+    block = min(sampling.GUMBEL_BLOCK, vocab)
+    limit = weights.sum(dim=-1) * alone_above
+    padded = torch.nn.functional.pad(weights, (0, -vocab % block))
+    maxima = padded.reshape(rows, -1, block).amax(dim=-1)
+    alone = torch.zeros_like(weights, dtype=torch.bool)
+    for r in range(rows):
+        in_candidates = torch.zeros(padded.shape[1], dtype=torch.bool)
+        for b in np.argsort(-maxima[r].numpy(), kind="stable")[: sampling.ALONE_BLOCKS]:
+            in_candidates[b * block : (b + 1) * block] = True
+        heavy = np.flatnonzero(((weights[r] > limit[r]) & in_candidates[:vocab]).numpy())
+        alone[r, heavy[np.argsort(-weights[r, heavy].numpy(), kind="stable")][: sampling.ALONE_TOKENS]] = True
     tail = torch.nn.functional.pad(weights.masked_fill(alone, 0.0), (0, -vocab % block))
     mass = tail.reshape(rows, -1, block).sum(dim=-1).double()
     block_score, chosen = (mass.log() + gumbel_noise(block_seeds, torch.arange(mass.shape[1]))).max(dim=-1)
@@ -165,13 +186,16 @@ def _threshold_reference(weights, token_seeds, block_seeds, alone_above):
     return torch.where(best >= block_score, single, in_block)
 
 
-@pytest.mark.parametrize("vocab", [3 * SMALL_BLOCK + 200, 4 * SMALL_BLOCK])  # a partial last block, none
-def test_the_threshold_draw_equals_its_plain_definition(vocab, monkeypatch):
+@pytest.mark.parametrize("caps", CAPS)
+@pytest.mark.parametrize("vocab", [3 * SMALL_BLOCK + 200, 4 * SMALL_BLOCK, 40])  # a partial last block, none, one
+def test_the_threshold_draw_equals_its_plain_definition(vocab, caps, monkeypatch):
     monkeypatch.setattr(sampling, "GUMBEL_BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(sampling, "ALONE_BLOCKS", caps[0])
+    monkeypatch.setattr(sampling, "ALONE_TOKENS", caps[1])
     rng = np.random.default_rng(vocab)
     temperature = rng.uniform(0.3, 3.0, size=(300, 1))
     weights = torch.from_numpy(np.exp(rng.normal(size=(300, vocab)) * 3 / temperature)).float()
-    weights[::7, rng.choice(vocab, 40)] = 0.0  # zeros (a top-k or top-p cut) among them
+    weights[::7, rng.choice(vocab, min(40, vocab // 2))] = 0.0  # zeros (a top-k or top-p cut) among them
     seeds, block_seeds = (torch.from_numpy(row_seeds(3, np.arange(300), stream)) for stream in (0, BLOCK_STREAM))
     for alone_above in (1 / 256, 1 / 16, 1.0):
         drawn = gumbel_sample_threshold(weights, seeds, block_seeds, alone_above)
@@ -203,3 +227,51 @@ def test_gumbel_sample_never_draws_zero_weight_tokens_and_follows_one_hot_rows()
             drawn = gumbel_sample(weights, torch.from_numpy(row_seeds(1, [t] * 3)),
                                   torch.from_numpy(row_seeds(1, [t] * 3, BLOCK_STREAM)), singles).tolist()
             assert drawn[:2] == [7, GUMBEL_BLOCK + 3] and drawn[2] in (1, 2 * GUMBEL_BLOCK + 4)
+
+
+# ------------------------------------------- the inverse-CDF draw of before #48 (the benchmark's)
+
+
+def test_inverse_cdf_sample_never_draws_zero_weight_tokens():
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 3.0]])
+    for u, expected in [(0.0, [1, 2, 0]), (0.2, [1, 2, 0]), (0.25, [1, 2, 4]), (0.49, [1, 2, 4]), (0.5, [3, 2, 4])]:
+        drawn = inverse_cdf.inverse_cdf_sample(weights, torch.full((3,), u, dtype=torch.float64))
+        assert drawn.tolist() == expected, u
+    # u * total rounding up to the total still lands on the last token of positive weight
+    just_below_one = torch.full((3,), 1.0 - 2**-53, dtype=torch.float64)
+    assert inverse_cdf.inverse_cdf_sample(weights, just_below_one).tolist() == [3, 2, 4]
+    assert inverse_cdf.inverse_cdf_sample(weights, torch.ones(3, dtype=torch.float64)).tolist() == [3, 2, 4]
+
+
+def _reference_inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """Brute force: the first token whose float64 cumulative weight exceeds u * total, else the
+    last token of positive weight."""
+    cdf = np.cumsum(weights.astype(np.float64))
+    hit = np.flatnonzero(cdf > u * cdf[-1])
+    last_positive = int(np.flatnonzero(weights > 0)[-1])
+    return min(int(hit[0]), last_positive) if hit.size else last_positive
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data(), vocab=st.sampled_from([1, 7, 1023, 1024, 1025, 3000, 4096]),
+       zeros=st.floats(0.0, 0.999))
+def test_two_level_inverse_cdf_equals_the_brute_force_draw(data, vocab, zeros):
+    """Integer weights (sums exact in any order), many zeros, uniforms on exact boundaries of the
+    cumulative weights (block edges included) and at the ends: the block-then-token draw picks
+    exactly the token of one float64 scan over the row."""
+    rows = data.draw(st.integers(1, 4))
+    gen = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    weights = gen.integers(1, 4, size=(rows, vocab)).astype(np.float32) * (gen.random((rows, vocab)) >= zeros)
+    weights[np.arange(rows), gen.integers(0, vocab, size=rows)] = 1.0  # every row has mass
+    totals = weights.sum(axis=1, dtype=np.float64)
+    # Cumulative weight at the end of each block: a uniform landing exactly there must pass on
+    # to the next block's first token of positive weight, as the scan does.
+    edges = [np.cumsum(w, dtype=np.float64)[inverse_cdf._CDF_BLOCK - 1 :: inverse_cdf._CDF_BLOCK] for w in weights]
+    picks = [data.draw(st.one_of(st.sampled_from([0.0, 1.0, 1.0 - 2**-53]), st.floats(0.0, 1.0),
+                                 st.integers(0, int(t)).map(lambda k, t=t: k / t),
+                                 st.sampled_from([*e.tolist(), 0.0]).map(lambda k, t=t: k / t)))
+             for t, e in zip(totals, edges)]
+    uniforms = torch.tensor(picks, dtype=torch.float64)
+    drawn = inverse_cdf.inverse_cdf_sample(torch.from_numpy(weights), uniforms).tolist()
+    assert drawn == [_reference_inverse_cdf(weights[r], picks[r]) for r in range(rows)]
+    assert all(weights[r, t] > 0 for r, t in enumerate(drawn))

@@ -58,16 +58,17 @@ def test_replay_records_the_rounds_the_engine_records(parts, mode, budget, tempe
     params = SamplingParams(temperature=temperature, seed=7, max_new_tokens=MAX_NEW)
     results = engine.generate(prompts(), params)
     refs = target_references(parts, prompts(), MAX_NEW, replies=[r.token_ids for r in results])
-    replayed = replay(build_drafter(parts, mode, tree), refs, MAX_NEW, parts.target.max_positions)
+    # the engine hands a sampled row's drafter its dice (coupled drafting, issue #48): replay the same
+    replayed = replay(build_drafter(parts, mode, tree), refs, MAX_NEW, parts.target.max_positions, dice=params)
     for result, stats in zip(results, replayed, strict=True):
         assert stats.accept_lengths == result.stats.accept_lengths
         assert stats.tree_sizes == result.stats.tree_sizes
         assert stats.accepted_by_source == result.stats.accepted_by_source
     assert mean_tau(replayed) == pytest.approx(np.mean([r.stats.tau for r in results]))
-    if mode in ("dart", "lookup") and budget == 60:  # the test means something: multi-token rounds
-        # (sampled replies of the random target rarely repeat a span: there lookup accepts single tokens)
-        needed = 2 if temperature == 0 or mode == "dart" else 1
-        assert max(max(s.accept_lengths) for s in replayed) >= needed
+    if budget == 60 and (mode == "dart" or (mode == "lookup" and temperature == 0)):
+        # The test means something: multi-token rounds. (Sampled replies of the random target seldom
+        # repeat a span, so the lookup's sampled cells may accept nothing at all.)
+        assert max(max(s.accept_lengths) for s in replayed) >= 2
     if temperature > 0:  # and the sampled replies are not the greedy ones
         greedy = engine.generate(prompts(), SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
         assert sum(g.token_ids != r.token_ids for g, r in zip(greedy, results)) >= len(results) // 2

@@ -98,9 +98,9 @@ def test_n_samples_sharing_a_prefill_wait_no_more(parts, mode, monkeypatch):
         engine = build_engine(parts, mode, TreeParams(budget=12), sizing="fixed", batches=(1, 3))
         rounds = Rounds(parts.target, monkeypatch)
         base = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_new_tokens=14)
+        requests = prompts(3, seed=7)  # built outside the count: its own reads are the test's, not the engine's
         with SyncCounter("cpu") as syncs:
-            results = engine.generate_samples(prompts(3, seed=7), [[for_sample(base, j) for j in range(3)]] * 3,
-                                              max_live=6)
+            results = engine.generate_samples(requests, [[for_sample(base, j) for j in range(3)]] * 3, max_live=6)
         assert all(r.error is None for per in results for r in per)
         assert rounds.prefills <= 3
         allowed = SAMPLED_BOUND * rounds.verifies + rounds.prefills

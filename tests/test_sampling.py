@@ -18,7 +18,8 @@ from transformers.generation.logits_process import (
 
 from dart_worker.hardware import kernels
 from dart_worker.sampling import params as sampling
-from dart_worker.sampling.params import SamplingParams, position_uniforms, request_key, warp_logits_to_probs
+from dart_worker.sampling.gumbel import BLOCK_STREAM, TOKEN_STREAM, gumbel_noise, row_seeds
+from dart_worker.sampling.params import SamplingParams, request_key, warp_logits_to_probs
 from tests.hypothesis_budget import examples
 
 
@@ -198,40 +199,48 @@ def test_params_validation(kwargs, error, message):
         SamplingParams(**kwargs)
 
 
+def _noise(key, positions, token=0):
+    """The engine's Gumbel noise of token `token` at generated indices `positions` under `key`."""
+    return gumbel_noise(torch.from_numpy(row_seeds(key, positions)), torch.tensor([token]))[:, 0].numpy()
+
+
 def test_seeded_keys_are_reproducible_and_distinct_and_leave_global_rngs_alone():
     torch.manual_seed(7)
     expected_global = torch.rand(3)
     torch.manual_seed(7)
-    first = position_uniforms(request_key(SamplingParams(seed=1234)), np.arange(5))
-    again = position_uniforms(request_key(SamplingParams(seed=1234)), np.arange(5))
+    first = _noise(request_key(SamplingParams(seed=1234)), np.arange(5))
+    again = _noise(request_key(SamplingParams(seed=1234)), np.arange(5))
     np.testing.assert_array_equal(first, again)
     assert torch.equal(torch.rand(3), expected_global)  # torch's global RNG untouched
-    others = [position_uniforms(request_key(SamplingParams(seed=s)), np.arange(5)) for s in (0, 1, 1235, 2**63 - 1)]
+    others = [_noise(request_key(SamplingParams(seed=s)), np.arange(5)) for s in (0, 1, 1235, 2**63 - 1)]
     assert len({tuple(u) for u in [first, *others]}) == 5
     # unseeded: fresh entropy each time
     assert request_key(SamplingParams()) != request_key(SamplingParams())
 
 
-def test_a_positions_uniform_does_not_depend_on_which_positions_are_asked_together():
+def test_a_positions_noise_does_not_depend_on_which_positions_are_asked_together():
     key = request_key(SamplingParams(seed=5))
-    together = position_uniforms(key, [3, 0, 17, 3])
-    alone = [position_uniforms(key, [t])[0] for t in (3, 0, 17, 3)]
+    together = row_seeds(key, [3, 0, 17, 3])
+    alone = [row_seeds(key, [t])[0] for t in (3, 0, 17, 3)]
     np.testing.assert_array_equal(together, alone)
     # Several requests' rows in one call (one key per position, keys past 2**63 too) equal each alone.
     keys = [key, request_key(SamplingParams(seed=6)), 2**64 - 1, 2**63 + 5]
-    mixed = position_uniforms(np.asarray(keys, dtype=np.uint64), [3, 3, 0, 9])
-    np.testing.assert_array_equal(mixed, [position_uniforms(k, [t])[0] for k, t in zip(keys, [3, 3, 0, 9])])
+    for stream in (TOKEN_STREAM, BLOCK_STREAM):
+        mixed = row_seeds(np.asarray(keys, dtype=np.uint64), [3, 3, 0, 9], stream)
+        np.testing.assert_array_equal(mixed, [row_seeds(k, [t], stream)[0] for k, t in zip(keys, [3, 3, 0, 9])])
 
 
-def test_position_uniforms_are_uniform_and_independent_across_positions_and_keys():
-    """Kolmogorov-Smirnov on the marginal, and chi-square on 10 x 10 bins of consecutive pairs
-    (same key) and of same-position pairs (consecutive seeds): no structure at 200,000 draws."""
+def test_position_noise_is_uniform_and_independent_across_positions_and_keys():
+    """The noise's uniforms (u = exp(-exp(-g))): Kolmogorov-Smirnov on the marginal, and chi-square
+    on 10 x 10 bins of consecutive pairs (same key) and of same-position pairs (consecutive
+    seeds): no structure at 200,000 draws."""
     n = 200_000
-    u = position_uniforms(request_key(SamplingParams(seed=1)), np.arange(n))
-    assert ((u >= 0) & (u < 1)).all()
+    u = np.exp(-np.exp(-_noise(request_key(SamplingParams(seed=1)), np.arange(n))))
+    assert ((u > 0) & (u < 1)).all()
     assert scipy_stats.kstest(u, "uniform").pvalue > 1e-4
     pairs = [(u[:-1], u[1:])]
-    across = np.array([position_uniforms(request_key(SamplingParams(seed=s)), [7])[0] for s in range(20_000)])
+    keys = np.asarray([request_key(SamplingParams(seed=s)) for s in range(20_000)], dtype=np.uint64)
+    across = np.exp(-np.exp(-_noise(keys, np.full(keys.size, 7))))
     pairs.append((across[:-1], across[1:]))
     for a, b in pairs:
         counts = np.histogram2d(a, b, bins=10, range=[[0, 1], [0, 1]])[0].ravel()

@@ -28,11 +28,11 @@ import torch
 from dart_worker.artifacts.random_models import random_model, tiny_config
 from dart_worker.engine_factory import EngineParts, build_engine
 from dart_worker.head.draft_head import DartDraftHead
+from dart_worker.sampling.gumbel import gumbel_noise, row_seeds
 from dart_worker.sampling.params import (
     SamplingParams,
     TokenHistory,
     apply_penalties,
-    position_uniforms,
     request_key,
     warp_logits_to_probs,
 )
@@ -41,7 +41,7 @@ from ngram_native import NgramTrie, TreeParams, build_trie
 
 VOCAB = 48  # small enough that draft top-k often holds the target's choice, so trees are accepted
 EOS = 2
-TIE_TOLERANCE = 1e-4  # relative to the largest |logit| (greedy) or absolute on the CDF (sampling)
+TIE_TOLERANCE = 1e-4  # relative to the largest |logit| (greedy) or absolute on log p + g (sampling)
 SAMPLED = ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 0), (1.0, 0.8, 5))  # (temperature, top_p, top_k)
 
 
@@ -83,7 +83,10 @@ def diagnose_greedy(model, prompt, ours: list[int], reference: list[int]) -> dic
 
 
 def diagnose_sampled(model, prompt, params: SamplingParams, ours: list[int], reference: list[int]) -> dict[str, Any]:
-    """Where a sampled output leaves `ar`'s, and how close that position's uniform was to a CDF edge."""
+    """Where a sampled output leaves `ar`'s, and how close that position's Gumbel-max draw was to a
+    tie: the gap between the two best log p + g (g the token noise of the position,
+    `dart_worker.sampling.gumbel`; over a vocabulary this small nearly every token is a cell of its
+    own, so this is the draw's own margin)."""
     k = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
     if k == len(ours) == len(reference):
         return {"status": "identical"}
@@ -92,10 +95,11 @@ def diagnose_sampled(model, prompt, params: SamplingParams, ours: list[int], ref
     logits = _last_logits(model, list(prompt) + reference[:k])[None]
     logits = apply_penalties(logits, [params], [TokenHistory(list(prompt) + reference[:k], len(prompt))], [[]])
     probs = warp_logits_to_probs(logits, params)[0].double()
-    cdf = probs.cumsum(0).cpu().numpy()
-    u = float(position_uniforms(request_key(params), [k])[0])
-    margin = float(np.min(np.abs(cdf - u)))
-    return {"status": "tie" if margin <= TIE_TOLERANCE else "differs", "position": k, "cdf_margin": margin}
+    seeds = torch.from_numpy(row_seeds(request_key(params), [k])).to(probs.device)
+    scores = (probs.log() + gumbel_noise(seeds, torch.arange(probs.shape[-1], device=probs.device))[0]).cpu()
+    best = scores.topk(2).values
+    margin = float(best[0] - best[1])
+    return {"status": "tie" if margin <= TIE_TOLERANCE else "differs", "position": k, "draw_margin": margin}
 
 
 def self_trie(target: TargetAdapter, path: Path) -> NgramTrie:

@@ -10,11 +10,12 @@ They differ only in how those per-position distributions become a tree:
 - `dart`: DART's N-gram-guided beam search (the corpus trie re-scores the head's top-k).
 
 Coupled drafting (issue #48): a sampled token is a fixed function of its request's noise at its
-position and the target's distribution there; a drafter told that noise (`read_dice`) can rank
-its candidates by the draw they would win rather than by their probability. With a `coupler`
-set, the builders read the coupler's per-depth logits (for the Gumbel-max draw:
-(log q + g) / s, `dart_bench.coupling.GumbelCoupler`) instead of the head's, for the sampled
-sequences; greedy ones are untouched. None (the default) drafts as before.
+position and the target's distribution there; a drafter told that noise (`read_dice`, before each
+proposal) can rank its candidates by the draw they would win rather than by their probability.
+With a `coupler` (by default `GumbelCoupler` from the tree settings' coupling_noise_weight and
+coupling_scale; None when the weight is 0), the builders read the coupler's per-depth logits
+((log q + a g) / s, dart_worker/drafters/coupling.py) instead of the head's for the sampled
+sequences; greedy ones are untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dart_worker.drafters.base import (
     add_documents,
     empty_tree,
 )
+from dart_worker.drafters.coupling import GumbelCoupler
 from dart_worker.hardware.kernels import shapes_for
 from dart_worker.hardware.transfer import to_device, to_host
 from dart_worker.head.draft_kv_cache import DraftKVCache
@@ -81,11 +83,13 @@ class HeadDrafter(ModelDrafter):
         self.bucketed = shapes_for(head.device) == "bucketed"
         self.unread: PerSequence = PerSequence(_Unread)
         # (logits [B, D', V], dice) -> the logits the builders read; None: the head's own.
-        self.coupler: Callable[[torch.Tensor, Sequence[Dice | None]], torch.Tensor] | None = None
+        self.coupler: Callable[[torch.Tensor, Sequence[Dice | None]], torch.Tensor] | None = (
+            GumbelCoupler(head, tree.coupling_scale, tree.coupling_noise_weight) if tree.coupling_noise_weight > 0
+            else None)
         self.dice: list[Dice | None] = []  # this round's, from `read_dice`
 
     def read_dice(self, dice: Sequence[Dice | None]) -> None:
-        self.dice = list(dice)
+        self.dice = list(dice)  # read by the next proposal only
 
     def observe(self, block: CommittedBlock) -> None:
         if block.joined:
@@ -167,6 +171,7 @@ class HeadDrafter(ModelDrafter):
             self.logits = self.logits.index_select(0, to_device(order, self.logits.device, torch.long))
 
     def propose(self, tokens: Sequence[Sequence[int]], max_depths: Sequence[int]) -> list[DraftTree]:
+        dice, self.dice = self.dice, []  # this round's: a proposal never reads an earlier round's dice
         if self.paused:
             return [empty_tree() for _ in tokens]
         self.catch_up()  # a caller that never pauses the head need not run it first
@@ -176,8 +181,10 @@ class HeadDrafter(ModelDrafter):
         if max(caps, default=0) == 0:
             return [empty_tree() for _ in tokens]
         logits = self.logits[:, : max(caps)]
-        if self.coupler is not None and len(self.dice) == len(tokens) and any(d is not None for d in self.dice):
-            logits = self.coupler(logits, self.dice)
+        if self.coupler is not None and any(d is not None for d in dice):
+            if len(dice) != len(tokens):
+                raise ValueError(f"{self.name}: dice for {len(dice)} sequences, a proposal for {len(tokens)}")
+            logits = self.coupler(logits, dice)
         return [t.from_source(SOURCE_HEAD) for t in self.build(logits, tokens, caps)]
 
     def build(self, logits: torch.Tensor, tokens: Sequence[Sequence[int]], caps: list[int]) -> list[DraftTree]:

@@ -9,35 +9,47 @@ Greedy (temperature 0): at each row move to the child whose token is the row's a
 when there is none; the bonus is the argmax of the last row reached. The committed tokens are
 exactly what plain argmax decoding would produce, one forward per token.
 
-Sampling: coupled inverse-CDF draws. Every sampled token is drawn with a uniform that belongs
-to its position: the token at generated index t is
+Sampling: coupled Gumbel-max draws. Every sampled token is drawn with noise that belongs to its
+position: the token at generated index t is
 
-    y_t = inverse_cdf(p_t, u_t),   u_t = position_uniforms(key, t)   (dart_worker/sampling/params.py)
+    y_t = argmax_i (log p_t,i + g_t,i),   g_t = the noise rows of row_seeds(key, t)
 
-where p_t is the warped target distribution after the committed prefix and `key` the request's
-(from its seed, or fresh entropy). Verifying a tree whose root row predicts index t: at the
-current row (depth d, predicting index t + d) draw y from the row's p with u_{t+d}; move to the
-child whose token is y (the first such sibling); stop when there is none, and commit y as the
-bonus. This is the greedy walk with each row's argmax replaced by its coupled draw.
+(dart_worker/sampling/gumbel.py: `gumbel_sample_threshold`, Gumbel-max over a partition of the
+vocabulary that p_t decides - heavy tokens alone, the rest in blocks of ids), where p_t is the
+warped target distribution after the committed prefix (temperature, min-p, top-k, top-p, the
+penalties and a grammar's masks applied exactly as before: a token of weight 0 is never drawn) and
+`key` the request's (from its seed, or fresh entropy drawn once per request). Verifying a tree
+whose root row predicts index t: at the current row (depth d, predicting index t + d) draw y from
+the row's p with g_{t+d}; move to the child whose token is y (the first such sibling); stop when
+there is none, and commit y as the bonus. This is the greedy walk with each row's argmax replaced
+by its coupled draw. (Until issue #48 the draw was the inverse CDF of one uniform per position;
+a drafter that reads the Gumbel noise can rank its candidates by the draw they would win,
+dart_worker/drafters/coupling.py, which the inverse CDF's token-id order did not allow.)
 
 Why the committed tokens are distributed exactly as the target's. Each committed token is
-y = inverse_cdf(p(. | prefix), u_t) with the committed prefix and p exactly the target's (the
-row reached spells the prefix), and u_t is a fresh uniform: the prefix depends only on u_0..u_{t-1}.
-An inverse-CDF draw of a fresh uniform is distributed as p, so the sequence factorises as the
-target's chain rule. More: the committed token is the same function of (prefix, u_t) that plain
-sampling (`ar`, an empty tree every round) computes, so for a given key every drafter commits
-*the same tokens* as `ar` (up to float rounding of p between differently shaped forwards) - drafts
-decide only how many positions one forward settles, never which tokens, whatever the batch and
-whatever a job-level drafter learnt before. Acceptance at a row is the probability that y is one
-of its children's tokens, sum over distinct children of p(child): what recursive rejection over
-deterministic proposals accepts too (speculative sampling with point-mass proposals), so nothing
-is lost against it. Repeated sibling tokens are harmless (the first is taken).
+y = argmax(log p(. | prefix) + g_t) with the committed prefix and p exactly the target's (the row
+reached spells the prefix), and g_t is fresh: the prefix depends only on g_0..g_{t-1}, and noise
+rows of different positions are independent. The argmax of log p plus a fresh row of Gumbel noise
+is distributed as p (Gumbel-max; over a partition the weights decide, a cell wins with
+probability its mass / the total and a token inside it with its weight / the cell's mass), so the
+sequence factorises as the target's chain rule. More: the committed token is the same function of
+(prefix, g_t) that plain sampling (`ar`, an empty tree every round) computes, so for a given key
+every drafter commits *the same tokens* as `ar` (up to float rounding of p between differently
+shaped forwards) - drafts decide only how many positions one forward settles, never which tokens,
+whatever the batch, whatever a job-level drafter learnt before and whatever noise the drafter
+read (a drafter told the wrong position's noise only loses acceptance). Acceptance at a row is the
+probability that y is one of its children's tokens, sum over distinct children of p(child): what
+recursive rejection over deterministic proposals accepts too (speculative sampling with
+point-mass proposals), so nothing is lost against it. Repeated sibling tokens are harmless (the
+first is taken).
 
 Device use per batch of sampling requests:
 1. Rows with children (the only rows the walk can leave) are warped, requests sharing a warp
    (temperature, top-k, top-p) together, in memory-bounded chunks, and each gets its coupled
-   draw (one batched inverse-CDF over the chunk, each row with the uniform of its position).
-   The draws and those rows' sums (a finiteness check) cross to the host in ONE transfer.
+   draw (one batched Gumbel-max draw over the chunk, each row with the noise of its position: the
+   rows' seeds travel with the rows' indices in one small upload, the noise is computed on the
+   device, so no vocabulary-sized array crosses). The draws and those rows' sums (a finiteness
+   check) cross to the host in ONE transfer.
 2. The walks run on the host: a few dozen comparisons.
 3. A walk that ends on a leaf row (every node of the path accepted) needs that row's draw: only
    those rows are warped and drawn, in a second transfer.
@@ -54,8 +66,9 @@ import numpy as np
 import torch
 
 from dart_worker.hardware.transfer import to_device, to_host
+from dart_worker.sampling.gumbel import BLOCK_STREAM, TOKEN_STREAM, gumbel_sample_threshold, row_seeds
 from dart_worker.sampling.logits_processors import RowControls, controlled_logits
-from dart_worker.sampling.params import SamplingParams, inverse_cdf_sample, position_uniforms, warp_logits_to_probs
+from dart_worker.sampling.params import SamplingParams, warp_logits_to_probs
 from ngram_native.trees import SOURCE_COPIED, TreeLike, check_tree, children
 
 # Row sums of warped probabilities must be 1 up to float32 rounding over the vocabulary;
@@ -96,7 +109,7 @@ class Acceptance:
 @dataclass(frozen=True)
 class VerifyRow:
     """One request's part of a verify forward: its tree, what changes its logits (`controls`, which
-    hold its sampling settings) and, for a sampling request, its uniform key
+    hold its sampling settings) and, for a sampling request, its noise key
     (`sampling.request_key`) and the generated-token index its root row predicts (`position`: how
     many tokens it has generated so far)."""
 
@@ -264,12 +277,13 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
             continue
         sequence = np.repeat(np.asarray([batch_index[k] for k in chunk], dtype=np.int64), rows_per)
         row = np.concatenate([parent_nodes[k] for k in chunk]) + 1
-        uniforms = _rows_uniforms(keys, positions, depths, {k: parent_nodes[k] for k in chunk})
-        index = to_device(np.concatenate([sequence, row]), device)
-        rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows:]],
+        seeds = _rows_seeds(keys, positions, depths, {k: parent_nodes[k] for k in chunk})
+        index = to_device(np.concatenate([sequence, row, *seeds]), device)  # one upload
+        rows_logits = controlled_logits(logits[index[:num_rows], index[num_rows : 2 * num_rows]],
                                         [(trees[k], controls[k], parent_nodes[k]) for k in chunk])
         probs = warp_logits_to_probs(rows_logits, params[chunk[0]])
-        draw_parts.append(inverse_cdf_sample(probs, to_device(uniforms, device)).double())
+        draw_parts.append(gumbel_sample_threshold(probs, index[2 * num_rows : 3 * num_rows],
+                                                  index[3 * num_rows :]).double())
         sum_parts.append(probs.sum(dim=-1).double())
     (host,) = to_host(torch.cat([*draw_parts, *sum_parts])) if rows_done else (np.zeros(0),)  # THE transfer
     host_draws, host_sums = host[:rows_done].astype(np.int64), host[rows_done:]
@@ -292,8 +306,8 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
         leaf_node = [walks[k][0][-1] if walks[k][0] else -1 for k in leaves]
         leaf_index = to_device([[batch_index[k] for k in leaves], [n + 1 for n in leaf_node]], device)
         picked = logits[leaf_index[0], leaf_index[1]]
-        uniforms = _rows_uniforms(keys, positions, depths,
-                                  {k: np.asarray([n]) for k, n in zip(leaves, leaf_node, strict=True)})
+        seeds = to_device(_rows_seeds(keys, positions, depths,
+                                      {k: np.asarray([n]) for k, n in zip(leaves, leaf_node, strict=True)}), device)
         draws = torch.empty(len(leaves), dtype=torch.float64, device=device)
         sums = torch.empty(len(leaves), dtype=torch.float64, device=device)
         for chunk in _warp_chunks(range(len(leaves)), [1] * len(leaves), [params[k] for k in leaves], vocab):
@@ -301,7 +315,7 @@ def _verify_sampled(requests: Sequence[VerifyRow], logits: torch.Tensor,
             chunk_logits = controlled_logits(picked[chunk_dev], [(trees[leaves[j]], controls[leaves[j]],
                                                                   np.asarray([leaf_node[j]])) for j in chunk])
             probs = warp_logits_to_probs(chunk_logits, params[leaves[chunk[0]]])
-            draws[chunk_dev] = inverse_cdf_sample(probs, to_device(uniforms[chunk], device)).double()
+            draws[chunk_dev] = gumbel_sample_threshold(probs, seeds[0, chunk_dev], seeds[1, chunk_dev]).double()
             sums[chunk_dev] = probs.sum(dim=-1).double()
         (host,) = to_host(torch.cat([draws, sums]))  # the second transfer
         bad = np.flatnonzero(~(np.abs(host[len(leaves):] - 1.0) <= _ROW_SUM_TOLERANCE))
@@ -320,13 +334,14 @@ def _row_positions(position: int, depths: np.ndarray, nodes: np.ndarray) -> np.n
     return position + row_depth
 
 
-def _rows_uniforms(keys: Sequence[int], positions: Sequence[int], depths: Sequence[np.ndarray],
-                   nodes: dict[int, np.ndarray]) -> np.ndarray:
-    """The uniforms of the rows of `nodes[k]` of each request k, in the dict's order, drawn in one
-    pass over all of them (each row with its own request's key)."""
+def _rows_seeds(keys: Sequence[int], positions: Sequence[int], depths: Sequence[np.ndarray],
+                nodes: dict[int, np.ndarray]) -> np.ndarray:
+    """The noise seeds [2, n] (token stream, block stream: `gumbel.gumbel_sample_threshold`) of the
+    rows of `nodes[k]` of each request k, in the dict's order, made in one pass over all of them
+    (each row with its own request's key and the generated index it predicts)."""
     at = np.concatenate([_row_positions(positions[k], depths[k], rows) for k, rows in nodes.items()])
     row_keys = np.repeat(np.asarray([keys[k] for k in nodes], dtype=np.uint64), [len(rows) for rows in nodes.values()])
-    return position_uniforms(row_keys, at)
+    return np.stack([row_seeds(row_keys, at, TOKEN_STREAM), row_seeds(row_keys, at, BLOCK_STREAM)])
 
 
 def _coupled_walk(tree: TreeLike, drawn: dict[int, int]) -> tuple[list[int], int | None]:
