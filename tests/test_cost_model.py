@@ -26,7 +26,7 @@ from dart_worker.sizing.acceptance import SCORE_EDGES, AcceptanceModel, RowAccep
 from dart_worker.sizing.bias import BIAS_RANGE, OnlineBias
 from dart_worker.sizing.drain import Drain, depth_survival, row_pace
 from dart_worker.sizing.latency import LatencyModel
-from dart_worker.sizing.pacing import PROBE_DOUBLINGS, PROBE_SHARE
+from dart_worker.sizing.pacing import PROBE_DOUBLINGS, PROBE_EVIDENCE_ROUNDS, PROBE_SHARE
 from dart_worker.sizing.sizer import TreeSizer
 from dart_worker.target.adapter import TargetAdapter
 from ngram_native import DraftTree, TreeParams
@@ -502,24 +502,31 @@ def test_sizer_drafts_deep_where_rows_are_free_and_not_at_all_where_they_are_dea
     assert pauses == [1, 2, 4, 8]
 
 
+def _sampled_round(sizer, trees, accepted=None, first_token=0):
+    """One round of a sampled batch: fit, then observe it verified with `accepted` nodes (none by
+    default) and `first_token` committed first."""
+    sized = sizer.fit(trees, model_ran=True, bands=["1.0"] * len(trees))
+    kept = [np.zeros(0, np.int64) for _ in trees] if accepted is None else accepted
+    sizer.observe(sized.trees, kept, rows=1 + sum(t.size for t in sized.trees), verify_seconds=0.05,
+                  bands=["1.0"] * len(trees), first_tokens=[first_token] * len(trees))
+    return sized
+
+
 def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of_the_time():
-    """A model (a probe costs 3 plain steps) that does not pay on sampled rows: its first pause is
-    the usual one round, then every pause is long enough that probes take at most PROBE_SHARE of
-    the time, and each further failure doubles it (PROBE_DOUBLINGS times at most). On greedy rows the same failures keep
-    the short back-off (a head that is usually right there misses only passingly), and one round
-    where the model pays resets both."""
+    """A model (a probe costs 3 plain steps) whose nodes bring nothing on sampled rows: it runs its
+    first PROBE_EVIDENCE_ROUNDS rounds there whatever they bring (the table calibrates), then its
+    first pause is the usual one round, then every pause is long enough that probes take at most
+    PROBE_SHARE of the time, and each further failure doubles it (PROBE_DOUBLINGS times at most).
+    On greedy rows the same failures keep the short back-off (a head that is usually right there
+    misses only passingly), and one round where the model pays resets both."""
     confident = [_chain([-0.05 * (d + 1) for d in range(16)])]
     step = 0.05
 
-    def pauses_of(sizer, bands, count=3):
-        pauses = []
-        for _ in range(count):
-            sizer.fit(confident, model_ran=True, bands=bands)
-            waited = 0
-            while not sizer.model_wanted():
-                waited += 1
-            pauses.append(waited)
-        return pauses
+    def waited(sizer):
+        rounds = 0
+        while not sizer.model_wanted():
+            rounds += 1
+        return rounds
 
     def dear_sizer():
         sizer = TreeSizer(LatencyModel([1, 2, 128], [step, 0.5, 30.0]), max_budget=16)
@@ -528,19 +535,56 @@ def test_a_model_that_keeps_failing_on_sampled_rows_is_probed_at_most_a_share_of
         return sizer
 
     sampled = dear_sizer()
+    explored = []
+    for _ in range(PROBE_EVIDENCE_ROUNDS):
+        _sampled_round(sampled, confident, first_token=99)  # nothing accepted, no cut node was right
+        explored.append(waited(sampled))
+    assert explored == [0] * PROBE_EVIDENCE_ROUNDS
     floor = sampled.probe_pause(1)
     assert abs(floor - 3 / PROBE_SHARE) <= 1  # ~300 rounds: a probe of 3 steps is 1% of 300 steps
-    assert pauses_of(sampled, ["1.0"], count=7) == [1, floor, 2 * floor, 4 * floor, 8 * floor, 8 * floor, 8 * floor]
+    pauses = []
+    for _ in range(7):
+        _sampled_round(sampled, confident, first_token=99)
+        pauses.append(waited(sampled))
+    assert pauses == [1, floor, 2 * floor, 4 * floor, 8 * floor, 8 * floor, 8 * floor]
     assert PROBE_DOUBLINGS == 3
-    assert pauses_of(dear_sizer(), [GREEDY]) == [1, 2, 4]
+    greedy = dear_sizer()
+    greedy_pauses = []
+    for _ in range(3):
+        greedy.fit(confident, model_ran=True, bands=[GREEDY])
+        greedy_pauses.append(waited(greedy))
+    assert greedy_pauses == [1, 2, 4]
 
     cheap = TreeSizer(LatencyModel([1, 128], [step, step * 1.0000001]), max_budget=16)
     for _ in range(2):
         cheap.record_model_seconds(3 * step)
+    cheap.model_pacing.sampled_rounds = PROBE_EVIDENCE_ROUNDS
     cheap.model_pacing.failed_probes, cheap.model_pacing.pause_length = 5, 8
     sized = cheap.fit(confident, model_ran=True, bands=["1.0"])  # free rows: the model's deep tree pays
     cheap.observe(sized.trees, [np.arange(4)], rows=17, verify_seconds=step, bands=["1.0"])  # and it did
     assert cheap.model_wanted() and cheap.model_pacing.failed_probes == 0 and cheap.model_pacing.pause_length == 1
+
+
+def test_a_sampled_round_credits_the_head_with_the_right_first_level_node_its_cut_left_out():
+    """A cut tree that accepted nothing, where a head-only first-level node the cut left out was the
+    committed token: the head named it, so the round counts one head token (and the model pays where
+    one token is worth its seconds); with another token committed it fails."""
+    siblings = DraftTree(np.array([3, 4, 5], np.int32), np.array([-1, -1, -1], np.int32),
+                         np.array([1, 1, 1], np.int32), np.array([-0.1, -1.0, -2.0]), np.full(3, SOURCE_HEAD, np.uint8))
+
+    def judged(first_token):
+        dear = TreeSizer(LatencyModel([1, 2, 128], [0.05, 0.5, 30.0]), max_budget=8)
+        for _ in range(2):
+            dear.record_model_seconds(0.005)  # a tenth of a plain step
+        dear.model_pacing.sampled_rounds = PROBE_EVIDENCE_ROUNDS
+        sized = _sampled_round(dear, [siblings], first_token=first_token)
+        assert sized.trees[0].size == 0  # the cut left every node out
+        return dear.model_pacing
+
+    named = judged(first_token=5)
+    assert named.pause_left == 0 and named.failed_probes == 0
+    missed = judged(first_token=7)
+    assert missed.pause_left >= 1 and missed.failed_probes == 1
 
 
 def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_were_accepted():
@@ -555,6 +599,7 @@ def test_a_sampled_round_the_table_expects_to_pay_counts_only_if_its_head_nodes_
         for _ in range(2):
             sizer.record_model_seconds(step)  # the model costs a plain step
         sizer.model_pacing.failed_probes, sizer.model_pacing.pause_length = 1, 4
+        sizer.model_pacing.sampled_rounds = PROBE_EVIDENCE_ROUNDS  # past the rounds it runs whatever they bring
         tree = _chain([-0.05 * (d + 1) for d in range(16)], sources)
         sized = sizer.fit([tree], model_ran=True, bands=[band])
         assert sized.trees[0].size == 16  # the table expects the deep head tree to pay

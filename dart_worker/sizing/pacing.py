@@ -22,13 +22,20 @@ from dart_worker.sizing.acceptance import node_sources
 from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
 
 MAX_PAUSE_ROUNDS = 32
-# Probing a model that keeps failing (the draft head at T=1, where its nodes are rarely accepted)
-# costs its forward every probe. From its second failure in a row, a model pauses at least long
+# Probing a model that keeps failing (the draft head at T=1 drafting from its own distribution,
+# where its nodes are rarely accepted) costs its forward every probe. Once it has run on sampled
+# rows PROBE_EVIDENCE_ROUNDS times, from its second failure in a row a model pauses at least long
 # enough that its probes take at most this share of the decoding time; and each failure after that
-# halves the share, down to PROBE_SHARE / 2**PROBE_DOUBLINGS: at T=1 a head that failed its first
-# probes keeps failing (docs/benchmarks.md).
+# halves the share, down to PROBE_SHARE / 2**PROBE_DOUBLINGS (docs/benchmarks.md). Before that, the
+# plain back-off: the acceptance table's first verdicts rest on a handful of nodes, and a coupled
+# head (issue #48), which pays at T=1, failed its first two rounds often enough to be starved by
+# the floor before the table had learnt what its nodes are worth.
 PROBE_SHARE = 0.01
 PROBE_DOUBLINGS = 3
+PROBE_EVIDENCE_ROUNDS = 16
+# A sampled batch's model rounds are judged on what its nodes brought over its recent judged rounds,
+# not on the last one alone: the weight left to earlier rounds' evidence at each judged round.
+JUDGE_MEMORY = 0.8
 # Drafting itself (proposals, the sizer's pricing, the lookup's bookkeeping) costs a sampled batch
 # time in rounds whose trees are nearly always cut to nothing. After this many such rounds in a
 # row, a sampled batch of two or more rows skips drafting for 1, 2, 4 ... DRAFT_PAUSE_MAX rounds
@@ -64,14 +71,23 @@ class ModelPacing(Pause):
     pause_length: int = 1
     failed_probes: int = 0  # the model's failures in a row on sampled rows
     judge_after_verify: bool = False  # a sampled batch's model round awaits its verdict (`judge`)
+    # `judge`'s evidence: head-only accepted nodes and committed tokens of the judged rounds (decayed).
+    head_tokens: float = 0.0
+    committed_tokens: float = 0.0
+    sampled_rounds: int = 0  # rounds the model ran on batches of sampled rows (`ran_sampled`)
+
+    def ran_sampled(self) -> None:
+        """The model ran on a batch of sampled rows (its round's fate is known once it is verified)."""
+        self.sampled_rounds += 1
 
     def failed(self, sampled: bool, probe_rounds: int) -> None:
-        """The model did not pay this round: pause it for the back-off, and from the second failure
-        in a row on sampled rows for at least `probe_rounds` (`probe_pause`), doubled at each
-        further failure up to PROBE_DOUBLINGS times."""
+        """The model did not pay this round: pause it for the back-off, and once it has run on
+        sampled rows PROBE_EVIDENCE_ROUNDS times, from the second failure in a row there for at
+        least `probe_rounds` (`probe_pause`), doubled at each further failure up to
+        PROBE_DOUBLINGS times."""
         self.failed_probes = self.failed_probes + 1 if sampled else 0
         floor = 0
-        if self.failed_probes >= 2:
+        if self.failed_probes >= 2 and self.sampled_rounds >= PROBE_EVIDENCE_ROUNDS:
             floor = probe_rounds << min(self.failed_probes - 2, PROBE_DOUBLINGS)
         self.pause_left = max(self.pause_length, floor)
         self.pause_length = min(2 * self.pause_length, max(MAX_PAUSE_ROUNDS, floor))
@@ -80,23 +96,42 @@ class ModelPacing(Pause):
         self.pause_length, self.failed_probes = 1, 0
 
     def judge(self, trees: list[DraftTree], accepted: list, round_seconds: float, model_seconds: float,
-              probe_rounds: int) -> None:
+              probe_rounds: int, cut_hits: int = 0) -> None:
         """On a batch of sampled rows, whether the model paid is judged from what its nodes did, not
-        from what the acceptance table expected of them.
+        from what the acceptance table expected of them, over its recent judged rounds.
 
         The table is least sure exactly where this matters: at T=1 the head's nodes are seldom
         accepted and the head mostly paused, so its bins hold few observations and lean on a prior.
         A probe the table wrongly thought paying reset the back-off to one round, and the next
-        probes followed within a few rounds. Here the round's accepted head-only nodes (which no
-        other source proposed: without the model, the accepted path would have stopped before each
-        of them) must be worth the model's seconds: h tokens more in (S + m) seconds beats the
-        T - h tokens the round would have committed in S seconds without it, i.e. h (S + m) > T m
-        (S: `round_seconds`, the verify forward and the round's overhead; m: `model_seconds`).
+        probes followed within a few rounds. Here the accepted head-only nodes (which no other
+        source proposed: without the model, the accepted path would have stopped before each of
+        them) must be worth the model's seconds: h tokens more in (S + m) seconds beats the T - h
+        tokens a round would have committed in S seconds without it, i.e. h (S + m) > T m (S:
+        `round_seconds`, the verify forward and the round's overhead; m: `model_seconds`).
+
+        h and T are sums over the judged rounds, earlier ones weighing JUDGE_MEMORY less at each new
+        one. One round's h is a coin toss: a coupled head at T=1 (issue #48) that brings 0.6 tokens
+        a round on average brings none in about half of its rounds, and judged a round at a time it
+        failed twice in a row often enough to spend most of a reply paused behind the probing
+        floor (docs/benchmarks.md). A head whose nodes are seldom accepted still fails: its misses
+        outweigh an occasional hit within a few rounds.
+
+        `cut_hits`: the trees that accepted nothing although their cut left out a head-only
+        first-level node equal to the token the round committed; each counts as one head token (the
+        head named it; deeper nodes' fate is unknown). Judged by its verified nodes alone, the head
+        was worth only what the cut let through: a table still pessimistic from the first rounds kept
+        its trees small, those failed the head and it paused before the table learnt (coupled drafting
+        at T=1 ran at `ar`'s speed so, and faster with the head never paused: docs/benchmarks.md). And
+        the model's first PROBE_EVIDENCE_ROUNDS rounds on sampled rows always count as paid: it runs
+        while the table calibrates.
         """
         head_only = sum(int(np.count_nonzero(node_sources(tree)[nodes] == SOURCE_HEAD))
-                        for tree, nodes in zip(trees, accepted, strict=True))
+                        for tree, nodes in zip(trees, accepted, strict=True)) + cut_hits
         committed = len(trees) + sum(len(nodes) for nodes in accepted)
-        if head_only * (round_seconds + model_seconds) > committed * model_seconds:
+        self.head_tokens = JUDGE_MEMORY * self.head_tokens + head_only
+        self.committed_tokens = JUDGE_MEMORY * self.committed_tokens + committed
+        if (self.head_tokens * (round_seconds + model_seconds) > self.committed_tokens * model_seconds
+                or self.sampled_rounds <= PROBE_EVIDENCE_ROUNDS):  # this round is counted already
             self.paid()
         else:
             self.failed(sampled=True, probe_rounds=probe_rounds)

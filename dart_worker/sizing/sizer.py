@@ -21,7 +21,7 @@ from dart_worker.sizing.bias import OnlineBias
 from dart_worker.sizing.drain import Drain, depth_survival, draining_outlook
 from dart_worker.sizing.pacing import DraftingPacing, ModelPacing, probe_pause, without_model_nodes
 from dart_worker.sizing.verify_costs import VerifyCosts
-from ngram_native.trees import DraftTree, subtree
+from ngram_native.trees import SOURCE_HEAD, DraftTree, subtree
 
 if TYPE_CHECKING:
     from dart_worker.decode_round import Draft, RoundRecord
@@ -225,16 +225,22 @@ class TreeSizer(VerifyCosts):
             expected.append(float(q[keep].sum()))
         self._rows = None if rows is None else list(zip(rows, expected, strict=True))
         without = 0.0
+        if model_ran and sampled:
+            self.model_pacing.ran_sampled()
         if model_ran:
             with_model = self._best(trees, probs, self.model_seconds, full_logits, sampled, drain).rate
             others = [without_model_nodes(t, p) for t, p in zip(trees, probs)]
             without = self._best([o[0] for o in others], [o[1] for o in others], 0.0, full_logits, sampled, drain).rate
-            # Only sampled rows: greedy text is where a head is usually right and a miss is a
-            # passing one (a loop the lookup drafts better), so greedy keeps the short back-off.
-            if without >= with_model:
+            # A batch of sampled rows judges the model by what its nodes bring once verified, over
+            # its recent rounds (`ModelPacing.judge`), not by the table: at T > 0 the table learns the
+            # head's rates on the few rounds it runs, and a head it thought worthless from its first
+            # rounds was paused for good though it paid (coupled drafting at T=1, docs/benchmarks.md).
+            # Greedy text is where a head is usually right and a miss is a passing one (a loop the
+            # lookup drafts better): there the table decides, with the short back-off.
+            if sampled:
+                self.model_pacing.judge_after_verify = True
+            elif without >= with_model:
                 self._model_failed(sampled, len(trees), full_logits)
-            elif sampled:
-                self.model_pacing.judge_after_verify = True  # see `ModelPacing.judge`
             else:
                 self.model_pacing.paid()
         self._last_fit = _Fitted(choice, len(trees), full_logits, sampled)
@@ -262,8 +268,15 @@ class TreeSizer(VerifyCosts):
         only later rounds commit, and rounds that commit more are those whose trees were right."""
         if self.model_pacing.judge_after_verify:
             self.model_pacing.judge_after_verify = False
+            cut_hits = 0  # trees whose cut left out a head-only first-level node equal to the committed token
+            if first_tokens is not None and self._proposed is not None and len(self._proposed) == len(trees):
+                for tree, cut, token, nodes in zip(self._proposed, trees, first_tokens, accepted, strict=True):
+                    if cut is tree or len(nodes):
+                        continue
+                    first = (tree.depths == 1) & (node_sources(tree) == SOURCE_HEAD) & (tree.tokens == token)
+                    cut_hits += int(first.any())
             self.model_pacing.judge(trees, accepted, verify_seconds + self.overhead_seconds, self.model_seconds,
-                                    self.probe_pause(len(trees), full_logits))
+                                    self.probe_pause(len(trees), full_logits), cut_hits)
         fitted, self._last_fit = self._last_fit, None
         records, self._rows = self._rows, None
         if records is not None and len(records) == len(trees):
