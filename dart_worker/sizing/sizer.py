@@ -273,8 +273,9 @@ class TreeSizer(VerifyCosts):
                 for tree, cut, token, nodes in zip(self._proposed, trees, first_tokens, accepted, strict=True):
                     if cut is tree or len(nodes):
                         continue
-                    first = (tree.depths == 1) & (node_sources(tree) == SOURCE_HEAD) & (tree.tokens == token)
-                    cut_hits += int(first.any())
+                    graded = cut_first_level(tree, cut)  # the cut first-level nodes `observe` grades below
+                    named = (node_sources(tree)[graded] == SOURCE_HEAD) & (tree.tokens[graded] == token)
+                    cut_hits += int(named.any())
             self.model_pacing.judge(trees, accepted, verify_seconds + self.overhead_seconds, self.model_seconds,
                                     self.probe_pause(len(trees), full_logits), cut_hits)
         fitted, self._last_fit = self._last_fit, None
