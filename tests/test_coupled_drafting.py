@@ -17,6 +17,7 @@ Tiny fp32 models; small vocabularies.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -312,3 +313,16 @@ def test_a_drafter_reading_the_wrong_positions_dice_still_commits_ars_tokens(par
     assert [r.token_ids for r in engine.generate(prompts, params)] == expected
     assert read and all(any(p is not None for p in positions) for positions in read)  # the coupler drafted
     assert all(positions[2] is None for positions in read if len(positions) == 4)  # the greedy row: no dice
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("coupling_noise_weight", 1.5, "coupling_noise_weight must be in [0, 1] (0 = off), got 1.5"),
+    ("coupling_noise_weight", True, "coupling_noise_weight must be in [0, 1] (0 = off), got True"),
+    ("coupling_scale", 0.0, "coupling_scale must be finite and > 0, got 0.0"),
+    ("coupling_scale", float("inf"), "coupling_scale must be finite and > 0, got inf"),
+])
+def test_a_bad_coupling_setting_is_a_clear_error(setting, value, message):
+    from ngram_native.builders import InvalidTreeParams
+
+    with pytest.raises(InvalidTreeParams, match=re.escape(message)):
+        TreeParams(**{setting: value})
