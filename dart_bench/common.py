@@ -17,6 +17,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,10 @@ from dart_worker.drafters import drafter_names, drafter_spec
 from dart_worker.hardware.device import cpu_model_name, resolve_device, resolve_dtype
 from dart_worker.stats import STAGES
 from ngram_native.trees import SOURCE_NAMES
+
+# The stages of a round that are the drafter's (`dart_worker.stats.STAGES`): the model's forward and
+# the proposal with the verify block's assembly. `summarize` reports each cell's speedup without them.
+DRAFTING_STAGES = ("draft", "tree")
 
 if TYPE_CHECKING:  # the loading modules pull in transformers: imported where they are used
     from dart_worker.engine_factory import EngineParts
@@ -156,13 +161,13 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     """
     ar = {_run_key(r): r for r in records.get("ar", [])}
     ar_batches = batch_walls(records.get("ar", []))
+    ar_bounds = batch_walls(records.get("ar", []), without=DRAFTING_STAGES)
     summary = {}
     for mode, rows in records.items():
         tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
         batches = batch_walls(rows)
-        ratios = [(ar_batches[key][0] / ar_batches[key][1]) / (seconds / tokens)
-                  for key, (seconds, tokens) in batches.items()
-                  if key in ar_batches and tokens and seconds > 0 and ar_batches[key][1]]
+        ratios = _paired_ratios(ar_batches, batches)
+        bound = _paired_ratios(ar_bounds, batch_walls(rows, without=DRAFTING_STAGES))
         agree = [r["token_ids"] == ar[_run_key(r)]["token_ids"] for r in rows if _run_key(r) in ar]
         wall = sum(seconds for seconds, _ in batches.values())
         entry = {
@@ -170,6 +175,10 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             # Whole-run throughput: every token over the wall time of every batch.
             "throughput": sum(r["tokens"] for r in rows) / wall if wall else 0.0,
             "speedup_vs_ar": statistics.median(ratios) if ratios else 0.0,
+            # The same ratio with every batch's drafting stages taken out of both sides (its
+            # longest request's `draft` and `tree` seconds): what this cell's trees and verify
+            # forwards would give if drafting cost nothing, the most cheaper drafting can reach.
+            "speedup_if_drafting_free": statistics.median(bound) if bound else 0.0,
             "agreement_with_ar": sum(agree) / len(agree) if agree else None,
             "runs": len(rows),
         }
@@ -194,17 +203,28 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def batch_walls(rows: list[dict]) -> dict[tuple, tuple[float, int]]:
+def batch_walls(rows: list[dict], without: Sequence[str] = ()) -> dict[tuple, tuple[float, int]]:
     """Per batch (its `group` and repeat; a run without a group is a batch of its own), its wall
     seconds and tokens. A batch's wall time is its longest request's: the requests of one batch join
-    together and finish apart (one whose trees were accepted, or that stopped at end-of-text, first)."""
+    together and finish apart (one whose trees were accepted, or that stopped at end-of-text, first).
+
+    `without`: stages (`dart_worker.stats.STAGES`) whose seconds come off each request's wall time
+    first. A request records every round it was live in, and the batch's drafting is done once a
+    round for all of its live requests, so the longest request's stage seconds are the batch's."""
     out: dict[tuple, tuple[float, int]] = {}
     for r in rows:
         group = r.get("group")
         key = ("group", group, r.get("repeat", 0)) if group is not None else ("run", *_run_key(r))
         seconds, tokens = out.get(key, (0.0, 0))
-        out[key] = (max(seconds, r["seconds"]), tokens + r["tokens"])
+        own = r["seconds"] - sum(r.get(f"{stage}_s", 0.0) for stage in without)
+        out[key] = (max(seconds, own), tokens + r["tokens"])
     return out
+
+
+def _paired_ratios(ar: dict[tuple, tuple[float, int]], mode: dict[tuple, tuple[float, int]]) -> list[float]:
+    """Per batch that `ar` ran too: ar's seconds per token over the mode's (`batch_walls` of each)."""
+    return [(ar[key][0] / ar[key][1]) / (seconds / tokens) for key, (seconds, tokens) in mode.items()
+            if key in ar and tokens and seconds > 0 and ar[key][1]]
 
 
 def _run_key(record: dict) -> tuple:

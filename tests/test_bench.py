@@ -535,6 +535,24 @@ def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
     assert summarize(alone)["ar"]["throughput"] == pytest.approx(30 / 7.0)
 
 
+def test_engine_bench_speedup_if_drafting_were_free_takes_the_drafting_stages_off_both_sides():
+    """The bound pairs batches as the speedup does, each batch's seconds its longest request's
+    with that request's draft and tree seconds taken off; the other stages stay."""
+    from dart_bench.common import summarize
+
+    def row(prompt, group, seconds, draft=0.0, tree=0.0, verify=0.0):
+        return {"prompt": prompt, "repeat": 0, "group": group, "tokens": 10, "seconds": seconds,
+                "token_ids": [0] * 10, "draft_s": draft, "tree_s": tree, "verify_s": verify}
+
+    records = {"ar": [row("a", 0, 4.0, tree=0.5, verify=3.0), row("b", 0, 3.0)],
+               "dart": [row("a", 0, 3.0, draft=1.0, tree=0.5, verify=1.0), row("b", 0, 2.8, draft=0.1)]}
+    summary = summarize(records)["dart"]
+    assert summary["speedup_vs_ar"] == pytest.approx(4.0 / 3.0)
+    # ar: max(4 - 0.5, 3) = 3.5 s; dart: max(3 - 1.5, 2.8 - 0.1) = 2.7 s (the other request is now the longest)
+    assert summary["speedup_if_drafting_free"] == pytest.approx(3.5 / 2.7)
+    assert summarize(records)["ar"]["speedup_if_drafting_free"] == pytest.approx(1.0)
+
+
 def test_bench_coupling_runs_on_a_tiny_model_and_its_rates_are_consistent(tiny_artifacts, tmp_path):
     """`jobs.bench coupling` end to end: every method's per-depth agreement is a rate, the top-k
     memberships grow with k, and Gumbel-max's top-1 membership is Gumbel-max's agreement itself."""
