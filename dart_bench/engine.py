@@ -5,9 +5,10 @@ alternating order (so drift in machine load hits all modes alike) and repeated; 
 the engine's `ar`, `chain`, `ddtree`, `dart`, and transformers' own `generate` (greedy and
 prompt-lookup decoding) as outside baselines. Reported per mode: tokens/s, the per-prompt
 speedup over `ar` (median of ratios), the same speedup with the drafting stages taken out of both
-sides ("free": the most cheaper drafting could give this cell's trees), tau, per-stage time per round and, for greedy runs, the
-agreement with `ar` (identical outputs; in bf16 multi-token forwards round differently from
-one-token forwards, so exact agreement is not expected there - see docs/DESIGN.md).
+sides ("free": the most cheaper drafting could give this cell's trees), tau, per-stage time per
+round and, for greedy runs, the agreement with `ar` (identical outputs; in bf16 multi-token
+forwards round differently from one-token forwards, so exact agreement is not expected there -
+see docs/DESIGN.md).
 
 With `samples=n` > 1 each prompt gets n seeded completions sharing one prefill, beside "<mode>+separate"
 cells decoding the same samples as separate rows: rows (samples) per second, tau, and the prompt
@@ -101,7 +102,8 @@ def print_table(summary: dict[str, dict]) -> None:
         sources = s.get("accepted_tokens_by_source")
         source_text = "/".join(str(sources.get(s, 0)) for s in SOURCE_NAMES.values()) if sources else "-"
         print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s.get('throughput', 0):>8.1f}{s['speedup_vs_ar']:>7.2f}"
-              f"{s.get('speedup_if_drafting_free', 0):>6.2f}{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
+              f"{s.get('speedup_if_drafting_free', 0):>6.2f}"
+              f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
 
 
 class PrefillMeter:
