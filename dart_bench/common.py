@@ -178,7 +178,7 @@ def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
             # The same ratio with every batch's drafting stages taken out of both sides (its
             # longest request's `draft` and `tree` seconds): what this cell's trees and verify
             # forwards would give if drafting cost nothing, the most cheaper drafting can reach.
-            "speedup_if_drafting_free": statistics.median(bound) if bound else 0.0,
+            "speedup_if_drafting_free": statistics.median(bound) if bound else None,
             "agreement_with_ar": sum(agree) / len(agree) if agree else None,
             "runs": len(rows),
         }
@@ -210,13 +210,19 @@ def batch_walls(rows: list[dict], without: Sequence[str] = ()) -> dict[tuple, tu
 
     `without`: stages (`dart_worker.stats.STAGES`) whose seconds come off each request's wall time
     first. A request records every round it was live in, and the batch's drafting is done once a
-    round for all of its live requests, so the longest request's stage seconds are the batch's."""
+    round for all of its live requests, so the longest request's stage seconds are the batch's.
+
+    A batch decoded with continuous batching (records with `group_seconds`: requests joined as
+    others finished) is timed whole, by its call's wall time; no request was live in all of its
+    rounds, so it has no figure `without` stages (left out)."""
     out: dict[tuple, tuple[float, int]] = {}
     for r in rows:
+        if without and "group_seconds" in r:
+            continue
         group = r.get("group")
         key = ("group", group, r.get("repeat", 0)) if group is not None else ("run", *_run_key(r))
         seconds, tokens = out.get(key, (0.0, 0))
-        own = r["seconds"] - sum(r.get(f"{stage}_s", 0.0) for stage in without)
+        own = r.get("group_seconds", r["seconds"]) - sum(r.get(f"{stage}_s", 0.0) for stage in without)
         out[key] = (max(seconds, own), tokens + r["tokens"])
     return out
 

@@ -76,6 +76,11 @@ class EngineBenchConfig(CellsBenchConfig):
     # A batch sweep in one process (same engines, same prompts): every cell at each batch size,
     # with a table of throughput relative to `ar` per batch size. Empty: `batch_size` only.
     batch_sizes: list[int] = field(default_factory=list)
+    # Continuous batching (the pipeline's `resources.max_live`): each generate call's prompts decode
+    # at most `max_live` at a time, a finished row's slot taken by the call's next prompt, and a
+    # call is timed whole (its requests join at different times). None: the call's prompts decode
+    # together, a static batch that ends with its slowest row (the pipeline's default).
+    max_live: int | None = None
     # Sampling filters and penalties of every cell (vLLM's meanings; dart_worker.sampling.params).
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -102,8 +107,12 @@ def print_table(summary: dict[str, dict]) -> None:
         sources = s.get("accepted_tokens_by_source")
         source_text = "/".join(str(sources.get(s, 0)) for s in SOURCE_NAMES.values()) if sources else "-"
         print(f"{mode:<18}{s['tokens_per_second']:>8.1f}{s.get('throughput', 0):>8.1f}{s['speedup_vs_ar']:>7.2f}"
-              f"{s.get('speedup_if_drafting_free', 0):>6.2f}"
+              f"{_figure(s.get('speedup_if_drafting_free')):>6}"
               f"{s.get('tau', 1.0):>6.2f}{s.get('mean_tree_size', 0):>6.1f}{agree:>7}  {stage_text:<34}{source_text}")
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 class PrefillMeter:
@@ -204,8 +213,11 @@ def run_cells(cfg, engines, model, eos, prompts, batch_size: int) -> dict[str, l
                     records[mode].append({"prompt": prompts[n][0], "repeat": repeat, "group": g,
                                           "tokens": len(token_ids), "seconds": seconds, "token_ids": token_ids})
                     continue
-                results = engines[mode].generate([prompts[n][1] for n in group], params)
-                records[mode].extend(run_record(prompts[n][0], repeat, result, g) for n, result in zip(group, results))
+                started = time.perf_counter()
+                results = engines[mode].generate([prompts[n][1] for n in group], params, max_live=cfg.max_live)
+                call = {} if cfg.max_live is None else {"group_seconds": time.perf_counter() - started}
+                records[mode].extend({**run_record(prompts[n][0], repeat, result, g), **call}
+                                     for n, result in zip(group, results))
             print(f"  batch size {batch_size}: repeat {repeat} batch {g + 1}/{len(groups)} done", flush=True)
     return records
 
@@ -244,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     parts = load_parts(cfg, cfg.modes)
     tokenizer, eos, model, device = parts.tokenizer, list(parts.eos_token_ids), parts.target.model, parts.target.device
     tree = TreeParams(budget=cfg.budget, lookup_cache_tokens=cfg.lookup_cache_tokens, job_ngram_tokens=0)
-    live = (1, *(cfg.batch_sizes or [cfg.batch_size]))  # the batch sizes the sizer calibrates at
+    # the batch sizes the sizer calibrates at (a call's live sequences: at most max_live)
+    live = (1, *sorted({min(b, cfg.max_live or b) for b in (cfg.batch_sizes or [cfg.batch_size])}))
     engines = {mode: build_engine(parts, mode, tree, sizing=cfg.sizing, batches=live)
                for mode in cfg.modes if mode in drafter_names()}
     for mode in cfg.full_logits_modes:

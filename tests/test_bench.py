@@ -500,18 +500,24 @@ def test_engine_bench_alternates_which_cell_runs_first_batch_by_batch():
         def __init__(self, name):
             self.name = name
 
-        def generate(self, prompts, params):
-            calls.append(self.name)
+        def generate(self, prompts, params, max_live=None):
+            calls.append((self.name, max_live))
             stats = SimpleNamespace(wall_seconds=1.0, to_row=dict)
             return [SimpleNamespace(token_ids=[1], stats=stats) for _ in prompts]
 
     modes = ["ar", "dart", "dart_lookup"]
     cfg = SimpleNamespace(modes=modes, repeats=2, temperature=0.0, seed=0, max_new_tokens=4, min_p=0.0,
-                          repetition_penalty=1.0)
+                          repetition_penalty=1.0, max_live=None)
     records = run_cells(cfg, {m: Recording(m) for m in modes}, None, [], [(f"p{i}", [1, 2]) for i in range(3)], 2)
     # 2 batches a repeat, 2 repeats: turns 0, 1, 2, 3
-    assert calls == modes + modes[::-1] + modes + modes[::-1]
+    assert [name for name, _ in calls] == modes + modes[::-1] + modes + modes[::-1]
     assert all(len(rows) == 6 for rows in records.values())
+    assert {live for _, live in calls} == {None} and not any("group_seconds" in r for r in records["ar"])
+    # Continuous batching: each call decodes its prompts max_live at a time and is timed whole.
+    calls.clear()
+    cfg.max_live = 1
+    records = run_cells(cfg, {m: Recording(m) for m in modes}, None, [], [(f"p{i}", [1, 2]) for i in range(3)], 2)
+    assert {live for _, live in calls} == {1} and all(r["group_seconds"] >= 0 for r in records["dart"])
 
 
 def test_engine_bench_throughput_takes_each_batch_at_its_longest_request():
@@ -551,6 +557,23 @@ def test_engine_bench_speedup_if_drafting_were_free_takes_the_drafting_stages_of
     # ar: max(4 - 0.5, 3) = 3.5 s; dart: max(3 - 1.5, 2.8 - 0.1) = 2.7 s (the other request is now the longest)
     assert summary["speedup_if_drafting_free"] == pytest.approx(3.5 / 2.7)
     assert summarize(records)["ar"]["speedup_if_drafting_free"] == pytest.approx(1.0)
+
+
+def test_engine_bench_times_a_continuously_batched_call_whole_and_gives_no_drafting_free_figure():
+    """Requests of a continuously batched call join as others finish, so each one's own wall time
+    starts late: the call's wall time is the batch's. No request was live in all of its rounds, so
+    no drafting-free figure is made up for it."""
+    from dart_bench.common import summarize
+
+    def row(prompt, seconds, call):
+        return {"prompt": prompt, "repeat": 0, "group": 0, "tokens": 10, "seconds": seconds,
+                "token_ids": [0] * 10, "group_seconds": call, "draft_s": 0.5, "tree_s": 0.1}
+
+    records = {"ar": [row("a", 2.0, 6.0), row("b", 3.0, 6.0)], "dart": [row("a", 1.0, 4.0), row("b", 2.0, 4.0)]}
+    summary = summarize(records)
+    assert summary["dart"]["throughput"] == pytest.approx(20 / 4.0)  # not 20 / 2.0, its longest request
+    assert summary["dart"]["speedup_vs_ar"] == pytest.approx(6.0 / 4.0)
+    assert summary["dart"]["speedup_if_drafting_free"] is None
 
 
 def test_bench_coupling_runs_on_a_tiny_model_and_its_rates_are_consistent(tiny_artifacts, tmp_path):
