@@ -24,7 +24,7 @@ from dart_worker.sampling.params import GREEDY, SamplingParams, temperature_band
 from dart_worker.sizing import acceptance, latency, pacing
 from dart_worker.sizing.acceptance import SCORE_EDGES, AcceptanceModel, RowAcceptance
 from dart_worker.sizing.bias import BIAS_RANGE, OnlineBias
-from dart_worker.sizing.drain import Drain, depth_survival, row_pace
+from dart_worker.sizing.drain import END_SPREAD, Drain, depth_survival, draining_outlook, row_pace
 from dart_worker.sizing.latency import LatencyModel
 from dart_worker.sizing.pacing import PROBE_DOUBLINGS, PROBE_EVIDENCE_ROUNDS, PROBE_SHARE
 from dart_worker.sizing.sizer import TreeSizer
@@ -247,12 +247,14 @@ def test_tree_rounds_dearer_than_predicted_reprice_the_next_trees(monkeypatch):
 def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_their_place_pays():
     """Row 0 has a confident lookup chain; row 1 has nothing to draft. Here a second row per
     sequence costs 10% of a plain step of the batch: while rows wait for slots every token counts
-    alike and row 0's tree pays. Once the batch drains, its end is row 1's: if row 0 is ahead (or
-    level: the end waits for row 1 either way) its token only frees its place a round sooner,
-    which saves that place's share of the round's time outside the forward (none here: no tree;
-    its forward row is what the tree's node costs); if row 0 is the longest its token brings the
-    end a round nearer (a round of row 0 alone: 0.19 s), and the tree pays. Where the time outside
-    the forward is dear, a place is worth its share of it, and the tree pays again."""
+    alike and row 0's tree pays. Once the batch drains, its end is row 1's: if row 0 is far ahead
+    its token only frees its place a round sooner, which saves that place's share of the round's
+    time outside the forward (none here: no tree; its forward row is what the tree's node costs);
+    if row 0 is the longest its token brings the end a round nearer (a round of row 0 alone:
+    0.19 s), and the tree pays. Level with row 1, row 0 is last about half the time (their later
+    rounds spread them apart: `END_SPREAD`), so its token brings the end half a round nearer in
+    expectation, and the tree pays too. Where the time outside the forward is dear, a place is
+    worth its share of it, and the tree pays again."""
     confident = _chain([-0.01], SOURCE_CONTEXT)
     curve = LatencyModel([2, 4, 8], [0.2, 0.22, 0.26])
     sizer = TreeSizer(LatencyModel([1, 2], [0.19, 0.2]), max_budget=1, _latency_by_batch={2: curve})
@@ -263,7 +265,7 @@ def test_a_draining_batch_drafts_for_its_longest_row_and_for_others_only_where_t
     assert sizer.drain([40, 38], 2).end_round == pytest.approx(0.2)  # within STRAGGLER_SLACK: both run to the end
     assert sizer.fit(trees, model_ran=False).trees[0].size == 1
     assert sizer.fit(trees, model_ran=False, remaining=[10, 40]).trees[0].size == 0
-    assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 0
+    assert sizer.fit(trees, model_ran=False, remaining=[40, 40]).trees[0].size == 1
     assert sizer.fit(trees, model_ran=False, remaining=[40, 10]).trees[0].size == 1
     sizer.overhead_seconds = 0.02  # a round's time outside the forward: half of it each sequence's
     assert sizer.drain([10, 40], 2).row == pytest.approx(0.01)
@@ -342,6 +344,49 @@ def test_expected_end_equals_brute_force_over_every_outcome(outlook):
             chance = np.prod([exact[b, size, j] for b, j in enumerate(counts)])
             expected += chance * max(rounds[b] - j / paces[b] for b, j in enumerate(counts))
         assert drain.expected_end(survival)[size] == pytest.approx(expected, abs=1e-9)
+
+
+def _end_by_sampling(drain: Drain, survival: np.ndarray, size: int, draws: int, seed: int) -> float:
+    """E[max_b (rounds_b - G_b / pace_b + e_b)] by sampling G_b (from `survival`) and e_b (normal,
+    `drain.spread`) for one candidate size."""
+    rng = np.random.default_rng(seed)
+    rows, _, depth = survival.shape
+    padded = np.concatenate([np.ones((rows, 1)), survival[:, size], np.zeros((rows, 1))], axis=1)
+    exact = np.clip(-np.diff(padded, axis=1), 0.0, 1.0)
+    accepted = np.stack([rng.choice(depth + 1, size=draws, p=p / p.sum()) for p in exact])
+    later = drain.spread[:, None] * rng.standard_normal((rows, draws))
+    ends = drain.rounds[:, None] - accepted / drain.paces[:, None] + later
+    return float(ends.max(axis=0).mean())
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(_outlooks(), st.sampled_from([0.3, 1.0, 3.0]))
+def test_expected_end_with_spread_equals_sampling_the_rows_and_their_later_rounds(outlook, spread):
+    """With spread, each row's end is its rounds left less what it accepts, plus a normal of its
+    spread: the grid integral against 200k sampled outcomes."""
+    rounds, paces, survival = outlook
+    drain = Drain(rounds, paces, end_round=1.0, row=0.0, spread=np.full(len(rounds), spread))
+    ends = drain.expected_end(survival)
+    for size in range(survival.shape[1]):
+        assert ends[size] == pytest.approx(_end_by_sampling(drain, survival, size, 200_000, seed=size), abs=0.02)
+
+
+def test_level_rows_drift_apart_so_each_moves_the_end_by_its_chance_of_being_last():
+    """Four rows at a sampled batch's start: the same tokens left, no record (pace 1). Without
+    spread the end moves only when all four accept: a row's sure token is worth nothing to the end.
+    With the rows' later rounds spreading them apart, each is last a quarter of the time, so one
+    row's sure token brings the end about a quarter of a round nearer; a row 10 rounds behind the
+    others (spread 0.5 x sqrt(86) ~ 4.6 rounds) far less, and the row 10 rounds ahead of them most."""
+    start = draining_outlook([96, 96, 96, 96], 4, lambda k: 0.1, 0.0)
+    assert start.spread == pytest.approx(END_SPREAD * np.sqrt([96] * 4))
+    one_sure = _surely(np.array([[0, 1], [0, 0], [0, 0], [0, 0]]), depth=1)  # row 0 accepts for sure at size 1
+    nearer = start.expected_end(one_sure)[0] - start.expected_end(one_sure)[1]
+    assert nearer == pytest.approx(0.25, abs=0.03)
+    assert start._replace(spread=None).expected_end(one_sure)[1] == pytest.approx(96.0)  # the snapshot: not at all
+    apart = draining_outlook([86, 96, 96, 106], 4, lambda k: 0.1, 0.0)
+    moved = [apart.expected_end(_surely(np.eye(4, dtype=int)[b][:, None] * np.array([[0, 1]]), 1)) for b in range(4)]
+    behind, level, ahead = (m[0] - m[1] for m in (moved[0], moved[1], moved[3]))
+    assert behind < 0.05 < level < ahead and ahead > 0.5
 
 
 def test_depth_survival_adds_the_kept_nodes_of_each_depth():
