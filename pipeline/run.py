@@ -37,7 +37,7 @@ import ray
 
 from dart_worker.hardware.device import DeviceUnavailable
 from pipeline.cluster.device_check import DeviceProbe, start_probe, worker_failure
-from pipeline.cluster.ngram_store import shutdown_ngram_stores
+from pipeline.cluster.ngram_store import shutdown_ngram_stores, start_store_for_one_node_cluster
 from pipeline.cluster.remote_errors import exception_chain
 from pipeline.data import io_retry
 from pipeline.data.inputs import InputError, PromptFields, scan_prompts
@@ -255,6 +255,11 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
             input_problem = None
         except (InputError, StorageError) as exc:
             input_problem = exc
+        if input_problem is None and ds is not None and "trie_url" in resolved:
+            # rows to generate with a trie: on a one-node cluster the node's store starts placing
+            # it now, while the probe answers and the workers start (ngram_store's docstring)
+            start_store_for_one_node_cluster(resolved["trie_url"], worker_cpus=cfg.resources.num_cpus_per_worker,
+                                             worker_gpus=cfg.resources.num_gpus_per_worker)
         await_device(probe)
         if input_problem is not None:
             raise StartupError(f"input: {input_problem}") from None

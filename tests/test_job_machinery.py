@@ -14,6 +14,7 @@ import itertools
 import json
 import statistics
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -280,5 +281,35 @@ def test_a_resume_that_finds_everything_written_starts_no_worker(tmp_path, tiny_
         assert lost_keys and partial["this_run"]["rows"] == len(lost_keys)
         assert any("GenerationWorker" in a for a in actors), actors
         assert len(set(read_output(f"{tmp_path}/out", ["row_key"])["row_key"].to_pylist())) == 11
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.integration
+def test_the_driver_starts_the_trie_store_of_a_one_node_cluster(tmp_path, shared_ray):
+    """On a one-node cluster whose node can hold a worker, the driver starts the node's N-gram
+    store at job start (pipeline/run.py), so the workers find the trie placed; where the workers
+    need what the node lacks (a GPU node still to come), it starts none. A trie of its own: the
+    store is this test's alone, stopped at the end without touching other jobs' stores."""
+    import ray
+
+    from pipeline.cluster import ngram_store
+    from tests.test_ngram_store import make_trie
+
+    url = str(make_trie(tmp_path / "early.trie", seed=11))
+    name_of = lambda: ngram_store.store_actor_name(  # noqa: E731
+        ray.get_runtime_context().get_node_id(), ngram_store.check_trie_url(url).content_key)
+    ray.shutdown()
+    ray.init()  # joins the shared cluster (one node, 2 CPUs)
+    try:
+        assert not ngram_store.start_store_for_one_node_cluster(url, worker_cpus=0.5, worker_gpus=1)
+        assert not ngram_store.start_store_for_one_node_cluster(url, worker_cpus=64, worker_gpus=0)
+        assert name_of() not in ngram_store.list_ngram_stores()
+        assert ngram_store.start_store_for_one_node_cluster(url, worker_cpus=0.5, worker_gpus=0)
+        store = ray.get_actor(name_of(), namespace=ngram_store.NAMESPACE)
+        answer = ray.get(store.path.remote(), timeout=120)
+        assert answer.get("placement") == "in-place" and Path(answer["path"]) == Path(url), answer
+        ray.get(store.close.remote(), timeout=60)
+        ray.kill(store)
     finally:
         ray.shutdown()

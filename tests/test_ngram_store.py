@@ -499,6 +499,15 @@ def test_a_store_started_early_is_placing_the_trie_before_the_worker_asks(cluste
 
 
 @pytest.mark.integration
+def test_the_driver_starts_no_store_on_a_cluster_of_several_nodes(cluster):
+    """The driver's early start is for a one-node cluster only: with two nodes it cannot know
+    where the workers go, and a store on a node without workers would hold the trie for nothing."""
+    before = set(list_ngram_stores())
+    assert not ngram_store.start_store_for_one_node_cluster(cluster["urls"]["second"], worker_cpus=0.5, worker_gpus=0)
+    assert set(list_ngram_stores()) == before
+
+
+@pytest.mark.integration
 def test_store_errors_reach_the_worker_as_clear_exceptions(cluster):
     import ray
 

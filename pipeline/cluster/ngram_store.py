@@ -611,6 +611,38 @@ def start_store(trie_url: str, *, namespace: str = NAMESPACE) -> None:
         log.debug("could not start the N-gram store for %s early: %s", redact_url(trie_url), exc)
 
 
+def start_store_for_one_node_cluster(trie_url: str, *, worker_cpus: float, worker_gpus: float,
+                                     namespace: str = NAMESPACE) -> bool:
+    """In the driver, at job start: start this node's store now when it is the node every worker
+    will run on, so that the workers find the trie placed instead of waiting for it.
+
+    A worker's own `start_store` comes after its process start and imports (torch, transformers:
+    seconds of CPU); the store's process start then competes with the target load for the same
+    cores, and on a small machine the worker ended up waiting for it. The driver knows the
+    workers' node only on a one-node cluster whose node can hold a worker (the usual private
+    local Ray): there the store starts while the inputs are read and the workers start. On any
+    other cluster nothing happens here (a store on a node without workers would hold the trie
+    in memory for nothing) and each node's first worker starts its store as before. Returns
+    whether a store was started; never raises (`acquire_trie` reports any problem)."""
+    if not _ray_running():
+        return False
+    try:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        alive = [node for node in ray.nodes() if node.get("Alive")]
+        if len(alive) != 1 or alive[0].get("NodeID") != node_id:
+            return False
+        resources = alive[0].get("Resources") or {}
+        if resources.get("CPU", 0.0) < worker_cpus or resources.get("GPU", 0.0) < worker_gpus:
+            return False  # the workers will run on nodes still to come (an autoscaler adds them)
+    except Exception as exc:
+        log.debug("could not tell whether the driver's node runs the workers: %s", exc)
+        return False
+    start_store(trie_url, namespace=namespace)
+    return True
+
+
 def acquire_trie(
     trie_url: str,
     expected_tokenizer_fingerprint: str | None = None,
