@@ -137,7 +137,7 @@ def test_metrics_reach_the_prometheus_endpoint(tmp_path):
             samples = scrape(port)
             if total(samples, "ray_dart_rows_done_total") >= 9 and "ray_dart_tau_count" in samples:
                 break
-            time.sleep(2)
+            time.sleep(0.5)  # the report interval (metrics_report_interval_ms)
     finally:
         ray.shutdown()
 
