@@ -19,7 +19,9 @@ Per node and per trie content there is one *store actor* (`NgramStore`, num_cpus
 `dart-ngram-<node id[:16]>-<content key>` in the namespace `dart-batch`. The first worker on a
 node that asks creates it (`get_if_exists=True`, pinned to that node with a hard
 NodeAffinitySchedulingStrategy); the others find it by name. Nodes that join later get their
-own store the first time one of their workers asks. The store is *detached*: a worker that
+own store the first time one of their workers asks. (On a one-node cluster the driver starts the
+node's store at job start, `start_store_for_one_node_cluster`, so the workers find it placing the
+trie already.) The store is *detached*: a worker that
 crashes and is restarted by Ray Data does not take the node's trie with it (an owned actor
 dies with its owner). The driver removes every store at the end (`shutdown_ngram_stores`).
 
