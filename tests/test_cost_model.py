@@ -389,6 +389,19 @@ def test_level_rows_drift_apart_so_each_moves_the_end_by_its_chance_of_being_las
     assert behind < 0.05 < level < ahead and ahead > 0.5
 
 
+def test_with_spread_no_tree_saves_nothing_whatever_the_trees_depth():
+    """With spread the end expected with no trees lies beyond the longest row's rounds; a size
+    without nodes must still save exactly nothing, and two calls whose trees differ in depth (the
+    sizer's with-model and without-model trees) must price the same outcome alike."""
+    drain = draining_outlook([60, 64, 64, 50], 4, lambda k: 0.1, 0.02)
+    for depth in (1, 3, 7):
+        none = np.zeros((4, 2, depth))
+        assert drain.saved_seconds(none) == pytest.approx([0.0, 0.0], abs=1e-12)
+    shallow = _surely(np.array([[0, 1], [0, 1], [0, 1], [0, 0]]), depth=1)
+    deep = np.concatenate([shallow, np.zeros((4, 2, 5))], axis=2)  # the same outcome, deeper trees
+    assert drain.saved_seconds(deep) == pytest.approx(drain.saved_seconds(shallow), abs=1e-4)
+
+
 def test_depth_survival_adds_the_kept_nodes_of_each_depth():
     """A root with two children (0.5, 0.3) and a grandchild under the first (0.4): cut to 1 node
     the tree keeps the 0.5 child, to 2 the grandchild (0.4) before the 0.3 child."""

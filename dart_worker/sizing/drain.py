@@ -43,7 +43,11 @@ class Drain(NamedTuple):
         every row's rounds saved free its place sooner, and the end comes earlier by the rounds
         the longest row after this round gained, a round at the end each (`expected_end`)."""
         gained = survival.sum(axis=2) / self.paces[:, None]
-        nearer = self.rounds.max() - self.expected_end(survival)
+        # Against the end with no trees at all, on the same grid: with spread, the end expected
+        # with no trees lies beyond the longest row's rounds (the max of blurred ends is above the
+        # max of their centres), and two calls' grids differ by their trees' depths.
+        ends = self.expected_end(np.concatenate([np.zeros_like(survival[:, :1]), survival], axis=1))
+        nearer = ends[0] - ends[1:]
         return self.end_round * nearer + self.row * gained.sum(axis=0)
 
     def expected_end(self, survival: np.ndarray) -> np.ndarray:
