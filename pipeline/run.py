@@ -238,10 +238,7 @@ def generate(cfg: PipelineConfig, resolved: dict[str, Any], done_keys: set[str],
     """Every pending row through the workers and into parts, on the Ray this process is connected
     to; rows are tallied into `tally` as their results arrive. Returns the duplicate ids found."""
     check_cpu_budget(cfg, target)
-    # Ray Data's readers retry opening and reading an input file on errors whose text holds one of
-    # these (a fixed number of tries with backoff, its own policy); the job adds the transient ones.
-    context = ray.data.DataContext.get_current()
-    context.retried_io_errors = list(dict.fromkeys([*context.retried_io_errors, *io_retry.RETRIED_IO_ERROR_TEXT]))
+    io_retry.add_to_ray_data(ray.data.DataContext.get_current())  # its readers retry the transient errors too
     try:
         # The device probe runs while the inputs are read: its process start and torch import
         # overlap the duplicate pass instead of coming before it. A device problem is still the

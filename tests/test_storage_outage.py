@@ -43,6 +43,27 @@ def client_error(status: int, code: str) -> OSError:
 # ------------------------------------------------------------------------------ the policy
 
 
+def test_the_retried_error_texts_read_alike_as_substrings_and_regexes_and_join_ray_data_quietly():
+    """Ray Data reads `retried_io_errors` as regular expressions from December 2026 on: each of
+    ours must match the same text either way (no character a regex reads otherwise), and adding
+    them must not put Ray's deprecation warning in every job's log, while keeping Ray's own."""
+    import warnings
+
+    from ray.data import DataContext
+
+    for text in io_retry.RETRIED_IO_ERROR_TEXT:
+        assert re.escape(text) == text.replace(" ", "\\ "), text
+        assert re.search(text, f"botocore: An error occurred ({text}) when calling PutObject")
+    context = DataContext()
+    before = list(context.retried_io_errors)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        io_retry.add_to_ray_data(context)
+        io_retry.add_to_ray_data(context)  # twice: no entry twice
+    assert not [w for w in caught if "retried_io_errors" in str(w.message)], [str(w.message) for w in caught]
+    assert context.retried_io_errors == [*before, *[t for t in io_retry.RETRIED_IO_ERROR_TEXT if t not in before]]
+
+
 @pytest.mark.parametrize(("error", "transient", "status"), [
     (client_error(500, "InternalError"), True, 500),
     (client_error(503, "SlowDown"), True, 503),

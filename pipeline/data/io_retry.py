@@ -35,6 +35,7 @@ import errno
 import logging
 import threading
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,9 +54,25 @@ _PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errn
                      errno.EISDIR, errno.ENOTDIR, errno.EINVAL, errno.ENAMETOOLONG}
 # Substrings of the messages of transient failures, for Ray Data's `retried_io_errors` (it matches
 # error text, not classes): what s3fs, botocore and aiohttp say for 5xx, throttling and resets.
+# Letters and spaces only, so each matches the same text read as a substring or as a regular
+# expression (Ray Data reads them as regular expressions from December 2026 on: `add_to_ray_data`).
 RETRIED_IO_ERROR_TEXT = ("Please try again", "SlowDown", "reduce your request rate", "Service Unavailable",
                          "ServiceUnavailable", "InternalError", "Connection reset", "Connection was closed",
                          "Server disconnected", "Read timeout", "Connect timeout", "timed out")
+
+
+def add_to_ray_data(context: Any) -> None:
+    """Add RETRIED_IO_ERROR_TEXT to a Ray Data `DataContext`'s `retried_io_errors`, so its readers
+    retry opening and reading an input file on these errors too (its own fixed tries and backoff).
+
+    Ray Data warns, on any change to that list, that its entries will be read as regular
+    expressions instead of substrings from December 2026 on: a DeprecationWarning in every job's
+    log that asks nothing of this job, whose entries match the same text either way (letters and
+    spaces: tests/test_storage_outage.py). That warning alone is silenced, here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`retried_io_errors` using substring matching",
+                                category=DeprecationWarning)
+        context.retried_io_errors = list(dict.fromkeys([*context.retried_io_errors, *RETRIED_IO_ERROR_TEXT]))
 
 
 @dataclass(frozen=True)
