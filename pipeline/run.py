@@ -35,11 +35,11 @@ from typing import Any
 
 import ray
 
+from dart_worker.artifacts import io_retry
 from dart_worker.hardware.device import DeviceUnavailable
 from pipeline.cluster.device_check import DeviceProbe, start_probe, worker_failure
 from pipeline.cluster.ngram_store import shutdown_ngram_stores, start_store_for_one_node_cluster
 from pipeline.cluster.remote_errors import exception_chain
-from pipeline.data import io_retry
 from pipeline.data.inputs import InputError, PromptFields, scan_prompts
 from pipeline.data.openai_batch import write_job_batch_output  # also registers the openai_batch reader
 from pipeline.data.outputs import (
@@ -49,7 +49,7 @@ from pipeline.data.outputs import (
     resume_progress,
     written_rows,
 )
-from pipeline.data.storage import StorageError, filesystem_for
+from pipeline.data.storage import StorageError, filesystem_for, retry_policy
 from pipeline.data.summary import SUMMARY_NAME, RunTally, build_summary, output_totals
 from pipeline.data.write_task import add_write_retries, write_rows
 from pipeline.settings.config import ConfigError, PipelineConfig, load_config, to_dict
@@ -178,8 +178,8 @@ def stop_note(plan, tally: RunTally, progress: ResumeProgress, cause: str = "onc
 
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     """The job: every storage operation of the driver follows the job's retry policy
-    (run.io_retry_s, pipeline/data/io_retry.py), and the summary counts the retries of all of them."""
-    with io_retry.using(io_retry.RetryPolicy(cfg.run.io_retry_s, ledger=io_retry.RetryLedger())) as policy:
+    (run.io_retry_s, dart_worker/artifacts/io_retry.py), and the summary counts the retries of all of them."""
+    with io_retry.using(retry_policy(cfg.run.io_retry_s)) as policy:
         return _run_pipeline(cfg, policy)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dart_worker.artifacts import io_retry
 from dart_worker.artifacts.fingerprint import cached_tokenizer_fingerprint
 from dart_worker.artifacts.loading import load_target
 from dart_worker.drafters import drafter_spec
@@ -35,6 +36,7 @@ from pipeline.cluster.metrics import record_batch
 from pipeline.cluster.ngram_store import acquire_trie, start_store
 from pipeline.cluster.remote_errors import exception_chain
 from pipeline.data.outputs import result_rows_to_table, sample_key, storable_text
+from pipeline.data.storage import retry_policy
 from pipeline.settings.config import PipelineConfig, from_dict
 from pipeline.settings.row_settings import decode_settings, row_sample_count, row_sampling_params
 from pipeline.settings.sampling_settings import PARAMS_SETTINGS, RECORDED_SETTINGS
@@ -129,10 +131,16 @@ class GenerationWorker:
 
     def __init__(self, config: dict[str, Any], resolved: dict[str, Any]):
         """`resolved` carries what the driver already fixed: the head dir, the trie URL and the
-        artifact fingerprints stamped on every output row."""
+        artifact fingerprints stamped on every output row. The start-up's artifact fetches (target,
+        tokenizer, head, the node's trie store) wait out a storage outage under the job's
+        `run.io_retry_s`, as its reads and writes do (dart_worker/artifacts/io_retry.py)."""
         _show_worker_logs()
-        clock = _StartupClock()
         self.cfg: PipelineConfig = from_dict(config)
+        with io_retry.using(retry_policy(self.cfg.run.io_retry_s)):
+            self._start_up(resolved)
+
+    def _start_up(self, resolved: dict[str, Any]) -> None:
+        clock = _StartupClock()
         self.resolved = {k: v for k, v in resolved.items() if k not in ("warm_documents", "written_samples")}
         # A resumed run's input rows with some samples written: {row_key: (their n, written indices)}.
         self._written_samples: dict[str, tuple[int, tuple[int, ...]]] = resolved.get("written_samples") or {}

@@ -14,14 +14,15 @@ import errno
 import json
 import re
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from pipeline.data import io_retry
-from pipeline.data.io_retry import RetryLedger, RetryPolicy, classify
+from dart_worker.artifacts import io_retry
+from dart_worker.artifacts.io_retry import RetryLedger, RetryPolicy, classify
 from pipeline.data.outputs import read_output, rows_to_table, write_part, written_rows
 from pipeline.data.storage import StorageError
 from pipeline.run import SUMMARY_NAME, main
@@ -264,3 +265,139 @@ def test_a_403_stops_the_job_at_once(tmp_path, tiny_artifacts, proxy, s3_bucket,
     assert ": HTTP 403 AccessDenied (permanent, not retried)" in line, line
     assert set(rule.paths.values()) == {1}  # each part's upload was tried once
     assert written_rows(f"s3://{s3_bucket}/out") == 0
+
+
+# ------------------------------------------------------------------------------ artifacts at start-up
+
+
+def upload_dir(s3_server, local: str, bucket: str, prefix: str) -> str:
+    """Put a local directory's files under s3://bucket/prefix directly (not through the proxy)."""
+    fs = s3_server.filesystem()
+    for path in sorted(Path(local).iterdir()):
+        fs.put_file(str(path), f"{bucket}/{prefix}/{path.name}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def test_a_target_fetch_rides_out_an_outage_and_without_a_budget_names_the_status(
+        tiny_artifacts, proxy, s3_bucket, s3_server, tmp_path, monkeypatch):
+    """A worker's target (or tokenizer, or draft head) on S3 answering 503 SlowDown for 3 s:
+    fetched whole under the job's budget; with none, the error names the status."""
+    from dart_worker.artifacts.target_store import TargetFetchError, fetch_model_dir
+
+    url = upload_dir(s3_server, tiny_artifacts["target"], s3_bucket, "model")
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache-a"))
+    rule = proxy.fail("GET", rf"/{s3_bucket}", status=503, code="SlowDown", for_s=3)
+    with io_retry.using(RetryPolicy(20, ledger=RetryLedger())) as policy:
+        local = fetch_model_dir(url)
+    assert rule.faults >= 1
+    assert sum(c["recovered"] for c in policy.ledger.as_dict().values()) >= 1, policy.ledger.as_dict()
+    for path in Path(tiny_artifacts["target"]).iterdir():
+        if not path.name.startswith("."):  # hidden files (a fingerprint cache) are not the model's
+            assert (local / path.name).read_bytes() == path.read_bytes(), path.name
+
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache-b"))  # nothing cached: the store is asked
+    proxy.fail("GET", rf"/{s3_bucket}", status=503, code="SlowDown", for_s=3)
+    with pytest.raises(TargetFetchError) as excinfo:  # outside a job: no budget (io_retry.NO_RETRY)
+        fetch_model_dir(url)
+    assert f"target {url}: cannot list it: " in str(excinfo.value)
+    # (a listing's error answer reaches botocore without its error document: the status alone)
+    assert ": HTTP 503 (transient, not retried: run.io_retry_s=0)" in str(excinfo.value), str(excinfo.value)
+
+
+class DroppingFile:
+    """A store file whose connection drops once, after its first read (`drops` counts down)."""
+
+    def __init__(self, inner, state: dict):
+        self.inner, self.state = inner, state
+
+    def seek(self, offset, whence=0):
+        self.state["seeks"].append(offset)
+        return self.inner.seek(offset, whence)
+
+    def read(self, n=-1):
+        if self.state["reads"] and self.state["drops"]:
+            self.state["drops"] -= 1
+            raise ConnectionResetError(104, "Connection reset by peer")
+        data = self.inner.read(n if n is None or n < 0 else min(n, self.state["chunk"]))
+        self.state["reads"] += 1
+        self.state["bytes"] += len(data)
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.close()
+
+
+class DroppingFS:
+    """An fsspec filesystem whose `open` of one file name gives a DroppingFile."""
+
+    def __init__(self, fs, name: str, state: dict):
+        self.fs, self.name, self.state = fs, name, state
+
+    def __getattr__(self, attr):
+        return getattr(self.fs, attr)
+
+    def open(self, path, mode="rb", **kwargs):
+        inner = self.fs.open(path, mode, **kwargs)
+        return DroppingFile(inner, self.state) if path.endswith("/" + self.name) else inner
+
+
+def test_a_dropped_connection_mid_file_continues_from_the_bytes_received(tiny_artifacts, s3_bucket, s3_server,
+                                                                        tmp_path, monkeypatch):
+    """A retried download does not begin the file again: the next try seeks past what arrived."""
+    from dart_worker.artifacts import target_store
+
+    url = upload_dir(s3_server, tiny_artifacts["target"], s3_bucket, "model-drop")
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))
+    weights = Path(tiny_artifacts["target"]) / "model.safetensors"
+    size = weights.stat().st_size
+    state = {"reads": 0, "drops": 1, "bytes": 0, "seeks": [], "chunk": size // 3}
+    real = target_store.list_model
+    monkeypatch.setattr(target_store, "list_model",
+                        lambda u, what="target": (lambda fs, files: (DroppingFS(fs, weights.name, state), files))(
+                            *real(u, what)))
+    with io_retry.using(RetryPolicy(20, ledger=RetryLedger(), sleep=lambda s: None)) as policy:
+        local = target_store.fetch_model_dir(url)
+    assert state["drops"] == 0 and state["seeks"] == [size // 3]  # the second try began at the first's end
+    assert state["bytes"] == size  # every byte read from the store once
+    assert (local / weights.name).read_bytes() == weights.read_bytes()
+    assert policy.ledger.as_dict()["read artifact"]["recovered"] == 1
+
+
+def test_a_trie_fetch_rides_out_an_outage(tiny_artifacts, proxy, s3_bucket, s3_server, tmp_path, monkeypatch):
+    """The N-gram trie on S3 answering 500 for 3 s: its header check and download wait it out (a
+    node's store fetches so, under the budget of the worker that started it)."""
+    from pipeline.cluster import ngram_store
+
+    monkeypatch.setattr(ngram_store, "_ray_running", lambda: False)  # this process fetches, as a store does
+    monkeypatch.setenv("DART_CACHE_DIR", str(tmp_path / "cache"))
+    s3_server.filesystem().put_file(tiny_artifacts["trie"], f"{s3_bucket}/tries/tiny.ngram")
+    url = f"s3://{s3_bucket}/tries/tiny.ngram"
+    rule = proxy.fail("GET", r"/tries/tiny\.ngram", status=500, code="InternalError", for_s=3)
+    with io_retry.using(RetryPolicy(20, ledger=RetryLedger())) as policy:
+        trie = ngram_store.acquire_trie(url)
+    trie.close()
+    assert rule.faults >= 1 and policy.ledger.as_dict()["read artifact"]["recovered"] >= 1
+    with open(tiny_artifacts["trie"], "rb") as f:
+        assert ngram_store.check_trie_url(url).content_key == ngram_store._parse_header(
+            f.read(ngram_store.TRIE_HEADER_SIZE), Path(tiny_artifacts["trie"]).stat().st_size, url).content_key
+
+
+def test_a_workers_start_up_and_a_nodes_trie_store_fetch_under_the_jobs_budget(tiny_artifacts, monkeypatch):
+    from pipeline.cluster.ngram_store import NgramStore
+    from pipeline.settings.config import to_dict
+    from pipeline.worker import GenerationWorker
+    from tests.tiny_models import tiny_worker_config
+
+    budgets = []
+    monkeypatch.setattr(GenerationWorker, "_start_up",
+                        lambda self, resolved: budgets.append(io_retry.active().budget_s))
+    cfg = tiny_worker_config(tiny_artifacts)
+    cfg.run.io_retry_s = 42.0
+    GenerationWorker(to_dict(cfg), {})
+    monkeypatch.setattr(NgramStore, "_place", lambda self: budgets.append(io_retry.active().budget_s) or {})
+    NgramStore("s3://b/t.ngram", "key", "node", io_retry_s=17.0)
+    assert budgets == [42.0, 17.0]
+    assert io_retry.active() is io_retry.NO_RETRY  # and nothing is left set after them

@@ -47,8 +47,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dart_worker.artifacts import io_retry
 from dart_worker.artifacts.cache_dir import announce, cache_dir, file_lock, write_text_atomically
 from dart_worker.artifacts.fingerprint import combine_file_hashes, counts_for_fingerprint, record_file_hashes
+from dart_worker.artifacts.url_filesystem import StorageError, url_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -135,25 +137,25 @@ def _wanted(names: list[str]) -> list[str]:
 def list_model(url: str, what: str = "target"):
     """(filesystem, listed files) of the model at `url`: a directory with a config.json, or one
     .gguf file. Raises TargetFetchError naming the URL when it is neither."""
-    from dart_worker.artifacts.url_filesystem import url_filesystem
+
+    def listing() -> list[dict]:
+        fs.invalidate_cache(root)  # a listing cached by this process must not hide a re-upload
+        if root.lower().endswith(".gguf"):
+            return [fs.info(root)]
+        return [i for i in fs.ls(root, detail=True) if i.get("type") == "file"]
 
     try:
         fs, root = url_filesystem(url)
         root = root.rstrip("/")
-        fs.invalidate_cache(root)  # a listing cached by this process must not hide a re-upload
-        if root.lower().endswith(".gguf"):
-            info = fs.info(root)
-            if info.get("type") != "file":
-                raise TargetFetchError(f"{what} {url}: not a file")
-            infos = [info]
-        else:
-            infos = [i for i in fs.ls(root, detail=True) if i.get("type") == "file"]
-    except TargetFetchError:
-        raise
-    except FileNotFoundError:
-        raise TargetFetchError(f"{what} {url}: nothing there (no such directory or file in the store)") from None
+        # A transient failure (HTTP 5xx, throttling, a reset) is waited out under the process's policy.
+        infos = io_retry.active().call("list artifact", url, listing)
     except Exception as exc:  # the store's own error types (auth, endpoint, bucket) vary by backend
+        cause = exc.__cause__ if isinstance(exc, StorageError) else exc
+        if isinstance(cause, FileNotFoundError):
+            raise TargetFetchError(f"{what} {url}: nothing there (no such directory or file in the store)") from None
         raise TargetFetchError(f"{what} {url}: cannot list it: {type(exc).__name__}: {exc}") from None
+    if root.lower().endswith(".gguf") and infos[0].get("type") != "file":
+        raise TargetFetchError(f"{what} {url}: not a file")
     by_name = {posixpath.basename(i["name"].rstrip("/")): i for i in infos}
     names = sorted(by_name) if root.lower().endswith(".gguf") else _wanted(sorted(by_name))
     if not root.lower().endswith(".gguf") and "config.json" not in names:
@@ -283,10 +285,14 @@ def _fetch_file(fs, f: RemoteFile, partial: Path, manifest: dict, url: str) -> i
                 sha256.update(chunk)
                 md5.update(chunk)
     read = 0
-    try:
+
+    def copy_the_rest() -> None:
+        """Append the bytes the `.part` lacks: a try after a transient failure continues where the
+        last one stopped (every chunk hashed was written, and closing flushes it)."""
+        nonlocal read
         with fs.open(f.path, "rb") as source, open(part, "ab") as out:
-            if offset:
-                source.seek(offset)
+            if offset + read:
+                source.seek(offset + read)
             while offset + read < f.size and (chunk := source.read(min(_CHUNK, f.size - offset - read))):
                 sha256.update(chunk)
                 md5.update(chunk)
@@ -294,9 +300,15 @@ def _fetch_file(fs, f: RemoteFile, partial: Path, manifest: dict, url: str) -> i
                 read += len(chunk)
             out.flush()
             os.fsync(out.fileno())
-    except FileNotFoundError:
-        raise TargetFetchError(f"{url}: {f.name} disappeared from the store while downloading; "
-                               "fetch again once the upload is finished") from None
+
+    try:
+        io_retry.active().call("read artifact", f"{url.rstrip('/')}/{f.name}", copy_the_rest)
+    except StorageError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise TargetFetchError(f"{url}: {f.name} disappeared from the store while downloading; "
+                                   "fetch again once the upload is finished") from None
+        raise TargetFetchError(f"{url}: {f.name}: {exc}; the {offset + read} bytes received are kept in "
+                               f"{part} and the next fetch continues from there") from exc
     got = part.stat().st_size
     if got != f.size:
         raise TargetFetchError(

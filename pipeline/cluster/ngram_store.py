@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dart_worker.artifacts import io_retry
 from dart_worker.artifacts.cache_dir import build_atomically, cache_dir
 from dart_worker.artifacts.url_filesystem import url_filesystem
 from ngram_native import (
@@ -84,6 +85,7 @@ from ngram_native import (
     TrieHeader,
     read_trie_header,
 )
+from pipeline.data.storage import retry_policy
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +225,18 @@ def _read_head(url: str) -> tuple[bytes, int]:
             with open(local, "rb") as f:
                 return f.read(TRIE_HEADER_SIZE), os.fstat(f.fileno()).st_size
         fs, path = url_filesystem(url)
-        size = fs.info(path).get("size")
-        if size is None:
-            raise OSError("the storage does not report the object's size")
-        return fs.cat_file(path, start=0, end=TRIE_HEADER_SIZE), int(size)
-    except FileNotFoundError as exc:
-        raise _unavailable(url, "not found", exc) from None
+
+        def head_and_size() -> tuple[bytes, int]:
+            size = fs.info(path).get("size")
+            if size is None:
+                raise OSError("the storage does not report the object's size")
+            return fs.cat_file(path, start=0, end=TRIE_HEADER_SIZE), int(size)
+
+        # A transient failure (HTTP 5xx, throttling, a reset) is waited out under the process's policy.
+        return io_retry.active().call("read artifact", url, head_and_size)
     except Exception as exc:  # unreachable endpoint, no credentials, missing fsspec backend, ...
+        if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
+            raise _unavailable(url, "not found", exc) from None
         raise _unavailable(url, "cannot be read", exc) from exc
 
 
@@ -283,19 +290,30 @@ def _verify_file(path: str | Path, url: str, content_key: str) -> None:
 
 
 def _download(url: str, dest_fd: int, expected_size: int) -> None:
-    """Copy the object at `url` into the open file `dest_fd`, logging progress for big files."""
+    """Copy the object at `url` into the open file `dest_fd` (empty), logging progress for big files.
+    A transient failure is waited out under the process's policy (dart_worker/artifacts/io_retry.py),
+    and the next try continues from the bytes already in the file."""
     shown = redact_url(url)
     fs, path = url_filesystem(url)
     start = last_log = time.monotonic()
     copied = 0
-    try:
+
+    def copy_the_rest() -> None:
+        nonlocal copied, last_log
+        copied = os.fstat(dest_fd).st_size  # what earlier tries wrote (closing flushed it)
         with fs.open(path, "rb") as src, os.fdopen(os.dup(dest_fd), "wb") as dst:
+            dst.seek(copied)
+            if copied:
+                src.seek(copied)
             while chunk := src.read(_COPY_CHUNK):
                 dst.write(chunk)
                 copied += len(chunk)
                 if time.monotonic() - last_log >= _PROGRESS_EVERY_S:
                     last_log = time.monotonic()
                     log.info("fetching N-gram trie %s: %.0f / %.0f MiB", shown, copied / 2**20, expected_size / 2**20)
+
+    try:
+        io_retry.active().call("read artifact", url, copy_the_rest)
     except Exception as exc:
         raise _unavailable(url, "download failed", exc) from exc
     if copied != expected_size:
@@ -425,10 +443,14 @@ class NgramStore:
     corrupt file); it tries again when asked FAILURE_RETRY_AFTER_S after a failure.
     """
 
-    def __init__(self, trie_url: str, content_key: str, node_id: str) -> None:
+    def __init__(self, trie_url: str, content_key: str, node_id: str,
+                 io_retry_s: float = io_retry.DEFAULT_BUDGET_S) -> None:
         self._url = trie_url
         self._key = content_key
         self._node_id = node_id
+        # The job's `run.io_retry_s`, as the worker that started the store follows it: the fetch
+        # waits out a storage outage instead of failing every worker of the node.
+        self._retry = retry_policy(io_retry_s)
         self._owned: tuple[Path, int] | None = None  # (file we placed, its locked descriptor)
         self._answer: dict[str, Any] = {}
         self._failed_at = 0.0
@@ -462,7 +484,8 @@ class NgramStore:
     def _prepare(self) -> None:
         start = time.monotonic()
         try:
-            self._answer = self._place()
+            with io_retry.using(self._retry):
+                self._answer = self._place()
             log.info("N-gram store ready on node %s: %s (%s) in %.1f s", self._node_id[:16],
                      self._answer["path"], self._answer["placement"], time.monotonic() - start)
         except Exception as exc:
@@ -525,7 +548,8 @@ _store_actor_class = None
 
 
 def _store_handle(node_id: str, content_key: str, url: str, namespace: str) -> Any:
-    """This node's store for `content_key`, created (detached, pinned to the node) if missing."""
+    """This node's store for `content_key`, created (detached, pinned to the node) if missing; a
+    new one fetches under this process's retry budget (`io_retry.active`)."""
     global _store_actor_class
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -540,7 +564,7 @@ def _store_handle(node_id: str, content_key: str, url: str, namespace: str) -> A
         num_cpus=0,
         max_restarts=0,  # a dead store is replaced by the next acquire (its name is freed)
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(url, content_key, node_id)
+    ).remote(url, content_key, node_id, io_retry.active().budget_s)
 
 
 def _store_path(url: str, content_key: str, namespace: str, timeout_s: float) -> str:

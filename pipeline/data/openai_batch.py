@@ -40,7 +40,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.data import io_retry
+from dart_worker.artifacts import io_retry
 from pipeline.data.inputs import (
     JsonlPromptDatasource,
     JsonlRowKeys,
@@ -376,7 +376,7 @@ def iter_request_lines(input_files: Sequence[str], max_prompt_chars: int | None 
 
 def _open_request_file(fs, path: str, source: str) -> pa.NativeFile:
     """A request file as an Arrow stream: a local one read as it streams; a remote one fetched whole
-    under the job's retry policy (pipeline/data/io_retry.py: a transient failure is waited out), which
+    under the job's retry policy (dart_worker/artifacts/io_retry.py: a transient failure is waited out), which
     a stream cannot resume mid-file (a Batch API file is at most 200 MB)."""
     if is_local(fs):
         return pa.PythonFile(fs.open(path, "rb"), mode="r")

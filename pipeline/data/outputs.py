@@ -48,8 +48,8 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 
+from dart_worker.artifacts import io_retry
 from dart_worker.stats import STAT_COLUMNS
-from pipeline.data import io_retry
 from pipeline.data.storage import StorageError, describe_error, filesystem_for, get_once, is_local, url_of
 from pipeline.settings.sampling_settings import RECORDED_SETTINGS
 
@@ -347,7 +347,7 @@ def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options
 
 def list_parts(fs: fsspec.AbstractFileSystem, directory: str, output_url: str) -> list[str]:
     """Paths of the part files directly under `directory`, sorted; [] if the directory does not exist
-    yet. Transient failures are retried under the process's policy (pipeline/data/io_retry.py)."""
+    yet. Transient failures are retried under the process's policy (dart_worker/artifacts/io_retry.py)."""
     return io_retry.active().call("list output", output_url, lambda: _list_parts(fs, directory, output_url))
 
 

@@ -22,6 +22,7 @@ import fsspec
 import pyarrow.fs
 import ray
 
+from dart_worker.artifacts import io_retry
 from dart_worker.artifacts.url_filesystem import (  # re-exported: the job's storage errors are these
     StorageError,
     describe_error,
@@ -112,3 +113,33 @@ def get_once(ref: ray.ObjectRef) -> Any:
         _object_cache.clear()
         _object_cache[key] = ray.get(ref)
     return _object_cache[key]
+
+
+class _StorageWaitMetrics:
+    """Ray metrics of a process's storage waits (`dart_storage_retries`, `dart_storage_waiting`),
+    made on first use and only inside a Ray worker or driver."""
+
+    retries = None
+    waiting = None
+
+    @classmethod
+    def record(cls, op: str, retried: bool, waiting: bool) -> None:
+        if not ray.is_initialized():
+            return
+        if cls.retries is None:
+            from ray.util.metrics import Counter, Gauge
+
+            cls.retries = Counter("dart_storage_retries", "object-storage operations tried again after a "
+                                  "transient failure", tag_keys=("operation",))
+            cls.waiting = Gauge("dart_storage_waiting", "1 while an operation of this process waits on "
+                                "object storage to come back", tag_keys=("operation",))
+        if retried:
+            cls.retries.inc(1, tags={"operation": op})
+        cls.waiting.set(1 if waiting else 0, tags={"operation": op})
+
+
+def retry_policy(budget_s: float) -> io_retry.RetryPolicy:
+    """The job's retry policy (`run.io_retry_s`, dart_worker/artifacts/io_retry.py) for one of its
+    processes - the driver, a worker's start-up, a node's trie store, a write task - with a ledger
+    of its own and its waits reported as Ray metrics."""
+    return io_retry.RetryPolicy(budget_s, ledger=io_retry.RetryLedger(), report=_StorageWaitMetrics.record)

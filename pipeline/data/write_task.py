@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipeline.data import io_retry
+from dart_worker.artifacts import io_retry
 from pipeline.data.outputs import write_part
+from pipeline.data.storage import retry_policy
 from pipeline.data.summary import STAT_COLUMNS
 
 # Columns a write task adds to the stats it hands back: its upload's retries and seconds waited
@@ -21,8 +22,8 @@ WRITE_RETRY_COLUMNS = ("storage_write_retries", "storage_write_wait_s")
 
 def write_rows(batch: pa.Table, output_url: str, run_id: str, io_retry_s: float = 0.0) -> pa.Table:
     """Ray Data task: write one atomic Parquet part, its upload retried under the job's policy
-    (pipeline/data/io_retry.py); hand back only the per-row stats and the upload's retries."""
-    policy = io_retry.RetryPolicy(io_retry_s, ledger=io_retry.RetryLedger())
+    (dart_worker/artifacts/io_retry.py); hand back only the per-row stats and the upload's retries."""
+    policy = retry_policy(io_retry_s)
     with io_retry.using(policy):
         write_part(batch, output_url, run_id)
     stats = batch.select([c for c in STAT_COLUMNS if c in batch.column_names])

@@ -178,7 +178,7 @@ class RunConfig:
     ray_address: str | None = None
     # Object-storage I/O: a transient failure (HTTP 5xx, throttling, reset, timeout) is retried with
     # backoff for this long after the operation's first failure; permanent ones stop at once
-    # (pipeline/data/io_retry.py). 0: no retries beyond the storage client's own.
+    # (dart_worker/artifacts/io_retry.py). 0: no retries beyond the storage client's own.
     io_retry_s: float = 600.0
 
 

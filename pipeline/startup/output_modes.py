@@ -41,7 +41,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from pipeline.data import io_retry
+from dart_worker.artifacts import io_retry
 from pipeline.data.outputs import list_parts
 from pipeline.data.storage import StorageError, describe_error, filesystem_for, is_local, url_of
 from pipeline.data.summary import SUMMARY_NAME
@@ -319,7 +319,7 @@ def commit_output(plan: OutputPlan) -> dict[str, Any] | None:
     marker = {"run_id": plan.run_id, "parts": names, "replaces": plan.state.rows_by_run,
               "committed_at": dt.datetime.now(dt.timezone.utc).isoformat()}
     marker_path = posixpath.join(staging, COMMIT_MARKER)
-    retry = io_retry.active()  # the job's: transient store failures are waited out (pipeline/data/io_retry.py)
+    retry = io_retry.active()  # the job's: transient store failures are waited out (dart_worker/artifacts/io_retry.py)
     retry.call("write marker", url_of(fs, marker_path),  # the commit point
                lambda: fs.pipe_file(marker_path, json.dumps(marker).encode()))
     retry.call("replace output", plan.url, lambda: finish_replacement(plan.url, staging))  # idempotent

@@ -2,6 +2,12 @@
 exponential backoff and jitter until `run.io_retry_s` has passed since the operation's first
 failure; permanent ones stop at once.
 
+It lives beside the artifact fetchers because they follow it too: a worker's target, tokenizer and
+draft head (`target_store`) and a node's N-gram trie (pipeline/cluster/ngram_store.py) ride out an
+outage at start-up as the job's reads and writes do, under the policy each process sets
+(`using`: the driver for the run, a worker actor for its start-up, a node's trie store for its
+fetch, a write task for its part).
+
 Three layers retry, each for what it sees:
 - botocore retries each HTTP request (its `standard` mode: 5xx, throttling, connection errors;
   AWS_MAX_ATTEMPTS / AWS_RETRY_MODE or ~/.aws/config set how many tries), and s3fs retries
@@ -23,7 +29,8 @@ Three layers retry, each for what it sees:
 
 `RetryPolicy.call` counts what it did per operation (`RetryLedger`): the job summary reports the
 counts, a waiting operation logs one line per try (what failed, for how long, how long it will
-still try), and Ray metrics `dart_storage_retries` / `dart_storage_waiting` follow them live.
+still try), and Ray metrics `dart_storage_retries` / `dart_storage_waiting` follow them live
+(`RetryPolicy.report`, which the job's processes set: pipeline/data/storage.py).
 When it gives up, the StorageError names the URL, the HTTP status and code, and whether and for
 how long the operation was retried.
 """
@@ -44,7 +51,7 @@ from typing import Any, TypeVar
 
 from dart_worker.artifacts.url_filesystem import StorageError, redact
 
-log = logging.getLogger("pipeline.data.storage")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_BUDGET_S = 600.0
@@ -86,7 +93,9 @@ class Failure:
     def describe(self) -> str:
         if self.status is None:
             return "no HTTP response"
-        return f"HTTP {self.status}" + (f" {self.code}" if self.code else "")
+        # Some answers carry no error document, and botocore then names the code by the status.
+        named = self.code and self.code != str(self.status)
+        return f"HTTP {self.status}" + (f" {self.code}" if named else "")
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -178,33 +187,6 @@ class RetryLedger:
 LEDGER = RetryLedger()  # this process's
 
 
-class _Metrics:
-    """Ray metrics of the waits, made on first use (and only inside a Ray worker or driver)."""
-
-    retries = None
-    waiting = None
-
-    @classmethod
-    def record(cls, op: str, retried: bool, waiting: bool) -> None:
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            if cls.retries is None:
-                from ray.util.metrics import Counter, Gauge
-
-                cls.retries = Counter("dart_storage_retries", "object-storage operations tried again after a "
-                                      "transient failure", tag_keys=("operation",))
-                cls.waiting = Gauge("dart_storage_waiting", "1 while an operation of this process waits on "
-                                    "object storage to come back", tag_keys=("operation",))
-            if retried:
-                cls.retries.inc(1, tags={"operation": op})
-            cls.waiting.set(1 if waiting else 0, tags={"operation": op})
-        except Exception:  # metrics never fail an operation
-            log.debug("storage retry metrics unavailable", exc_info=True)
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     """Retry transient failures of an operation until `budget_s` after its first failure."""
@@ -212,6 +194,9 @@ class RetryPolicy:
     budget_s: float = DEFAULT_BUDGET_S
     max_backoff_s: float = MAX_BACKOFF_S
     ledger: RetryLedger = field(default_factory=lambda: LEDGER, compare=False)
+    # Told of every wait as it starts and ends: (operation, retried, waiting). The job's processes
+    # report them as Ray metrics (`pipeline.data.storage.retry_policy`); this package imports no Ray.
+    report: Callable[[str, bool, bool], None] | None = field(default=None, compare=False)
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
@@ -239,7 +224,7 @@ class RetryPolicy:
                 attempt += 1
                 delay = min(backoff.delay_amount(RetryContext(attempt_number=attempt)), self.budget_s - spent)
                 self._note_wait(op, url, exc, failure, first, attempt, delay)
-                _Metrics.record(op, retried=True, waiting=True)
+                self._report(op, retried=True, waiting=True)
                 self.sleep(delay)
                 with self.ledger.lock:
                     self.ledger.counts[op].retries += 1
@@ -250,8 +235,15 @@ class RetryPolicy:
                     self.ledger.counts[op].recovered += 1
                 log.warning("storage is back: %s %s succeeded after %d retries over %.0f s", op, url, attempt,
                             self.clock() - first)
-                _Metrics.record(op, retried=False, waiting=False)
+                self._report(op, retried=False, waiting=False)
             return result
+
+    def _report(self, op: str, retried: bool, waiting: bool) -> None:
+        if self.report is not None:
+            try:
+                self.report(op, retried, waiting)
+            except Exception:  # metrics never fail an operation
+                log.debug("storage retry metrics unavailable", exc_info=True)
 
     def _note_wait(self, op: str, url: str, exc: BaseException, failure: Failure, first: float,
                    attempt: int, delay: float) -> None:
@@ -266,7 +258,7 @@ class RetryPolicy:
         if retries:
             with self.ledger.lock:
                 self.ledger.counts[op].gave_up += 1
-            _Metrics.record(op, retried=False, waiting=False)
+            self._report(op, retried=False, waiting=False)
             how = (f"transient, retried {retries} time{'s' if retries != 1 else ''} over {spent:.0f} s, until "
                    f"run.io_retry_s={self.budget_s:g} ran out")
         elif failure.transient:
