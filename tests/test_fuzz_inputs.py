@@ -30,8 +30,8 @@ from pipeline.data.inputs import (
     InputError,
     PromptFields,
     prompt_datasource,
-    read_prompts_with_report,
     refuse_if_not_text,
+    scan_prompts,
 )
 from tests.hostile_inputs import (
     CATEGORIES,
@@ -410,7 +410,8 @@ def test_ray_reads_every_hostile_line(ray_session, tmp_path, monkeypatch):
     (tmp_path / "a.jsonl").write_bytes(data)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(data))  # the same rows: every id is a duplicate
     (tmp_path / "c.jsonl.zst").write_bytes(compress(b"\r\n".join(good[:3]), "zstd"))
-    ds, duplicates = read_prompts_with_report([str(tmp_path)], "jsonl", max_prompt_chars=MAX_CHARS)
+    scan = scan_prompts([str(tmp_path)], "jsonl", PromptFields(max_prompt_chars=MAX_CHARS))
+    ds, duplicates = scan.dataset, scan.duplicates
     rows = ds.take_all()
     expected = 2 * len(nonblank_lines(data)) + 3
     assert len(rows) == expected == len({r["row_key"] for r in rows})
@@ -432,7 +433,8 @@ def test_ray_odd_file_names(ray_session, tmp_path):
     for k, name in enumerate(ODD_NAMES):
         lines = [{"id": k, "prompt": "a"}, {"id": k, "prompt": "b"}, {"prompt": "c"}]
         (tmp_path / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    ds, duplicates = read_prompts_with_report([str(tmp_path / name) for name in ODD_NAMES], "jsonl")
+    scan = scan_prompts([str(tmp_path / name) for name in ODD_NAMES], "jsonl", PromptFields())
+    ds, duplicates = scan.dataset, scan.duplicates
     rows = ds.take_all()
     assert len(rows) == 3 * len(ODD_NAMES) == len({r["row_key"] for r in rows})
     assert duplicates == {str(k): 2 for k in range(len(ODD_NAMES))}
@@ -447,12 +449,12 @@ def test_ray_file_names_that_cannot_be_read_are_startup_errors(ray_session, tmp_
     with open(bytes(tmp_path) + b"/bad-\xff.jsonl", "wb") as f:  # the byte 0xff in the file name
         f.write(b'{"id": 1, "prompt": "a"}\n')
     with pytest.raises(InputError, match=r"bad-.*not valid UTF-8"):
-        read_prompts_with_report([str(tmp_path)], "jsonl")
+        scan_prompts([str(tmp_path)], "jsonl", PromptFields())
     for name in ("new\nline.jsonl", "tab\t.jsonl", "cr\r.jsonl"):
         (tmp_path / "sub").mkdir(exist_ok=True)
         (tmp_path / "sub" / name).write_text('{"id": 1, "prompt": "a"}\n')
         with pytest.raises(InputError, match=r"line break or tab"):
-            read_prompts_with_report([str(tmp_path / "sub")], "jsonl")
+            scan_prompts([str(tmp_path / "sub")], "jsonl", PromptFields())
         (tmp_path / "sub" / name).unlink()
 
 
@@ -463,7 +465,7 @@ def test_ray_parquet_binary_and_invalid_strings(ray_session, tmp_path):
                    tmp_path / "b.parquet")
     pq.write_table(pa.table({"id": pa.array([], pa.int64()), "prompt": pa.array([], pa.string())}),
                    tmp_path / "c.parquet")
-    ds, _ = read_prompts_with_report([str(tmp_path)], "parquet")
+    ds = scan_prompts([str(tmp_path)], "parquet", PromptFields()).dataset
     rows = sorted(ds.take_all(), key=lambda r: r["row_key"])
     assert [(r["id"], r["prompt"], r["error"]) for r in rows] == [
         ("1", "ok", None),
@@ -478,6 +480,6 @@ def test_ray_unreadable_file_is_one_clear_error(ray_session, tmp_path):
     compressed = gzip.compress(b'{"id": 2, "prompt": "b"}\n' * 2000)
     (tmp_path / "cut.jsonl.gz").write_bytes(compressed[: len(compressed) // 2])
     with pytest.raises(InputError) as excinfo:
-        read_prompts_with_report([str(tmp_path)], "jsonl")
+        scan_prompts([str(tmp_path)], "jsonl", PromptFields())
     message = str(excinfo.value)
     assert message.startswith(f"cannot read {(tmp_path / 'cut.jsonl.gz').as_uri()}: OSError: ") and "\n" not in message

@@ -31,7 +31,7 @@ from pipeline.data.inputs import (
     normalise_text_prompt,
     parse_jsonl_line,
     read_prompts,
-    read_prompts_with_report,
+    scan_prompts,
 )
 from pipeline.data.storage import StorageError, expand_inputs
 from tests.hostile_inputs import ShortReads, line_as_read
@@ -252,7 +252,8 @@ def expected_rows(directory: Path) -> list[tuple]:
 
 def test_jsonl_every_line_one_row(ray_session, jsonl_dir, monkeypatch):
     monkeypatch.setattr(inputs, "ROWS_PER_BLOCK", 4)  # several blocks per file
-    ds, duplicates = read_prompts_with_report([str(jsonl_dir)], "jsonl", max_prompt_chars=100)
+    scan = scan_prompts([str(jsonl_dir)], "jsonl", PromptFields(max_prompt_chars=100))
+    ds, duplicates = scan.dataset, scan.duplicates
     rows = rows_of(ds)
     assert sorted(map(summary, rows), key=repr) == expected_rows(jsonl_dir)
     assert duplicates == {"dup": 3, "7": 2}
@@ -309,7 +310,8 @@ def test_parquet_rows_with_differing_schemas(ray_session, tmp_path, monkeypatch)
     pq.write_table(pa.table({"prompt": ["same", "same"]}), tmp_path / "p4.parquet")
     pq.write_table(pa.table({"id": [1.0], "prompt": ["float id"]}), tmp_path / "p5.parquet")
     monkeypatch.setattr(inputs, "ROWS_PER_BLOCK", 2)
-    ds, duplicates = read_prompts_with_report([str(tmp_path / "*.parquet")], "parquet", max_prompt_chars=10)
+    scan = scan_prompts([str(tmp_path / "*.parquet")], "parquet", PromptFields(max_prompt_chars=10))
+    ds, duplicates = scan.dataset, scan.duplicates
     rows = rows_of(ds)
     p1 = (tmp_path / "p1.parquet").resolve().as_uri()
     assert sorted(map(summary, rows), key=repr) == sorted(
@@ -462,7 +464,8 @@ def test_s3_jsonl_and_parquet(ray_session, s3, jsonl_dir):
     fs = s3.filesystem()
     fs.put_file(str(jsonl_dir / "a.jsonl"), "inputs/prompts/a.jsonl")
     fs.put_file(str(jsonl_dir / "b.jsonl"), "inputs/prompts/b.jsonl")
-    ds, duplicates = read_prompts_with_report(["s3://inputs/prompts/"], "jsonl", max_prompt_chars=100)
+    scan = scan_prompts(["s3://inputs/prompts/"], "jsonl", PromptFields(max_prompt_chars=100))
+    ds, duplicates = scan.dataset, scan.duplicates
     rows = rows_of(ds)
     assert len(rows) == sum(1 for lines in (A_LINES, B_LINES) for line, *_ in lines if line.strip())
     assert duplicates == {"dup": 3, "7": 2}

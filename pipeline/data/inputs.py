@@ -856,26 +856,6 @@ def describe_duplicates(repeated: dict[str, tuple[str, int]], max_examples: int 
     return f"{len(ids)} ids appear on more than one row; {extra_rows} later rows are error rows, e.g. {examples}"
 
 
-def read_prompts_with_report(
-    urls: Sequence[str],
-    format: InputFormat,
-    id_column: str = "id",
-    prompt_column: str | None = "prompt",
-    messages_column: str | None = None,
-    max_prompt_chars: int | None = None,
-    *,
-    storage_options: dict[str, Any] | None = None,
-) -> tuple[ray.data.Dataset, dict[str, int]]:
-    """`read_prompts` plus the duplicate ids it resolved: {id: number of rows with that id}.
-
-    Use this rather than read_prompts + find_duplicate_ids: the ids come from the duplicate pass
-    read_prompts runs anyway, so the input is not read an extra time.
-    """
-    read = scan_prompts(urls, format, PromptFields(id_column, prompt_column, messages_column, max_prompt_chars),
-                        storage_options=storage_options)
-    return read.dataset, read.duplicates
-
-
 @dataclass(frozen=True)
 class PromptScan:
     """The lazy dataset of INPUT_SCHEMA rows (duplicates resolved) and what the duplicate pass counted."""
@@ -924,16 +904,8 @@ def read_prompts(
     row_key is unique. Runs the duplicate pass now (a Ray Data sort of the keys); the returned
     dataset is lazy and reads the input again when consumed.
     """
-    ds, _ = read_prompts_with_report(
-        urls,
-        format,
-        id_column,
-        prompt_column,
-        messages_column,
-        max_prompt_chars,
-        storage_options=storage_options,
-    )
-    return ds
+    fields = PromptFields(id_column, prompt_column, messages_column, max_prompt_chars)
+    return scan_prompts(urls, format, fields, storage_options=storage_options).dataset
 
 
 def find_duplicate_ids(ds: ray.data.Dataset) -> dict[str, int]:
@@ -941,7 +913,7 @@ def find_duplicate_ids(ds: ray.data.Dataset) -> dict[str, int]:
 
     On the result of read_prompts these are the ids it resolved: all rows of such an id keep the
     id, one with key "id:<id>" and the others as "duplicate id" error rows. Reads the input again;
-    read_prompts_with_report gives the same dict without that extra pass.
+    `scan_prompts` gives the same dict (`PromptScan.duplicates`) without that extra pass.
     """
     groups = (
         ds.select_columns(["id"])

@@ -54,13 +54,7 @@ from pipeline.data.inputs import (
     order_key,
     register_datasource,
 )
-from pipeline.data.outputs import (
-    _is_object_store,
-    _write_local_atomic,
-    _write_via_rename,
-    read_output,
-    split_sample_key,
-)
+from pipeline.data.outputs import read_output, split_sample_key, write_file_atomically
 from pipeline.data.storage import StorageError, describe_error, filesystem_for, is_local, url_of
 from pipeline.settings.row_settings import encode_settings
 
@@ -594,31 +588,9 @@ def write_batch_output(output_url: str, input_files: Sequence[str], *, model: st
         logger.warning("openai batch output %s: %d request lines have no output rows, %d output rows answer no "
                        "request line (did the request files change since the job ran?)", report.url,
                        report.missing, report.unmatched)
-    write_file_atomically(output_url, OUTPUT_NAME, buffer.getvalue().encode("utf-8"),
+    write_file_atomically(output_url, OUTPUT_NAME, buffer.getvalue().encode("utf-8"), op="write batch output",
                           storage_options=storage_options)
     return report
-
-
-def write_file_atomically(output_url: str, name: str, data: bytes, *,
-                          storage_options: dict[str, Any] | None = None) -> str:
-    """`data` as `<output_url>/<name>`, never visible half-written: as pipeline.data.outputs writes a part
-    (a local temporary name and rename, one upload on an object store), remote writes under the
-    job's retry policy."""
-    fs, directory = filesystem_for(output_url, storage_options)
-    path = posixpath.join(directory, name)
-    url = url_of(fs, path)
-    try:
-        if is_local(fs):
-            _write_local_atomic(directory, name, data)
-        elif _is_object_store(fs):
-            io_retry.active().call("write batch output", url, lambda: fs.pipe_file(path, data))
-        else:
-            io_retry.active().call("write batch output", url, lambda: _write_via_rename(fs, directory, name, data))
-    except StorageError:
-        raise
-    except Exception as e:
-        raise StorageError(describe_error("write", url, e)) from e
-    return url
 
 
 def write_job_batch_output(cfg, resolved: Mapping[str, Any], output_url: str) -> BatchOutputReport:

@@ -325,20 +325,30 @@ def write_part(table: pa.Table, output_url: str, run_id: str, *, storage_options
     metadata = {**OUTPUT_SCHEMA.metadata, b"dart.run_id": run_id.encode()}
     # Sorted rows: the same batch gives the same file whatever order its rows arrived in.
     data = _parquet_bytes(table.sort_by("row_key").replace_schema_metadata(metadata))
+    return write_file_atomically(output_url, name, data, op="write part", storage_options=storage_options)
+
+
+def write_file_atomically(output_url: str, name: str, data: bytes, *, op: str,
+                          storage_options: dict[str, Any] | None = None) -> str:
+    """`data` as `<output_url>/<name>`, never visible half-written (a part, the OpenAI batch output
+    file): a local temporary name and rename; on an object store one upload under the final name,
+    visible only when complete; elsewhere a temporary name and rename. Remote writes follow the
+    job's retry policy as operation `op` (dart_worker/artifacts/io_retry.py). Returns the file's URL."""
     fs, directory = filesystem_for(output_url, storage_options)
     path = posixpath.join(directory, name)
+    url = url_of(fs, path)
     try:
         if is_local(fs):  # a local disk has no outages to wait out: a full disk is permanent
             _write_local_atomic(directory, name, data)
         elif _is_object_store(fs):  # one upload under the final name: visible only when complete
-            io_retry.active().call("write part", url_of(fs, path), lambda: fs.pipe_file(path, data))
+            io_retry.active().call(op, url, lambda: fs.pipe_file(path, data))
         else:
-            io_retry.active().call("write part", url_of(fs, path), lambda: _write_via_rename(fs, directory, name, data))
+            io_retry.active().call(op, url, lambda: _write_via_rename(fs, directory, name, data))
     except StorageError:
         raise
     except Exception as e:  # OSError, or botocore's own errors (endpoint unreachable, ...)
-        raise StorageError(describe_error("write", url_of(fs, path), e)) from e
-    return url_of(fs, path)
+        raise StorageError(describe_error("write", url, e)) from e
+    return url
 
 
 # ---------------------------------------------------------------------------------------------
