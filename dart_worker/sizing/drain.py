@@ -107,8 +107,9 @@ class Drain(NamedTuple):
         survival, centres, sd = survival[rivals], centres[rivals], sd[rivals]
         rows = len(sd)
         grid = np.linspace(lo, hi, END_GRID)
-        # In place, without np.clip's copies: at 64 live rows a call took 2.4 ms, 0.8 ms now
-        # (the sizer calls it up to three times a round, and a GPU round of a large batch is short).
+        # Bounds applied in place, not with np.clip, whose copies were most of a call at large batches
+        # (docs/benchmarks.md, seventeenth session): the sizer calls this up to three times a round,
+        # and a GPU round of a large batch is short.
         padded = np.concatenate([np.ones((rows, sizes, 1)), survival, np.zeros((rows, sizes, 1))], axis=2)
         exact = -np.diff(padded, axis=2)  # [B, sizes, D + 1]: P(G = j)
         np.maximum(exact, 0.0, out=exact)  # survival never rises with j: this only drops rounding
