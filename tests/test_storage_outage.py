@@ -146,6 +146,21 @@ def test_a_permanent_failure_stops_at_once(error):
     assert len(calls) == 1 and not clock.sleeps
 
 
+def test_a_missing_object_stays_a_file_not_found_error_for_the_caller():
+    """A caller that treats a missing file on its own (`except FileNotFoundError`: an artifact that
+    is not there, a part removed since the listing) still can when the policy wrapped the error;
+    every other failure is a StorageError only."""
+    policy = RetryPolicy(600, ledger=RetryLedger(), sleep=FakeClock().sleep)
+    missing, _ = failing(1, FileNotFoundError(errno.ENOENT, "no such key"))
+    with pytest.raises(FileNotFoundError, match=r"cannot read s3://b/x: .*\(permanent, not retried\)") as excinfo:
+        policy.call("read artifact", "s3://b/x", missing)
+    assert isinstance(excinfo.value, StorageError)
+    denied, _ = failing(1, client_error(403, "AccessDenied"))
+    with pytest.raises(StorageError) as excinfo:
+        policy.call("read artifact", "s3://b/x", denied)
+    assert not isinstance(excinfo.value, FileNotFoundError)
+
+
 # ------------------------------------------------------------------ S3 through the proxy
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from dart_worker.artifacts.url_filesystem import StorageError, redact
+from dart_worker.artifacts.url_filesystem import StorageError, StorageNotFoundError, redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -266,7 +266,9 @@ class RetryPolicy:
         else:
             how = "permanent, not retried"
         verb = op.split()[0]  # "write part" -> "cannot write <url>", as describe_error words it
-        return StorageError(f"cannot {verb} {url}: {failure.describe()} ({how}): {type(exc).__name__}: {_short(exc)}")
+        missing = any(isinstance(e, FileNotFoundError) for e in _chain(exc))
+        return (StorageNotFoundError if missing else StorageError)(
+            f"cannot {verb} {url}: {failure.describe()} ({how}): {type(exc).__name__}: {_short(exc)}")
 
 
 def _short(exc: BaseException) -> str:

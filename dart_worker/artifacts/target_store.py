@@ -149,10 +149,9 @@ def list_model(url: str, what: str = "target"):
         root = root.rstrip("/")
         # A transient failure (HTTP 5xx, throttling, a reset) is waited out under the process's policy.
         infos = io_retry.active().call("list artifact", url, listing)
+    except FileNotFoundError:  # also when the retry policy gave up on one (`StorageNotFoundError`)
+        raise TargetFetchError(f"{what} {url}: nothing there (no such directory or file in the store)") from None
     except Exception as exc:  # the store's own error types (auth, endpoint, bucket) vary by backend
-        cause = exc.__cause__ if isinstance(exc, StorageError) else exc
-        if isinstance(cause, FileNotFoundError):
-            raise TargetFetchError(f"{what} {url}: nothing there (no such directory or file in the store)") from None
         raise TargetFetchError(f"{what} {url}: cannot list it: {type(exc).__name__}: {exc}") from None
     if root.lower().endswith(".gguf") and infos[0].get("type") != "file":
         raise TargetFetchError(f"{what} {url}: not a file")
@@ -303,10 +302,10 @@ def _fetch_file(fs, f: RemoteFile, partial: Path, manifest: dict, url: str) -> i
 
     try:
         io_retry.active().call("read artifact", f"{url.rstrip('/')}/{f.name}", copy_the_rest)
+    except FileNotFoundError:
+        raise TargetFetchError(f"{url}: {f.name} disappeared from the store while downloading; "
+                               "fetch again once the upload is finished") from None
     except StorageError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
-            raise TargetFetchError(f"{url}: {f.name} disappeared from the store while downloading; "
-                                   "fetch again once the upload is finished") from None
         raise TargetFetchError(f"{url}: {f.name}: {exc}; the {offset + read} bytes received are kept in "
                                f"{part} and the next fetch continues from there") from exc
     got = part.stat().st_size

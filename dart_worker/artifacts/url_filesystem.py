@@ -68,6 +68,11 @@ class StorageError(OSError):
     """
 
 
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """A StorageError about an object or path that is not there: callers that treat a missing file
+    on their own (`except FileNotFoundError`) keep doing so when a retry policy wrapped the error."""
+
+
 def redact(text: str) -> str:
     """`text` with the value of every secret credential variable of this process replaced by ***."""
     for name in _SECRET_ENV_VARS:

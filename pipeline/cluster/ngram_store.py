@@ -234,9 +234,9 @@ def _read_head(url: str) -> tuple[bytes, int]:
 
         # A transient failure (HTTP 5xx, throttling, a reset) is waited out under the process's policy.
         return io_retry.active().call("read artifact", url, head_and_size)
+    except FileNotFoundError as exc:  # also when the retry policy gave up on one
+        raise _unavailable(url, "not found", exc) from None
     except Exception as exc:  # unreachable endpoint, no credentials, missing fsspec backend, ...
-        if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
-            raise _unavailable(url, "not found", exc) from None
         raise _unavailable(url, "cannot be read", exc) from exc
 
 
